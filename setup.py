@@ -1,0 +1,39 @@
+"""megatron-triroute: distributed training of TriRoute transformers on Megatron-Core + DeepSpeed-MoE."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron-triroute",
+    version="0.1.0",
+    description="Joint attention / expert / KV-precision routing (TriRoute) on Megatron-Core and DeepSpeed-MoE",
+    python_requires=">=3.10,<3.13",
+    packages=find_packages(include=["megatron_triroute", "megatron_triroute.*", "data_prep", "data_prep.*"])
+    + ["triroute_kernels"],
+    # `kernels/` installs as `triroute_kernels` so it never shadows another package's `kernels`.
+    package_dir={"triroute_kernels": "kernels"},
+    install_requires=[
+        # torch: a range that admits a newer release pulls a multi-GB CUDA build on CPU machines;
+        # constraints.txt pins the exact CPU wheel CI uses.
+        "torch>=2.4,<=2.14.1",
+        "megatron-core>=0.16.1,<0.20",
+        "deepspeed>=0.19.8,<0.20",
+        "sentencepiece>=0.2,<0.3",
+        "tensorboard>=2.16,<3",
+        "safetensors>=0.4",
+        "zstandard>=0.22",
+        "mpi4py>=3.1",
+        "numpy>=1.26",
+        "pyarrow>=14",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.3"],
+        # GPU-cluster accelerations, imported behind guards; never required on CPU.
+        # NVIDIA apex is not on PyPI: build it from its repository on the cluster.
+        "gpu": ["transformer-engine[pytorch]>=1.12", "triton>=3.0"],
+    },
+    entry_points={
+        "console_scripts": [
+            "triroute-data-prep=data_prep.__main__:main",
+        ]
+    },
+)
