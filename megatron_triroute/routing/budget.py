@@ -1,0 +1,85 @@
+"""Online Lagrangian budget (Sec. budget: the last term of Eq. total and the dual update).
+
+    L += sum_r lambda_r (C_r - C*_r),        lambda_r <- [lambda_r + rho_lambda (EMA(C_r) - C*_r)]_+
+
+C_r in the loss is the differentiable surrogate fraction of the current micro-batch. The dual
+update is judged on the *noise-free argmax* decisions (the policy that will run at inference),
+accumulated over all micro-batches of an optimizer step, summed across the ranks that hold the
+global batch with ONE all-reduce the caller supplies, normalised by the dense cost of the same
+tokens, then smoothed by an EMA (momentum `ema_momentum`; the first step initialises the EMA to
+the observed value, ours). Everything is float64 so every rank computes bit-identical lambdas.
+
+Tied knob (Appendix A): one multiplier lambda shared by both resources, updated on the summed
+violation sum_r (EMA(C_r) - C*_r) and applied to sum_r (C_r - C*_r).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import nn
+
+from ..config import BudgetConfig
+
+RESOURCES = ("flops", "mem")
+
+
+class BudgetController(nn.Module):
+    """Projected dual ascent on the realised (FLOPs, memory) fractions."""
+
+    def __init__(self, config: BudgetConfig):
+        super().__init__()
+        self.config = config
+        self.register_buffer("targets", torch.tensor([config.flops_target, config.mem_target], dtype=torch.float64))
+        n = 1 if config.tied else 2
+        self.register_buffer("lambdas", torch.full((n,), config.lambda_init, dtype=torch.float64))
+        self.register_buffer("ema", torch.zeros(2, dtype=torch.float64))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        # [cost_flops, cost_mem, dense_flops, dense_mem] summed over the step's micro-batches.
+        self.register_buffer("_acc", torch.zeros(4, dtype=torch.float64), persistent=False)
+
+    def penalty(self, fractions: torch.Tensor) -> torch.Tensor:
+        """sum_r lambda_r (C_r - C*_r) for surrogate fractions (2,) [flops, mem] (Eq. total)."""
+        if not self.config.enabled:
+            return fractions.sum() * 0.0
+        violation = fractions - self.targets.to(fractions.dtype)
+        lam = self.lambdas.to(fractions.dtype)
+        if self.config.tied:
+            return lam[0] * violation.sum()
+        return (lam * violation).sum()
+
+    @torch.no_grad()
+    def observe(self, cost_sums: torch.Tensor, dense_sums: torch.Tensor) -> None:
+        """Accumulate one micro-batch's noise-free hard cost and dense cost sums, each (2,)."""
+        self._acc[:2] += cost_sums.to(torch.float64)
+        self._acc[2:] += dense_sums.to(torch.float64)
+
+    @torch.no_grad()
+    def step(self, all_reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """Reduce the step's accumulators across ranks, update EMA and multipliers; returns the
+        realised fractions (2,) of this global batch."""
+        acc = self._acc.clone()
+        self._acc.zero_()
+        if all_reduce is not None:
+            all_reduce(acc)
+        realised = acc[:2] / acc[2:].clamp_min(1e-300)
+        self.update(realised)
+        return realised
+
+    @torch.no_grad()
+    def update(self, realised: torch.Tensor) -> None:
+        """One dual-ascent step on the realised fractions (2,) of a global batch."""
+        realised = realised.to(torch.float64)
+        if self.steps.item() == 0:
+            self.ema.copy_(realised)
+        else:
+            m = self.config.ema_momentum
+            self.ema.copy_(m * self.ema + (1.0 - m) * realised)
+        self.steps += 1
+        if not self.config.enabled:
+            return
+        violation = self.ema - self.targets
+        if self.config.tied:
+            violation = violation.sum().view(1)
+        self.lambdas.copy_((self.lambdas + self.config.dual_step * violation).clamp_min(0.0))

@@ -1,0 +1,244 @@
+"""The TriRoute controller (Eq. router) and its three decision heads (Alg. 1, lines 1-3).
+
+    h_t = phi_trunk([Norm(x_t); psi_t])  (2-layer GELU MLP, width d_r),  h_hat = RMSNorm(h)
+    z^a = W_a h_hat,  z^e = W_e h_hat,  z^b = W_b h_hat   (+ per-axis whitening, Eq. whiten)
+    y^a = ST-Gumbel(z^a, tau_a) per head,  (S, p^e) = TopK-softmax(z^e, k),  y^b = ST-Gumbel(z^b, tau_b)
+
+Each axis produces two views of the same straight-through sample: `y` (model path, through
+gradient balancing, Eq. gradbal) and `y_cost` (budget path, raw logits), with identical
+forward values. `hard` is the noise-free argmax: the decision used at inference and the one
+the budget is judged on. In eval mode the executed decision *is* the noise-free argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..config import ATTN_MODES, TriRouteConfig
+from .gating import ExpertRoutes, top_k_gating
+from .grad_balance import GradBalance
+from .gumbel import sample_gumbel, soft_gumbel_sample, straight_through
+from .noise import NoiseKey
+from .side_features import STATIC_FEATURES, decision_feature_size
+from .whitening import RunningWhitening
+
+AXES = ("attn", "experts", "bits")
+_AXIS_ID = {"attn": 0, "experts": 1, "bits": 2}
+FULL = ATTN_MODES.index("full")
+
+
+@dataclass
+class AxisDecision:
+    """One categorical axis (attention per head, or bits) of one layer."""
+
+    y: torch.Tensor
+    """(B, T, [H,] O) executed one-hot; gradient (ST) flows to the head through grad balance."""
+    y_cost: torch.Tensor
+    """Same forward value as `y` (ST); gradient path for the budget surrogate (REINFORCE: the
+    policy probabilities, whose expectation is the surrogate)."""
+    hard: torch.Tensor
+    """(B, T, [H]) noise-free argmax option: inference decision and budget accounting."""
+    logits: torch.Tensor | None = None
+    """Raw logits (B, T, [H_a,] O) for the balancing losses; None when the axis is fixed."""
+    log_prob: torch.Tensor | None = None
+    """REINFORCE only: log pi(executed option), (B, T, [H_a])."""
+
+
+@dataclass
+class RouterOutput:
+    attn: AxisDecision
+    """Attention read modes over ATTN_MODES, expanded to all H query heads."""
+    bits: AxisDecision
+    """KV bit-width choice over `router.bits` (or the single uniform width)."""
+    experts: ExpertRoutes | None
+    """Top-k routes; None for a dense FFN."""
+    expert_logits: torch.Tensor | None = None
+
+
+class Trunk(nn.Module):
+    """phi_trunk followed by RMSNorm: Linear -> GELU -> Linear -> RMSNorm (Eq. router)."""
+
+    def __init__(self, d_in: int, d_router: int):
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_router)
+        self.fc2 = nn.Linear(d_router, d_router)
+        self.norm = nn.RMSNorm(d_router)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(self.fc2(F.gelu(self.fc1(x))))
+
+
+class RouterHead(nn.Module):
+    """Linear head; with whitening, z = gain * whiten(W h) + bias (see `whitening`)."""
+
+    def __init__(self, d_router: int, n_out: int, whitening: bool, momentum: float, eps: float):
+        super().__init__()
+        self.proj = nn.Linear(d_router, n_out, bias=False)
+        self.whiten = RunningWhitening(n_out, momentum, eps) if whitening else None
+        self.gain = nn.Parameter(torch.ones(n_out)) if whitening else None
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        u = self.proj(h)
+        if self.whiten is not None:
+            u = self.gain * self.whiten(u)
+        return u + self.bias
+
+
+class TriRouteController(nn.Module):
+    """Shared trunk + three heads -> the coupled (attention, expert, bit) policy of one layer.
+
+    `layer_number` is 0-based. Table 4 switches (`router.sharing`, `attn_granularity`,
+    `estimator`, `grad_balance`, `whitening`, `null_expert`, `bit_routing`) are read from the
+    config; fixed axes (routing off) return constant decisions so callers stay uniform.
+    """
+
+    def __init__(self, config: TriRouteConfig, layer_number: int):
+        super().__init__()
+        model, router = config.model, config.router
+        self.config = config
+        self.layer_number = layer_number
+        self.n_heads = model.n_heads
+        self.n_bits = len(router.bits) if router.bit_routing else 1
+        self.input_norm = nn.RMSNorm(model.d_model)
+        d_in = model.d_model + STATIC_FEATURES + decision_feature_size(len(router.bits))
+
+        sizes: dict[str, int] = {}
+        self.attn_heads = 0  # H_a: logit groups of the attention head (0 = no attention head)
+        if router.attn_routing and self.leads_attention_group:
+            self.attn_heads = model.n_heads if router.attn_granularity == "per_head" else 1
+            sizes["attn"] = self.attn_heads * len(ATTN_MODES)
+        if router.expert_routing:
+            sizes["experts"] = router.num_expert_options
+        if router.bit_routing:
+            sizes["bits"] = len(router.bits)
+        self.sizes = sizes
+
+        head = lambda n: RouterHead(router.d_router, n, router.whitening, router.whitening_momentum,
+                                    router.whitening_eps)
+        if router.sharing == "separate":
+            self.trunks = nn.ModuleDict({a: Trunk(d_in, router.d_router) for a in sizes})
+            self.heads = nn.ModuleDict({a: head(n) for a, n in sizes.items()})
+        else:
+            self.trunk = Trunk(d_in, router.d_router)
+            if router.sharing == "single_head":
+                # One logit vector; every axis reads a prefix of it (shared output subspace).
+                self.shared_head = head(max(sizes.values())) if sizes else None
+            else:
+                self.heads = nn.ModuleDict({a: head(n) for a, n in sizes.items()})
+        self.balance = nn.ModuleDict(
+            {a: GradBalance(router.grad_balance_momentum, router.grad_balance) for a in sizes}
+        )
+
+    @property
+    def leads_attention_group(self) -> bool:
+        """Whether this layer decides attention (layer_group mode: only each group's first layer)."""
+        r = self.config.router
+        return r.attn_granularity != "layer_group" or self.layer_number % r.layer_group_size == 0
+
+    # ------------------------------------------------------------------------------------
+    def logits(self, hidden: torch.Tensor, side: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Raw per-axis logits (B, T, n_axis) from [Norm(x); psi]."""
+        x = torch.cat([self.input_norm(hidden.float()), side.float()], dim=-1)
+        sharing = self.config.router.sharing
+        if sharing == "separate":
+            return {a: self.heads[a](self.trunks[a](x)) for a in self.sizes}
+        h = self.trunk(x)
+        if sharing == "single_head":
+            u = self.shared_head(h) if self.sizes else None
+            return {a: u[..., :n] for a, n in self.sizes.items()}
+        return {a: self.heads[a](h) for a in self.sizes}
+
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        side: torch.Tensor,
+        noise_key: NoiseKey | None = None,
+        tau: float = 1.0,
+        prev: RouterOutput | None = None,
+    ) -> RouterOutput:
+        """hidden: (B, T, d) residual stream entering the layer; side: (B, T, F) psi."""
+        router = self.config.router
+        B, T = hidden.shape[:2]
+        raw = self.logits(hidden, side)
+
+        if "attn" in raw:
+            z = raw["attn"].view(B, T, self.attn_heads, len(ATTN_MODES))  # (B, T, H_a, 3)
+            attn = self._categorical("attn", z, noise_key, tau)
+            attn = _expand_heads(attn, self.n_heads)
+        elif router.attn_routing and prev is not None:  # layer_group follower reuses the leader's
+            attn = AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard)
+        else:
+            attn = _constant_axis((B, T, self.n_heads), FULL, len(ATTN_MODES), hidden.device)
+
+        if "bits" in raw:
+            bits = self._categorical("bits", raw["bits"], noise_key, tau)
+        else:
+            bits = _constant_axis((B, T), 0, 1, hidden.device)
+
+        experts, expert_logits = None, None
+        if "experts" in raw:
+            expert_logits = raw["experts"]
+            experts = top_k_gating(self.balance["experts"](expert_logits), router.top_k, router.null_expert)
+        return RouterOutput(attn=attn, bits=bits, experts=experts, expert_logits=expert_logits)
+
+    def _categorical(self, axis: str, z: torch.Tensor, key: NoiseKey | None, tau: float) -> AxisDecision:
+        """ST-Gumbel (or REINFORCE) decision for one axis; z: (B, T, [H_a,] O)."""
+        hard = z.argmax(-1)
+        if not self.training:
+            y = F.one_hot(hard, z.shape[-1]).to(z.dtype)
+            return AxisDecision(y, y, hard, logits=z)
+        g = sample_gumbel(z) if key is None else key.gumbel(tuple(z.shape), _AXIS_ID[axis], z.dtype)
+        z_model = self.balance[axis](z)
+        if self.config.router.estimator == "reinforce":
+            sample = (z.detach() + g).argmax(-1)  # Gumbel-max: an exact sample of softmax(z)
+            y = F.one_hot(sample, z.shape[-1]).to(z.dtype)
+            log_prob = F.log_softmax(z_model, -1).gather(-1, sample.unsqueeze(-1)).squeeze(-1)
+            return AxisDecision(y, F.softmax(z, -1), hard, logits=z, log_prob=log_prob)
+        y = straight_through(soft_gumbel_sample(z_model, g, tau))
+        y_cost = straight_through(soft_gumbel_sample(z, g, tau))
+        return AxisDecision(y, y_cost, hard, logits=z)
+
+
+def _expand_heads(d: AxisDecision, n_heads: int) -> AxisDecision:
+    """Token-granular attention (H_a = 1) applies one mode to every query head."""
+    if d.y.shape[2] == n_heads:
+        return d
+    B, T = d.y.shape[:2]
+    return AxisDecision(
+        y=d.y.expand(B, T, n_heads, d.y.shape[-1]),
+        y_cost=d.y_cost.expand(B, T, n_heads, d.y_cost.shape[-1]),
+        hard=d.hard.expand(B, T, n_heads),
+        logits=d.logits,
+        log_prob=d.log_prob,
+    )
+
+
+def _constant_axis(shape: tuple[int, ...], option: int, n_options: int, device) -> AxisDecision:
+    hard = torch.full(shape, option, dtype=torch.long, device=device)
+    y = F.one_hot(hard, n_options).float()
+    return AxisDecision(y, y, hard)
+
+
+def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_options: int,
+                      top_k: int, device=None) -> torch.Tensor:
+    """psi's previous-layer block (see side_features): (B, T, 3 + 1 + |bits|), detached.
+
+    Reads the executed decisions. `n_bits_options` is len(router.bits); with bit routing off
+    the uniform width has no one-hot slot and the bit block stays zero.
+    """
+    feats = torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
+    if out is None:
+        return feats
+    feats[..., :3] = out.attn.y.detach().float().mean(2)
+    if out.experts is not None:
+        feats[..., 3] = (out.experts.index >= 0).float().sum(-1) / top_k
+    else:
+        feats[..., 3] = 1.0
+    if out.bits.y.shape[-1] == n_bits_options:
+        feats[..., 4:] = out.bits.y.detach().float()
+    return feats

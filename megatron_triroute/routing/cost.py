@@ -1,0 +1,157 @@
+"""Multi-resource cost model (Sec. cost, Eq. cost; Appendix A normalisation).
+
+Units: FLOPs are counted as multiply-accumulates (MACs), as the paper's kappa do
+(kappa_full = 2 d t: d_h MACs for q.k plus d_h for the weighted value sum, per head and key;
+kappa_e = 3 d d_e: the three SwiGLU matrices). Memory is counted in bits of K/V cache.
+
+Pinned choices (ours):
+- Keys read (0-based position t): skip 0, local min(t, w) + 1 (keys max(0, t-w)..t, the
+  paper's K_[t-w, t] inclusive), full t + 1. Both the surrogate and the hard accounting use
+  these counts; the dense reference uses full.
+- Projections are not in the budget (Appendix A's dense cost has none); the hard accounting
+  reports them separately so the inference engine can compare measured with accounted cost.
+- Experts: the paper weights kappa_e by the renormalised gates p_bar, whose sum over the
+  selected set is always 1, so with top-2 it neither counts two experts nor gives any
+  gradient towards choosing the null expert. We use a straight-through count: each selected
+  real expert contributes kappa_e * (1 + p_j - sg(p_j)) with p the raw softmax, i.e. the
+  forward value is the exact cost of the experts that run and the gradient lowers real
+  experts' probability (raising the null's) when the FLOPs budget binds.
+- Memory includes quantisation metadata (float16 scale + zero per group) on both sides.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ModelConfig, RouterConfig
+from .controller import RouterOutput
+from .quant import kv_bits_per_token
+
+
+def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(..., 3) keys a query at 0-based `positions` reads in modes (skip, local, full)."""
+    t = positions.to(torch.float64)
+    return torch.stack([torch.zeros_like(t), torch.clamp(t, max=float(window)) + 1.0, t + 1.0], dim=-1)
+
+
+def expert_width(model: ModelConfig, router: RouterConfig) -> int:
+    """Width of one SwiGLU expert (see ModelConfig.expert_d_ff)."""
+    if model.expert_d_ff:
+        return model.expert_d_ff
+    width = -(-model.d_ff // router.top_k)  # ceil
+    return -(-width // 8) * 8
+
+
+def bit_costs(router: RouterConfig, model: ModelConfig) -> torch.Tensor:
+    """(|bits|,) bits per token and layer for each bit option, metadata included."""
+    g = router.group_size_for(model)
+    widths = router.bits if router.bit_routing else (router.uniform_bits,)
+    return torch.tensor([kv_bits_per_token(b, model.d_kv, g) for b in widths], dtype=torch.float64)
+
+
+@dataclass
+class LayerCost:
+    flops: torch.Tensor
+    """(B, T) MACs of attention reads + experts for this layer."""
+    mem: torch.Tensor
+    """(B, T) bits written to this layer's KV cache."""
+
+
+def dense_cost(positions: torch.Tensor, model: ModelConfig) -> LayerCost:
+    """Dense reference per token and layer (Appendix A): 2 d (t+1) + 3 d d_f MACs; 2 d_kv 16 bits."""
+    t = positions.to(torch.float64)
+    flops = 2.0 * model.d_model * (t + 1.0) + 3.0 * model.d_model * model.d_ff
+    mem = torch.full_like(t, 2.0 * model.d_kv * 16)
+    return LayerCost(flops, mem)
+
+
+def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig) -> LayerCost:
+    """Differentiable per-token cost of one layer under the relaxed policy (Eq. cost).
+
+    c_flops = sum_heads sum_m y_cost[m] * 2 d_h keys_m(t)  +  sum_{j in S, j real} kappa_e (1 + p_j - sg p_j)
+    c_mem   = sum_b y_cost[b] * bits_per_token(b)
+    positions: (T,) or (B, T) 0-based positions in the sequence.
+    """
+    B, T = out.attn.y.shape[:2]
+    pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
+    kappa = 2.0 * model.d_head * keys_read(pos, router.window)  # (B, T, 3)
+    attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
+    flops = attn + _expert_flops(out, model, router)
+    mem = (out.bits.y_cost.double() * bit_costs(router, model)).sum(-1)
+    return LayerCost(flops, mem)
+
+
+def _expert_flops(out: RouterOutput, model: ModelConfig, router: RouterConfig) -> torch.Tensor:
+    kappa_dense = 3.0 * model.d_model * model.d_ff
+    B, T = out.attn.y.shape[:2]
+    if out.experts is None:
+        return torch.full((B, T), kappa_dense, dtype=torch.float64)
+    kappa_e = 3.0 * model.d_model * expert_width(model, router)
+    p = torch.softmax(out.expert_logits.double(), -1).gather(-1, out.experts.option)  # raw probs of S
+    count = (1.0 + (p - p.detach())) * (out.experts.index >= 0)
+    return kappa_e * count.sum(-1)
+
+
+@dataclass
+class HardCost:
+    """What executes and what is stored for one layer, from hard decisions."""
+
+    attn_key_macs: torch.Tensor
+    """(B, T) MACs of q.k and attention-weighted V over the keys actually read."""
+    expert_macs: torch.Tensor
+    """(B, T) MACs of the experts (or dense FFN) that actually run."""
+    kv_bits: torch.Tensor
+    """(B, T) bits stored for this token's K and V, metadata included."""
+    experts_run: torch.Tensor
+    """(B, T) number of real experts run."""
+
+    @property
+    def flops(self) -> torch.Tensor:
+        return self.attn_key_macs + self.expert_macs
+
+
+def hard_cost(
+    attn_modes: torch.Tensor,
+    expert_index: torch.Tensor | None,
+    bit_option: torch.Tensor,
+    positions: torch.Tensor,
+    model: ModelConfig,
+    router: RouterConfig,
+) -> HardCost:
+    """Hard accounting from integer decisions: attn_modes (B, T, H) in ATTN_MODES order,
+    expert_index (B, T, k) with -1 = null (None = dense FFN), bit_option (B, T) index into
+    router.bits (or 0 = the uniform width)."""
+    B, T, _ = attn_modes.shape
+    pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
+    keys = keys_read(pos, router.window)  # (B, T, 3)
+    per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], 3).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
+    attn = 2.0 * model.d_head * per_head.sum(-1)
+    if expert_index is None:
+        runs = torch.ones(B, T, dtype=torch.float64)
+        ffn = runs * 3.0 * model.d_model * model.d_ff
+    else:
+        runs = (expert_index >= 0).sum(-1).double()
+        ffn = runs * 3.0 * model.d_model * expert_width(model, router)
+    mem = bit_costs(router, model)[bit_option]
+    return HardCost(attn, ffn, mem, runs)
+
+
+def noise_free_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig) -> HardCost:
+    """Hard cost of the noise-free argmax decisions (what the budget is judged on)."""
+    index = None if out.experts is None else out.experts.index
+    return hard_cost(out.attn.hard, index, out.bits.hard, positions, model, router)
+
+
+def budget_fractions(costs: list[LayerCost], positions: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """C_bar = sum_{l,t} c_t^(l) / C_dense per resource (Appendix A), as a (2,) [flops, mem] tensor.
+
+    `costs` holds one LayerCost per layer on this rank (all layers: the budget spans the model).
+    """
+    dense = dense_cost(positions, model)
+    B = costs[0].flops.shape[0]
+    n = len(costs)
+    flops = sum(c.flops.sum() for c in costs) / (dense.flops.expand(B, -1).sum() * n)
+    mem = sum(c.mem.sum() for c in costs) / (dense.mem.expand(B, -1).sum() * n)
+    return torch.stack([flops, mem])

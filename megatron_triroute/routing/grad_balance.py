@@ -1,0 +1,63 @@
+"""Cross-axis gradient balancing (Eq. gradbal).
+
+Identity in the forward pass. In the backward pass the gradient reaching a head's logits is
+divided by sg(rho), a running EMA of that gradient's L2 norm, kept per (layer, axis) and
+initialised to 1:
+
+    rho <- m * rho + (1 - m) * ||dL/dz||_2,   m = 0.99.
+
+Choices that are ours: (a) the paper writes rho <- (1-m) rho + m ||g|| with m = 0.99, which
+would weight the newest sample by 0.99; we read m as the conventional EMA momentum. (b) ||g||
+is the norm over the whole global batch of one optimizer step: squared norms are accumulated
+over micro-batches in backward and summed across ranks at commit, then square-rooted. (c) Only
+the model (LM) path goes through this op; the balancing losses and the budget surrogate read
+the raw logits, so rho measures exactly the LM gradient the paper names.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .running_stats import RunningStatistic
+
+
+class _GradBalanceFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, z: torch.Tensor, rho: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(rho)
+        ctx.acc = acc
+        return z.view_as(z)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (rho,) = ctx.saved_tensors
+        ctx.acc += grad.detach().to(torch.float64).pow(2).sum()
+        return grad / rho.to(grad.dtype), None, None
+
+
+class GradBalance(RunningStatistic):
+    """Divide the backward gradient by a detached running norm; forward is the identity."""
+
+    def __init__(self, momentum: float = 0.99, enabled: bool = True):
+        super().__init__()
+        self.momentum = momentum
+        self.enabled = enabled
+        self.register_buffer("rho", torch.ones((), dtype=torch.float32))
+        self.register_buffer("_acc", torch.zeros(1, dtype=torch.float64), persistent=False)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        if not self.enabled or not torch.is_grad_enabled():
+            return z
+        return _GradBalanceFn.apply(z, self.rho.detach(), self._acc)
+
+    def pending(self) -> torch.Tensor:
+        return self._acc
+
+    @torch.no_grad()
+    def commit(self, reduced: torch.Tensor) -> None:
+        sq_norm = reduced[0].item()
+        self._acc.zero_()
+        if not self.enabled or sq_norm <= 0.0:
+            return  # no gradient reached this head this step (e.g. axis unused): keep rho
+        m = self.momentum
+        self.rho.copy_(torch.tensor(m * self.rho.item() + (1 - m) * sq_norm**0.5, dtype=torch.float32))

@@ -1,0 +1,58 @@
+"""Straight-through Gumbel-softmax (Sec. relax, Eq. for y~ and y_ST) and its temperature schedule."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def sample_gumbel(like: torch.Tensor) -> torch.Tensor:
+    """Gumbel(0, 1) from the stateful torch generator (tests and single-process use only;
+    training passes counter-based noise from `NoiseKey.gumbel`)."""
+    u = torch.rand_like(like, dtype=torch.float32).clamp_(1e-9, 1.0 - 1e-9)
+    return (-torch.log(-torch.log(u))).to(like.dtype)
+
+
+def soft_gumbel_sample(logits: torch.Tensor, noise: torch.Tensor, tau: float, dim: int = -1) -> torch.Tensor:
+    """The relaxed sample y~_o = softmax((z_o + g_o) / tau) (Sec. relax)."""
+    return F.softmax((logits + noise) / tau, dim=dim)
+
+
+def straight_through(y_soft: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """y_ST = sg(onehot(argmax y~) - y~) + y~: one-hot forward, y~'s gradient backward.
+
+    Written as onehot + (y~ - sg(y~)) so the forward value is exactly one-hot in floating point.
+    """
+    index = y_soft.argmax(dim=dim, keepdim=True)
+    y_hard = torch.zeros_like(y_soft).scatter_(dim, index, 1.0)
+    return y_hard + (y_soft - y_soft.detach())
+
+
+def st_gumbel_softmax(
+    logits: torch.Tensor,
+    tau: float = 1.0,
+    hard: bool = True,
+    dim: int = -1,
+    noise: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Straight-through Gumbel-softmax (Sec. relax).
+
+    Forward: onehot(argmax_o (z_o + g_o)) when `hard`, else the soft sample y~. Backward: the
+    gradient of y~ = softmax((z + g) / tau). `noise` is the Gumbel draw g; when omitted it comes
+    from torch's generator (training passes layout-independent noise from `NoiseKey`).
+    """
+    if tau <= 0:
+        raise ValueError(f"tau={tau!r}: the Gumbel temperature must be positive. Fix: use tau > 0.")
+    g = sample_gumbel(logits) if noise is None else noise
+    y_soft = soft_gumbel_sample(logits, g, tau, dim)
+    return straight_through(y_soft, dim) if hard else y_soft
+
+
+def temperature_at(step: int, total_steps: int, tau_start: float = 2.0, tau_end: float = 0.5) -> float:
+    """Cosine anneal tau_start -> tau_end over `total_steps` (Sec. relax, Appendix B), held after."""
+    if total_steps <= 0:
+        return tau_end
+    progress = min(max(step / total_steps, 0.0), 1.0)
+    return tau_end + 0.5 * (tau_start - tau_end) * (1.0 + math.cos(math.pi * progress))

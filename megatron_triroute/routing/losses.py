@@ -1,0 +1,79 @@
+"""Per-axis balancing losses (Sec. balance) and their weighted sum in Eq. total.
+
+For one axis with options O: f_o is the fraction of decisions whose executed (hard) option is
+o, P_o the mean soft probability softmax(z)_o, p_bar = P the marginal option distribution.
+For the attention axis the decisions are (token, head) pairs; for the expert axis they are
+(token, slot) pairs of the top-k selection, null included as option 0 (ours: the paper
+balances every option of every axis; the budget, not this loss, decides how often null wins).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ..config import LossConfig
+from .controller import RouterOutput
+
+
+def switch_load_loss(fraction: torch.Tensor, mean_prob: torch.Tensor) -> torch.Tensor:
+    """L_bal = |O| * sum_o f_o P_o  (Sec. balance). fraction: (O,) detached; mean_prob: (O,)."""
+    return fraction.numel() * (fraction.detach() * mean_prob).sum()
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """L_z = mean over decisions of (log sum_o exp z_o)^2  (Sec. balance)."""
+    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+
+
+def marginal_entropy(mean_prob: torch.Tensor) -> torch.Tensor:
+    """H(p_bar) = -sum_o p_bar_o log p_bar_o (natural log)."""
+    p = mean_prob.clamp_min(1e-12)
+    return -(p * p.log()).sum()
+
+
+def entropy_floor_loss(mean_prob: torch.Tensor, zeta: float) -> torch.Tensor:
+    """L_ent = [zeta log|O| - H(p_bar)]_+  (Eq. for L_ent, Sec. balance)."""
+    return F.relu(zeta * math.log(mean_prob.numel()) - marginal_entropy(mean_prob))
+
+
+def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f, P): executed-option fractions and mean probabilities over all decisions.
+
+    logits: (..., O); executed: (...,) option ids, or (..., k) for top-k (counted per slot).
+    """
+    n_opt = logits.shape[-1]
+    probs = F.softmax(logits.float(), dim=-1).reshape(-1, n_opt)
+    counts = torch.bincount(executed.reshape(-1), minlength=n_opt).float()
+    return counts / counts.sum(), probs.mean(0)
+
+
+def router_aux_loss(out: RouterOutput, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum over routed axes of alpha L_bal + beta L_z + gamma L_ent (the middle term of Eq. total).
+
+    Returns the total and a dict of detached per-axis terms for logging.
+    """
+    terms: dict[str, torch.Tensor] = {}
+    total = torch.zeros(())
+    axes = []
+    if out.attn.logits is not None:
+        # Token-granular attention has one logit group (H_a = 1) whose decision every head copies.
+        h_a = out.attn.logits.shape[2]
+        axes.append(("attn", out.attn.logits, out.attn.y[:, :, :h_a].argmax(-1)))
+    if out.expert_logits is not None:
+        axes.append(("experts", out.expert_logits, out.experts.option))
+    if out.bits.logits is not None:
+        axes.append(("bits", out.bits.logits, out.bits.y.argmax(-1)))
+    for name, logits, executed in axes:
+        f, p = axis_statistics(logits, executed)
+        bal = switch_load_loss(f, p)
+        z = router_z_loss(logits)
+        ent = entropy_floor_loss(p, cfg.entropy_floor) if cfg.use_entropy_floor else torch.zeros(())
+        total = total + cfg.load_weight * bal + cfg.z_weight * z + cfg.entropy_weight * ent
+        terms[f"{name}/load"] = bal.detach()
+        terms[f"{name}/z"] = z.detach()
+        terms[f"{name}/entropy_floor"] = ent.detach()
+        terms[f"{name}/marginal_entropy"] = marginal_entropy(p).detach() / math.log(logits.shape[-1])
+    return total, terms

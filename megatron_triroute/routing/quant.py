@@ -1,0 +1,132 @@
+"""KV-cache quantiser Q_b (Sec. axes (C)) and the relaxed K/V write (Alg. 1, line 4).
+
+Asymmetric per-token group quantisation (KIVI-style):
+
+    Q_b(k) = round((k - z) / s) * s + z,   s = (max(k) - min(k)) / (2^b - 1),   z = min(k),
+
+per group of `group_size` consecutive channels of one key/value head (groups never span
+heads), b = 16 meaning "store in native precision". Our choices: scale and zero are stored
+in float16 (2 + 2 bytes per group) and the fake-quantiser rounds them to float16 too, so the
+training-time values equal what the packed cache later dequantises; a constant group has
+s = 0 and dequantises to z exactly. The gradient is straight-through (identity w.r.t. k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+METADATA_BITS_PER_GROUP = 2 * 16
+"""float16 scale + float16 zero per quantisation group."""
+
+
+def kv_bits_per_token(bits: int, d_kv: int, group_size: int) -> int:
+    """Bits one token's K and V occupy in one layer's cache, metadata included (Eq. cost, C_mem).
+
+    2 * d_kv values at `bits` each, plus for bits < 16 one (scale, zero) pair per group of K
+    and per group of V: 2 * d_kv / group_size groups.
+    """
+    payload = 2 * d_kv * bits
+    if bits >= 16:
+        return payload
+    return payload + (2 * d_kv // group_size) * METADATA_BITS_PER_GROUP
+
+
+def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
+    """(..., H_kv, d_h) -> (..., H_kv, d_h // g, g); groups stay inside one head."""
+    *lead, d_h = x.shape
+    if d_h % group_size:
+        raise ValueError(f"group_size={group_size} must divide the head dim {d_h} (groups never span heads)")
+    return x.reshape(*lead, d_h // group_size, group_size)
+
+
+def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
+    """Integer codes (uint8, unpacked), float16 scale and zero per group of x (..., H_kv, d_h)."""
+    g = _groups(x.float(), group_size)
+    lo = g.amin(-1, keepdim=True)
+    hi = g.amax(-1, keepdim=True)
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).half()
+    zero = lo.half()
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((g - zero.float()) / safe).clamp_(0, levels)
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.uint8), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """Inverse of `quantize_groups`: (..., H_kv, d_h // g, g) codes -> (..., H_kv, d_h) float32."""
+    x = codes.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
+    return x.flatten(-2)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
+    """Q_b(x) with a straight-through gradient; bits >= 16 returns x (native precision)."""
+    if bits >= 16:
+        return x
+    codes, scale, zero = quantize_groups(x.detach(), bits, group_size)
+    q = dequantize_groups(codes, scale, zero).to(x.dtype)
+    return q + (x - x.detach())  # exactly q forward, identity gradient
+
+
+def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
+    """Written K (or V) = sum_b y_ST[b] * Q_b(x)  (Alg. 1, line 4).
+
+    x: (B, T, H_kv, d_h); bit_weights: (B, T, |bits|) straight-through one-hots, so the forward
+    value is the chosen Q_b(x) and the bit head receives dL/dy[b] = <dL/dx_written, Q_b(x)>.
+    """
+    out = torch.zeros_like(x)
+    for i, b in enumerate(bits):
+        out = out + bit_weights[..., i, None, None].to(x.dtype) * fake_quantize(x, b, group_size)
+    return out
+
+
+@dataclass
+class PackedKV:
+    """One token-set's K or V at one bit-width, bit-packed into bytes (the cache layout)."""
+
+    bits: int
+    shape: tuple[int, ...]
+    codes: torch.Tensor
+    """uint8, 8 // bits codes per byte (bits < 16), or the float16 values themselves."""
+    scale: torch.Tensor | None
+    zero: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        n = self.codes.numel() * self.codes.element_size()
+        for t in (self.scale, self.zero):
+            if t is not None:
+                n += t.numel() * t.element_size()
+        return n
+
+
+def pack_kv(x: torch.Tensor, bits: int, group_size: int) -> PackedKV:
+    """Bit-pack x (N, H_kv, d_h) at `bits` (N * H_kv * d_h * bits must be a multiple of 8)."""
+    if bits >= 16:
+        return PackedKV(16, tuple(x.shape), x.detach().half().contiguous(), None, None)
+    codes, scale, zero = quantize_groups(x, bits, group_size)
+    flat = codes.reshape(-1).to(torch.int32)
+    per_byte = 8 // bits
+    if flat.numel() % per_byte:
+        raise ValueError(f"{flat.numel()} codes at {bits} bits do not fill whole bytes")
+    flat = flat.view(-1, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
+    packed = (flat << shifts).sum(-1).to(torch.uint8)
+    return PackedKV(bits, tuple(x.shape), packed, scale, zero)
+
+
+def unpack_kv(p: PackedKV) -> torch.Tensor:
+    """Dequantised float32 tensor of shape `p.shape`."""
+    if p.bits >= 16:
+        return p.codes.float()
+    per_byte = 8 // p.bits
+    shifts = torch.arange(per_byte, dtype=torch.int32) * p.bits
+    mask = (1 << p.bits) - 1
+    codes = (p.codes.to(torch.int32).unsqueeze(-1) >> shifts) & mask
+    *lead, d_h = p.shape
+    g = d_h // p.scale.shape[-1]
+    codes = codes.reshape(*lead, d_h // g, g)
+    return dequantize_groups(codes, p.scale, p.zero)

@@ -1,0 +1,68 @@
+"""Running router statistics that change once per optimizer step, from the global batch.
+
+Whitening (Eq. whiten) and gradient balancing (Eq. gradbal) keep running statistics. Three
+rules make them safe under data, tensor and pipeline parallelism and activation recompute:
+
+1. The forward pass reads the statistics as they were *before* this batch, so a token's
+   decision never depends on other tokens of its batch.
+2. Micro-batches only *accumulate* (sums in float64); nothing changes until `commit`.
+3. `commit_running_statistics` concatenates every module's accumulator, reduces them with ONE
+   caller-supplied all-reduce (sum over the data-parallel group, plus any ranks that hold
+   different tokens), and updates every statistic identically on every rank.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+def in_backward_pass() -> bool:
+    """True while autograd runs a backward graph (e.g. activation recompute's re-forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class RunningStatistic(nn.Module):
+    """A module with a float64 accumulator committed once per optimizer step."""
+
+    def pending(self) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def commit(self, reduced: torch.Tensor) -> None:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def should_accumulate(self) -> bool:
+        """Accumulate in training forwards only, never in a recompute inside backward."""
+        return self.training and not in_backward_pass()
+
+
+def running_statistics(modules: Iterable[nn.Module]) -> list[RunningStatistic]:
+    """Every RunningStatistic under `modules`, in a deterministic (registration) order."""
+    found: list[RunningStatistic] = []
+    for module in modules:
+        found.extend(m for m in module.modules() if isinstance(m, RunningStatistic))
+    return found
+
+
+def commit_running_statistics(
+    modules: Iterable[nn.Module], all_reduce: Callable[[torch.Tensor], None] | None = None
+) -> None:
+    """Reduce all pending accumulators in one collective and commit them.
+
+    `all_reduce` must sum in place across the ranks whose tokens form the global batch
+    (e.g. `lambda t: dist.all_reduce(t, group=dp_group)`); None for a single process.
+    """
+    stats = running_statistics(modules)
+    if not stats:
+        return
+    buffers = [s.pending() for s in stats]
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    if all_reduce is not None:
+        all_reduce(flat)
+    offset = 0
+    for stat, buf in zip(stats, buffers):
+        n = buf.numel()
+        stat.commit(flat[offset : offset + n].view_as(buf))
+        offset += n

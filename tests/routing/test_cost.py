@@ -1,0 +1,109 @@
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from megatron_triroute.config import TriRouteConfig
+from megatron_triroute.routing.controller import AxisDecision, RouterOutput
+from megatron_triroute.routing.cost import budget_fractions, dense_cost, expected_cost, expert_width, hard_cost
+from megatron_triroute.routing.gating import top_k_gating
+from megatron_triroute.routing.reference import hard_attention, hard_experts, swiglu
+
+
+def small_config():
+    cfg = TriRouteConfig()
+    cfg.model.d_model, cfg.model.n_heads, cfg.model.n_kv_heads, cfg.model.d_ff = 8, 2, 1, 16
+    cfg.router.num_experts, cfg.router.top_k, cfg.router.window, cfg.router.kv_group_size = 4, 2, 2, 4
+    return cfg.validate()
+
+
+def hand_output(modes, expert_logits, bit_option, n_bits=4):
+    """RouterOutput with given hard decisions; modes (B, T, H) ints."""
+    y_attn = F.one_hot(modes, 3).float()
+    y_bits = F.one_hot(bit_option, n_bits).float()
+    routes = top_k_gating(expert_logits, 2, True)
+    return RouterOutput(
+        attn=AxisDecision(y_attn, y_attn, modes), bits=AxisDecision(y_bits, y_bits, bit_option),
+        experts=routes, expert_logits=expert_logits,
+    )
+
+
+def test_expected_cost_hand_computation():
+    cfg = small_config()  # d=8, H=2, d_h=4, d_kv=4, expert width ceil(16/2)=8, w=2, group 4
+    assert expert_width(cfg.model, cfg.router) == 8
+    # One token at position t=3: head 0 local, head 1 full; experts {null, expert 1}; 4-bit KV.
+    modes = torch.tensor([[[1, 2]]])
+    logits = torch.log(torch.tensor([[[0.5, 0.05, 0.3, 0.1, 0.05]]]))  # null=0.5, expert1 (option 2)=0.3
+    out = hand_output(modes, logits, torch.tensor([[1]]))
+    cost = expected_cost(out, torch.tensor([3]), cfg.model, cfg.router)
+    # local reads min(3, 2) + 1 = 3 keys, full reads 4: 2 * d_h * (3 + 4) = 56 MACs.
+    # one real expert: 3 * d * d_e = 3 * 8 * 8 = 192 MACs.
+    assert cost.flops.item() == 56 + 192
+    # 4 bits: 2 * d_kv * 4 = 32 payload bits + (2 * 4 / 4 = 2 groups) * 32 metadata bits.
+    assert cost.mem.item() == 32 + 64
+    dense = dense_cost(torch.tensor([3]), cfg.model)
+    assert dense.flops.item() == 2 * 8 * 4 + 3 * 8 * 16
+    assert dense.mem.item() == 2 * 4 * 16
+    hard = hard_cost(modes, out.experts.index, torch.tensor([[1]]), torch.tensor([3]), cfg.model, cfg.router)
+    assert hard.flops.item() == cost.flops.item() and hard.kv_bits.item() == cost.mem.item()
+
+
+def test_expert_cost_gradient_prefers_null_when_flops_are_priced():
+    cfg = small_config()
+    logits = torch.tensor([[[0.1, 0.2, 0.9, 0.0, -1.0]]], requires_grad=True)  # top-2 = experts 1, 0
+    out = hand_output(torch.tensor([[[2, 2]]]), logits, torch.tensor([[3]]))
+    cost = expected_cost(out, torch.tensor([0]), cfg.model, cfg.router)
+    assert cost.flops.item() == 2 * 4 * 1 * 2 + 2 * 192  # both heads full at t=0, two experts
+    cost.flops.sum().backward()
+    assert logits.grad[0, 0, 0] < 0  # raising the null logit lowers the cost
+    assert logits.grad[0, 0, 2] > 0
+
+
+def test_budget_fraction_of_dense_policy_is_one_for_flops_and_mem():
+    cfg = small_config()
+    cfg.router.num_experts, cfg.model.d_ff = 4, 16
+    T = 5
+    modes = torch.full((1, T, 2), 2)
+    logits = torch.tensor([-9.0, 1.0, 1.0, -5.0, -5.0]).expand(1, T, 5)  # two real experts
+    out = hand_output(modes, logits, torch.full((1, T), 3))
+    frac = budget_fractions([expected_cost(out, torch.arange(T), cfg.model, cfg.router)], torch.arange(T), cfg.model)
+    assert torch.allclose(frac, torch.tensor([1.0, 1.0], dtype=torch.float64))
+
+
+def test_hard_accounting_matches_independent_flop_count_and_bytes():
+    torch.manual_seed(0)
+    cfg = small_config()
+    B, T, H, d, d_h = 2, 7, 2, 8, 4
+    modes = torch.randint(0, 3, (B, T, H))
+    logits = torch.randn(B, T, 5)
+    routes = top_k_gating(logits, 2, True)
+    assert (routes.index == -1).any(), "fixture should route some tokens to the null expert"
+    q, k, v = torch.randn(B, T, H, d_h), torch.randn(B, T, 1, d_h), torch.randn(B, T, 1, d_h)
+    d_e = expert_width(cfg.model, cfg.router)
+    experts = [swiglu(torch.randn(d, d_e), torch.randn(d, d_e), torch.randn(d_e, d)) for _ in range(4)]
+    x = torch.randn(B * T, d)
+    with FlopCounterMode(display=False) as attn_counter:
+        hard_attention(q, k, v, modes, cfg.router.window)
+    with FlopCounterMode(display=False) as expert_counter:
+        hard_experts(x, routes.index.view(-1, 2), routes.weight.view(-1, 2), experts)
+    acc = hard_cost(modes, routes.index, torch.zeros(B, T, dtype=torch.long), torch.arange(T), cfg.model, cfg.router)
+    # The counter reports FLOPs = 2 x MACs.
+    assert attn_counter.get_total_flops() == 2 * acc.attn_key_macs.sum().item()
+    assert expert_counter.get_total_flops() == 2 * acc.expert_macs.sum().item()
+
+
+def test_all_skip_all_null_costs_no_attention_or_expert_work():
+    cfg = small_config()
+    cfg.router.top_k = 1
+    B, T = 1, 4
+    modes = torch.zeros(B, T, 2, dtype=torch.long)
+    logits = torch.tensor([5.0, 0, 0, 0, 0]).expand(B, T, 5)
+    routes = top_k_gating(logits, 1, True)
+    q, k, v = torch.randn(B, T, 2, 4), torch.randn(B, T, 1, 4), torch.randn(B, T, 1, 4)
+    with FlopCounterMode(display=False) as counter:
+        out = hard_attention(q, k, v, modes, 2)
+        ffn = hard_experts(torch.randn(T, 8), routes.index.view(-1, 1), routes.weight.view(-1, 1),
+                           [swiglu(torch.randn(8, 8), torch.randn(8, 8), torch.randn(8, 8))] * 4)
+    assert counter.get_total_flops() == 0
+    assert torch.all(out == 0) and torch.all(ffn == 0)
+    acc = hard_cost(modes, routes.index, torch.zeros(B, T, dtype=torch.long), torch.arange(T), cfg.model, cfg.router)
+    assert acc.flops.sum().item() == 0

@@ -1,0 +1,75 @@
+import math
+
+import torch
+import torch.nn.functional as F
+
+from megatron_triroute import st_gumbel_softmax
+from megatron_triroute.routing.gumbel import soft_gumbel_sample, temperature_at
+from megatron_triroute.routing.noise import NoiseKey, uniform_from_keys
+
+
+def test_forward_is_exactly_one_hot():
+    logits = torch.randn(64, 5)
+    y = st_gumbel_softmax(logits, tau=0.7)
+    assert torch.equal(y.sum(-1), torch.ones(64))
+    assert set(y.unique().tolist()) <= {0.0, 1.0}
+
+
+def test_straight_through_gradient_equals_soft_sample_gradient():
+    logits = torch.randn(8, 4, dtype=torch.float64, requires_grad=True)
+    noise = -torch.log(-torch.log(torch.rand(8, 4, dtype=torch.float64)))
+    w = torch.randn(8, 4, dtype=torch.float64)
+    (g_st,) = torch.autograd.grad((w * st_gumbel_softmax(logits, 0.9, noise=noise)).sum(), logits)
+    (g_soft,) = torch.autograd.grad((w * soft_gumbel_sample(logits, noise, 0.9)).sum(), logits)
+    assert torch.equal(g_st, g_soft)
+    assert g_st.abs().sum() > 0
+
+
+def test_argmax_frequencies_match_softmax_chi_square():
+    logits = torch.tensor([1.0, 0.0, -0.5, 0.7])
+    n = 20000
+    key = NoiseKey(seed=7, step=3, layer=1, sample_index=torch.arange(n), positions=torch.arange(1))
+    noise = key.gumbel((n, 1, 4), axis=0).view(n, 4)
+    counts = torch.bincount(st_gumbel_softmax(logits.expand(n, 4), noise=noise).argmax(-1), minlength=4).double()
+    expected = F.softmax(logits.double(), -1) * n
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    # 99.9% quantile of chi-square with 3 degrees of freedom is 16.27.
+    assert chi2 < 16.27, (counts, expected)
+
+
+def test_small_temperature_gives_near_one_hot_soft_samples():
+    logits = torch.randn(256, 4)
+    soft = st_gumbel_softmax(logits, tau=1e-3, hard=False)
+    assert (soft.max(-1).values > 0.99).float().mean() > 0.97
+    warm = st_gumbel_softmax(logits, tau=5.0, hard=False)
+    assert warm.max(-1).values.mean() < 0.6
+
+
+def test_noise_depends_on_token_identity_not_layout():
+    B, T, H, M = 4, 10, 3, 3
+    full = NoiseKey(1, 5, 2, torch.arange(100, 100 + B), torch.arange(T)).gumbel((B, T, H, M), axis=0)
+    # The same tokens split over two data-parallel ranks and two sequence shards.
+    part = NoiseKey(1, 5, 2, torch.tensor([102, 103]), torch.arange(5, 10)).gumbel((2, 5, H, M), axis=0)
+    assert torch.equal(full[2:, 5:], part)
+    # Any key field changes the noise.
+    for changed in (NoiseKey(2, 5, 2, torch.arange(100, 104), torch.arange(T)),
+                    NoiseKey(1, 6, 2, torch.arange(100, 104), torch.arange(T)),
+                    NoiseKey(1, 5, 3, torch.arange(100, 104), torch.arange(T))):
+        assert not torch.equal(changed.gumbel((B, T, H, M), axis=0), full)
+    assert not torch.equal(NoiseKey(1, 5, 2, torch.arange(100, 104), torch.arange(T)).gumbel((B, T, H, M), axis=1), full)
+
+
+def test_counter_uniforms_are_uniform():
+    u = uniform_from_keys(3, torch.arange(50000))
+    assert 0.0 < u.min() and u.max() < 1.0
+    assert abs(u.mean().item() - 0.5) < 0.01
+    assert abs(u.var().item() - 1 / 12) < 0.003
+    assert u.unique().numel() > 49000
+
+
+def test_temperature_schedule_cosine_2_to_half():
+    assert temperature_at(0, 100) == 2.0
+    assert math.isclose(temperature_at(50, 100), 1.25)  # midpoint of a cosine = mean of the ends
+    assert math.isclose(temperature_at(100, 100), 0.5)
+    assert math.isclose(temperature_at(500, 100), 0.5)
+    assert math.isclose(temperature_at(25, 100), 0.5 + 0.75 * (1 + math.cos(math.pi / 4)))

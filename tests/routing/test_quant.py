@@ -1,0 +1,69 @@
+import torch
+
+from megatron_triroute.routing.quant import (
+    fake_quantize, kv_bits_per_token, pack_kv, quantize_groups, relaxed_kv_write, unpack_kv,
+)
+
+
+def test_q_b_hand_computation():
+    # One head, one group of 4: min 0, max 3 -> 2 bits: s = 3 / 3 = 1, z = 0.
+    x = torch.tensor([[[0.0, 0.4, 1.6, 3.0]]])
+    assert torch.equal(fake_quantize(x, 2, 4), torch.tensor([[[0.0, 0.0, 2.0, 3.0]]]))
+    # 1 bit-equivalent levels of a shifted group: min -1, max 2, 2 bits -> s = 1, z = -1.
+    y = torch.tensor([[[-1.0, -0.2, 0.49, 2.0]]])
+    assert torch.equal(fake_quantize(y, 2, 4), torch.tensor([[[-1.0, 0.0, 0.0, 2.0]]]))
+    # 16 bits is native precision: unchanged.
+    assert torch.equal(fake_quantize(y, 16, 4), y)
+
+
+def test_constant_group_dequantises_exactly():
+    x = torch.full((1, 1, 4), 0.25)
+    assert torch.equal(fake_quantize(x, 2, 4), x)
+
+
+def test_groups_never_span_heads():
+    # Head 0 has a tiny range, head 1 a huge one; per-head groups keep head 0 accurate.
+    x = torch.tensor([[[0.0, 0.1, 0.2, 0.3], [0.0, 100.0, 200.0, 300.0]]])
+    q = fake_quantize(x, 2, 4)
+    assert torch.allclose(q[0, 0], torch.tensor([0.0, 0.1, 0.2, 0.3]), atol=1e-3)
+    codes, scale, zero = quantize_groups(x, 2, 4)
+    assert scale.shape == (1, 2, 1)
+    assert torch.allclose(scale.float().squeeze(), torch.tensor([0.1, 100.0]), rtol=1e-3)
+
+
+def test_straight_through_gradient_is_identity():
+    x = torch.randn(3, 2, 8, requires_grad=True)
+    (fake_quantize(x, 4, 4) * torch.arange(48.0).view(3, 2, 8)).sum().backward()
+    assert torch.equal(x.grad, torch.arange(48.0).view(3, 2, 8))
+
+
+def test_relaxed_write_value_and_bit_head_gradient():
+    x = torch.randn(2, 3, 2, 8)
+    w = torch.zeros(2, 3, 4)
+    w[..., 1] = 1.0  # all tokens at 4 bits
+    w.requires_grad_(True)
+    out = relaxed_kv_write(x, w, (2, 4, 8, 16), 4)
+    assert torch.equal(out, fake_quantize(x, 4, 4))
+    up = torch.randn_like(out)
+    (out * up).sum().backward()
+    for i, b in enumerate((2, 4, 8, 16)):
+        expected = (up * fake_quantize(x, b, 4)).sum(dim=(-1, -2))
+        assert torch.allclose(w.grad[..., i], expected, atol=1e-5)
+
+
+def test_packed_bytes_equal_accounted_bits_and_round_trip():
+    torch.manual_seed(0)
+    n_tok, h_kv, d_h, g = 6, 2, 8, 4
+    k, v = torch.randn(n_tok, h_kv, d_h), torch.randn(n_tok, h_kv, d_h)
+    for bits in (2, 4, 8, 16):
+        pk, pv = pack_kv(k, bits, g), pack_kv(v, bits, g)
+        assert (pk.nbytes + pv.nbytes) * 8 == n_tok * kv_bits_per_token(bits, h_kv * d_h, g)
+        expected = fake_quantize(k, bits, g) if bits < 16 else k.half().float()
+        assert torch.equal(unpack_kv(pk), expected)
+
+
+def test_bits_per_token_hand_values():
+    # d_kv = 16, group 4: 8 groups (4 for K, 4 for V) x 32 bits of metadata.
+    assert kv_bits_per_token(2, 16, 4) == 2 * 16 * 2 + 8 * 32
+    assert kv_bits_per_token(8, 16, 4) == 2 * 16 * 8 + 8 * 32
+    assert kv_bits_per_token(16, 16, 4) == 2 * 16 * 16
