@@ -1,0 +1,1 @@
+"""Process launch and process-group plumbing."""
