@@ -1,0 +1,444 @@
+"""Sharded checkpoints that are either complete and verified, or ignored.
+
+Layout under `root`:
+
+    latest                      "step_00000200\\n": the commit point, replaced atomically
+    step_00000100/              an older complete checkpoint (kept by keep_last)
+    step_00000200/
+        manifest.json           format, version, step, world_size, bytes + sha256 of every file
+        meta.json               the caller's JSON metadata (config, data position, ...), from rank 0
+        rank_00000.safetensors  rank 0's tensors, dotted keys
+        rank_00000.json         rank 0's tree skeleton and plain values (see tree.py)
+        rank_00001.safetensors  ...
+    .tmp-step_00000300/         a save in progress or one that died: never read, removed by the next save
+
+A save is committed only when `latest` names it. Every file is fsynced before the manifest is
+written; the directory is renamed into place and the parent fsynced before `latest` moves. A crash at
+any point therefore leaves `latest` on the previous checkpoint. Loading verifies sizes and sha256
+of every file against the manifest and falls back, with a warning, to the newest older checkpoint
+that verifies.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterable
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from .tree import flatten_tree, unflatten_tree
+
+log = logging.getLogger(__name__)
+
+FORMAT_NAME = "megatron-triroute-checkpoint"
+FORMAT_VERSION = 1
+LATEST_FILE = "latest"
+MANIFEST_FILE = "manifest.json"
+META_FILE = "meta.json"
+TMP_PREFIX = ".tmp-"
+TRASH_PREFIX = ".trash-"
+_STEP_DIR = re.compile(r"step_(\d{8,})")
+
+CRASH_ENV = "TRIROUTE_CHECKPOINT_CRASH_AT"
+"""Test hook: set to a phase name ("after_shard", "before_rename", "before_latest") and every rank
+of a save `os._exit(CRASH_EXIT_CODE)`s there, as a node failure would."""
+CRASH_EXIT_CODE = 86
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be used; the message says which file and why."""
+
+
+class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
+    """No valid checkpoint exists under the root."""
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    step: int
+    path: Path
+    world_size: int
+
+
+def step_dir_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def shard_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.safetensors"
+
+
+def skeleton_file_name(rank: int) -> str:
+    return f"rank_{rank:05d}.json"
+
+
+def _digest_file_name(rank: int) -> str:
+    return f".rank_{rank:05d}.digest.json"
+
+
+# -------------------------------------------------------------------------------------------- save
+
+
+def save_checkpoint(
+    root: str | os.PathLike,
+    step: int,
+    rank_states: Any,
+    meta: dict,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    keep_last: int | None = None,
+) -> Path:
+    """Writes this rank's tree as one shard and, on rank 0, commits the checkpoint. Collective:
+    every rank calls it with the same step; `barrier` must block until all ranks reach it (e.g.
+    `torch.distributed.barrier`). Returns the committed directory once every rank's files and the
+    `latest` pointer are durable.
+
+    `meta` (JSON) is taken from rank 0. `keep_last=K` then keeps the K newest checkpoints at or below
+    this step, never the one `latest` names, and removes any newer ones (an abandoned timeline left
+    behind when a run resumed from an older checkpoint).
+    """
+    if world_size > 1 and barrier is None:
+        raise ValueError(f"save_checkpoint with world_size={world_size} needs a barrier callable")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} not in [0, {world_size})")
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be >= 1 (or None to keep every checkpoint)")
+    sync = barrier or (lambda: None)
+    root = Path(root)
+    tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
+    # Reject unserialisable input before the first barrier and before touching the disk.
+    meta_text = _to_json(meta, what="meta")
+    tensors, skeleton = flatten_tree(rank_states)
+    skeleton_text = _to_json(skeleton, what=f"rank {rank} state")
+
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        _remove_leftovers(root)
+        tmp.mkdir()
+        _fsync_dir(root)
+    sync()
+
+    shard, skeleton_file = tmp / shard_file_name(rank), tmp / skeleton_file_name(rank)
+    save_file(tensors, shard, metadata={"format": FORMAT_NAME, "step": str(step), "rank": str(rank)})
+    _fsync_file(shard)
+    _crash_point("after_shard")
+    _write_durably(skeleton_file, skeleton_text)
+    written = [shard, skeleton_file]
+    if rank == 0:
+        _write_durably(tmp / META_FILE, meta_text)
+        written.append(tmp / META_FILE)
+    # Each rank hashes its own files (hot in the page cache) so rank 0 does not read every shard.
+    _write_durably(tmp / _digest_file_name(rank), json.dumps({p.name: _describe(p) for p in written}))
+    _fsync_dir(tmp)
+    sync()
+
+    final = root / step_dir_name(step)
+    if rank == 0:
+        _commit(root, tmp, final, step, world_size)
+        if keep_last is not None:
+            _prune(root, step, keep_last)
+    sync()  # nobody returns (and maybe exits) before the checkpoint is committed
+    return final
+
+
+def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int) -> None:
+    files: dict[str, dict] = {}
+    for rank in range(world_size):
+        digest = tmp / _digest_file_name(rank)
+        files.update(json.loads(digest.read_text()))
+        digest.unlink()
+    for name, expected in files.items():
+        actual = (tmp / name).stat().st_size
+        if actual != expected["bytes"]:
+            raise CheckpointError(f"{tmp / name}: {actual} bytes on disk, its rank wrote {expected['bytes']}")
+    manifest = {
+        "format": FORMAT_NAME,
+        "format_version": FORMAT_VERSION,
+        "step": step,
+        "world_size": world_size,
+        "created_unix": time.time(),
+        "files": dict(sorted(files.items())),
+    }
+    _write_durably(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
+    _fsync_dir(tmp)
+    _crash_point("before_rename")
+    if final.exists():  # re-saving a step (resumed from an older one): the new save wins
+        _discard(final)
+    os.rename(tmp, final)
+    _fsync_dir(root)
+    _crash_point("before_latest")
+    _write_durably(root / LATEST_FILE, final.name + "\n", atomic=True)
+    _fsync_dir(root)
+
+
+def _prune(root: Path, latest_step: int, keep_last: int) -> None:
+    steps = sorted(_step_dirs(root))
+    older = [s for s in steps if s <= latest_step]
+    doomed = [s for s in steps if s > latest_step] + older[: max(0, len(older) - keep_last)]
+    for step in doomed:
+        if step != latest_step:
+            log.info("pruning checkpoint %s (keep_last=%d)", root / step_dir_name(step), keep_last)
+            _discard(root / step_dir_name(step))
+
+
+def _discard(path: Path) -> None:
+    """Renames first, so a half-deleted directory never looks like a checkpoint."""
+    trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{os.getpid()}")
+    os.rename(path, trash)
+    shutil.rmtree(trash, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path) -> None:
+    for entry in root.iterdir():
+        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+            log.warning("removing leftover %s from an interrupted save or prune", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.is_file() and entry.name.startswith(f".{LATEST_FILE}.tmp-"):
+            entry.unlink(missing_ok=True)
+
+
+# -------------------------------------------------------------------------------------------- load
+
+
+def load_checkpoint(
+    root: str | os.PathLike,
+    rank: int = 0,
+    *,
+    world_size: int | None = None,
+    step: int | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[int, Any, dict]:
+    """Returns `(step, rank_state_tree, meta)` from the newest valid checkpoint (or exactly `step`).
+
+    Every rank verifies every file, so all ranks pick the same step without communicating. Passing
+    `world_size` checks it against the checkpoint's; when the data-parallel size changed, use
+    `load_shards` and merge.
+    """
+    info = _select(Path(root), step)
+    if world_size is not None and world_size != info.world_size:
+        raise CheckpointError(
+            f"{info.path} was written by {info.world_size} ranks, this run has {world_size}: "
+            "load every shard with load_shards() and re-shard"
+        )
+    if not 0 <= rank < info.world_size:
+        raise CheckpointError(f"{info.path} has ranks 0..{info.world_size - 1}, asked for rank {rank}")
+    return info.step, _read_shard(info.path, rank, device), _read_meta(info.path)
+
+
+def load_shards(
+    root: str | os.PathLike,
+    ranks: Iterable[int] | None = None,
+    *,
+    step: int | None = None,
+    device: str | torch.device = "cpu",
+) -> tuple[int, dict[int, Any], dict]:
+    """Returns `(step, {rank: tree}, meta)` with the shards of `ranks` (default: all) of the newest
+    valid checkpoint, so a run with a different world size can merge and re-split them."""
+    info = _select(Path(root), step)
+    wanted = range(info.world_size) if ranks is None else list(ranks)
+    for rank in wanted:
+        if not 0 <= rank < info.world_size:
+            raise CheckpointError(f"{info.path} has ranks 0..{info.world_size - 1}, asked for rank {rank}")
+    shards = {rank: _read_shard(info.path, rank, device) for rank in wanted}
+    return info.step, shards, _read_meta(info.path)
+
+
+def list_checkpoints(root: str | os.PathLike, *, verify: bool = False) -> list[CheckpointInfo]:
+    """Committed-looking checkpoints (a `step_*` directory with a readable manifest), oldest first.
+    With `verify=True` only those whose every file matches its manifest."""
+    found = []
+    for step, path in sorted(_step_dirs(Path(root)).items()):
+        problem, manifest = _verify(path, step, hashes=verify)
+        if problem is None:
+            found.append(CheckpointInfo(step, path, manifest["world_size"]))
+    return found
+
+
+def latest_valid_checkpoint(root: str | os.PathLike) -> CheckpointInfo | None:
+    """What `load_checkpoint` would load, or None for a fresh run (no checkpoint at all)."""
+    try:
+        return _select(Path(root), None)
+    except CheckpointNotFoundError:
+        return None
+
+
+def _select(root: Path, step: int | None) -> CheckpointInfo:
+    if step is not None:
+        path = root / step_dir_name(step)
+        problem, manifest = _verify(path, step)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        return CheckpointInfo(step, path, manifest["world_size"])
+
+    dirs = _step_dirs(root)
+    pointed = _read_latest(root)
+    if pointed is None:
+        if dirs:
+            log.warning("%s has no usable '%s' pointer; trying step directories newest first", root, LATEST_FILE)
+        candidates = sorted(dirs, reverse=True)
+    else:
+        newer = sorted(s for s in dirs if s > pointed)
+        if newer:
+            log.warning(
+                "ignoring %s: newer than '%s' (%s), so never committed or from an abandoned run",
+                ", ".join(step_dir_name(s) for s in newer), LATEST_FILE, step_dir_name(pointed),
+            )
+        candidates = [pointed] + sorted((s for s in dirs if s < pointed), reverse=True)
+
+    problems = []
+    for candidate in candidates:
+        path = root / step_dir_name(candidate)
+        problem, manifest = _verify(path, candidate)
+        if problem is None:
+            if problems:
+                log.warning("falling back to checkpoint %s", path)
+            return CheckpointInfo(candidate, path, manifest["world_size"])
+        log.warning("checkpoint %s is unusable: %s", path, problem)
+        problems.append(f"{path.name}: {problem}")
+    if not problems:
+        raise CheckpointNotFoundError(f"no checkpoint under {root}")
+    raise CheckpointNotFoundError(f"no valid checkpoint under {root}; " + "; ".join(problems))
+
+
+def _verify(path: Path, step: int, *, hashes: bool = True) -> tuple[str | None, dict]:
+    """(None, manifest) when every file matches the manifest, else (what is wrong, {})."""
+    if not path.is_dir():
+        return "directory is missing", {}
+    manifest_path = path / MANIFEST_FILE
+    if not manifest_path.is_file():
+        return f"{MANIFEST_FILE} is missing", {}
+    try:
+        manifest = json.loads(manifest_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        return f"{MANIFEST_FILE} is unreadable ({error})", {}
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        return f"{MANIFEST_FILE} is not a {FORMAT_NAME} manifest", {}
+    if manifest.get("format_version") != FORMAT_VERSION:
+        return f"format_version {manifest.get('format_version')!r}, this code reads {FORMAT_VERSION}", {}
+    if manifest.get("step") != step:
+        return f"{MANIFEST_FILE} says step {manifest.get('step')!r}, directory says {step}", {}
+    files = manifest.get("files", {})
+    world_size = manifest.get("world_size")
+    if not isinstance(world_size, int) or world_size < 1:
+        return f"{MANIFEST_FILE} has world_size {world_size!r}", {}
+    required = [META_FILE] + [f(r) for r in range(world_size) for f in (shard_file_name, skeleton_file_name)]
+    for name in required:
+        if name not in files:
+            return f"{MANIFEST_FILE} does not list {name}", {}
+    for name, expected in files.items():
+        file = path / name
+        if not file.is_file():
+            return f"{name} is missing", {}
+        size = file.stat().st_size
+        if size != expected["bytes"]:
+            return f"{name} is {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)", {}
+        if hashes and _sha256(file) != expected["sha256"]:
+            return f"{name} sha256 does not match the manifest (corrupted)", {}
+    return None, manifest
+
+
+def _read_shard(path: Path, rank: int, device: str | torch.device) -> Any:
+    try:
+        tensors = load_file(path / shard_file_name(rank), device=str(device))
+        skeleton = json.loads((path / skeleton_file_name(rank)).read_text())
+    except (OSError, SafetensorError, json.JSONDecodeError) as error:
+        raise CheckpointError(f"{path}: cannot read rank {rank}'s shard: {error}") from error
+    return unflatten_tree(skeleton, tensors)
+
+
+def _read_meta(path: Path) -> dict:
+    return json.loads((path / META_FILE).read_text())
+
+
+def _read_latest(root: Path) -> int | None:
+    try:
+        text = (root / LATEST_FILE).read_text().strip()
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        log.warning("cannot read %s: %s", root / LATEST_FILE, error)
+        return None
+    match = _STEP_DIR.fullmatch(text)
+    if match is None:
+        log.warning("%s holds %r, not a step directory name", root / LATEST_FILE, text[:80])
+        return None
+    return int(match.group(1))
+
+
+def _step_dirs(root: Path) -> dict[int, Path]:
+    if not root.is_dir():
+        return {}
+    found = {}
+    for entry in root.iterdir():
+        match = _STEP_DIR.fullmatch(entry.name)
+        if match and entry.is_dir():
+            found[int(match.group(1))] = entry
+    return found
+
+
+# ------------------------------------------------------------------------------------- durability
+
+
+def _write_durably(path: Path, text: str, *, atomic: bool = False) -> None:
+    """Writes and fsyncs `path`; with `atomic`, via a temporary file and os.replace, so readers see
+    the old content or the new, never a mix."""
+    target = path.with_name(f".{path.name}.tmp-{os.getpid()}") if atomic else path
+    with open(target, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    if atomic:
+        os.replace(target, path)
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    """Makes renames and new entries in `path` durable (POSIX needs the directory itself fsynced)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _describe(path: Path) -> dict:
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def _to_json(value: Any, *, what: str) -> str:
+    try:
+        return json.dumps(value, sort_keys=False, allow_nan=False)
+    except (TypeError, ValueError) as error:
+        raise TypeError(f"checkpoint {what} is not JSON-serialisable: {error}") from error
+
+
+def _crash_point(phase: str) -> None:
+    if os.environ.get(CRASH_ENV) == phase:
+        os._exit(CRASH_EXIT_CODE)
