@@ -1,0 +1,110 @@
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from megatron_triroute import TriRouteController
+from megatron_triroute.routing.grad_balance import GradBalance
+from megatron_triroute.routing.noise import NoiseKey
+from megatron_triroute.routing.running_stats import commit_running_statistics
+from megatron_triroute.routing.whitening import RunningWhitening
+
+from .helpers import make_inputs, tiny_config
+
+
+def key_for(batch, T, sample_offset=0, step=0, layer=0):
+    return NoiseKey(11, step, layer, torch.arange(sample_offset, sample_offset + batch), torch.arange(T))
+
+
+def test_whitening_hand_computation_and_read_before_update():
+    w = RunningWhitening(1, momentum=0.9).train()
+    a = w(torch.tensor([[1.0], [3.0]]))
+    b = w(torch.tensor([[5.0], [7.0]]))
+    # Before the commit the forward uses mean 0, var 1: identity up to eps.
+    assert torch.allclose(a, torch.tensor([[1.0], [3.0]]), atol=1e-4) and torch.allclose(b[:, 0], torch.tensor([5.0, 7.0]), atol=1e-4)
+    commit_running_statistics([w])
+    # Global batch {1,3,5,7}: mean 4, var (1+9+25+49)/4 - 16 = 5.
+    assert torch.allclose(w.mean, torch.tensor([0.9 * 0 + 0.1 * 4]))
+    assert torch.allclose(w.var, torch.tensor([0.9 * 1 + 0.1 * 5]))
+    out = w.eval()(torch.tensor([[2.0]]))
+    assert torch.allclose(out, torch.tensor([[(2.0 - 0.4) / (1.4**0.5 + 1e-5)]]))
+
+
+def test_whitening_accumulates_once_under_activation_recompute_and_never_in_eval():
+    w = RunningWhitening(3).train()
+    x = torch.randn(5, 3, requires_grad=True)
+    checkpoint(lambda t: w(t) * 2, x, use_reentrant=True).sum().backward()
+    assert w.pending()[0].item() == 5  # the recompute inside backward did not count again
+    checkpoint(lambda t: w(t) * 2, x, use_reentrant=False).sum().backward()
+    assert w.pending()[0].item() == 10
+    w.eval()(x)
+    assert w.pending()[0].item() == 10
+
+
+def test_grad_balance_identity_forward_and_scaled_backward():
+    gb = GradBalance(momentum=0.99).train()
+    z = torch.randn(4, 3, requires_grad=True)
+    out = gb(z)
+    assert torch.equal(out, z)
+    up = torch.full((4, 3), 2.0)  # ||grad|| = sqrt(12 * 4) = sqrt(48)
+    out.backward(up)
+    assert torch.equal(z.grad, up)  # rho = 1 initially
+    commit_running_statistics([gb])
+    assert torch.allclose(gb.rho, torch.tensor(0.99 + 0.01 * 48**0.5))
+    z.grad = None
+    gb(z).backward(up)
+    assert torch.allclose(z.grad, up / (0.99 + 0.01 * 48**0.5))
+
+
+def test_grad_balance_leaves_controller_forward_bit_identical():
+    on, off = tiny_config(grad_balance=True), tiny_config(grad_balance=False)
+    torch.manual_seed(0)
+    a = TriRouteController(on, 0).train()
+    torch.manual_seed(0)
+    b = TriRouteController(off, 0).train()
+    hidden, side = make_inputs(on)
+    oa = a(hidden, side, key_for(2, 12), tau=1.0)
+    ob = b(hidden, side, key_for(2, 12), tau=1.0)
+    assert torch.equal(oa.attn.y, ob.attn.y) and torch.equal(oa.bits.y, ob.bits.y)
+    assert torch.equal(oa.experts.weight, ob.experts.weight)
+    # After a balance update the gradient reaching the heads differs, the forward does not.
+    (oa.attn.y * torch.randn_like(oa.attn.y)).sum().backward()
+    commit_running_statistics([a])
+    assert a.balance["attn"].rho.item() != 1.0
+    oa2 = a(hidden, side, key_for(2, 12), tau=1.0)
+    assert torch.equal(oa2.attn.y, oa.attn.y)
+
+
+def test_decisions_do_not_depend_on_other_tokens_in_the_batch():
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    c = TriRouteController(cfg, 0).train()
+    hidden, side = make_inputs(cfg, batch=3)
+    # Warm the running statistics so whitening is not the identity.
+    c(hidden * 3 + 1, side, key_for(3, 12))
+    commit_running_statistics([c])
+    both = c(hidden, side, key_for(3, 12, sample_offset=40))
+    alone = c(hidden[1:2], side[1:2], key_for(1, 12, sample_offset=41))
+    assert torch.equal(both.attn.y[1:2], alone.attn.y)
+    assert torch.equal(both.bits.y[1:2], alone.bits.y)
+    assert torch.equal(both.experts.index[1:2], alone.experts.index)
+    assert torch.allclose(both.experts.weight[1:2], alone.experts.weight)
+
+
+def test_eval_mode_executes_the_noise_free_argmax():
+    cfg = tiny_config()
+    c = TriRouteController(cfg, 0).eval()
+    hidden, side = make_inputs(cfg)
+    out = c(hidden, side, key_for(2, 12))
+    assert torch.equal(out.attn.y.argmax(-1), out.attn.hard)
+    assert torch.equal(out.bits.y.argmax(-1), out.bits.hard)
+    assert torch.equal(out.attn.hard, out.attn.logits.argmax(-1))
+
+
+def test_training_samples_follow_the_counter_noise():
+    cfg = tiny_config()
+    c = TriRouteController(cfg, 0).train()
+    hidden, side = make_inputs(cfg)
+    o1 = c(hidden, side, key_for(2, 12, step=0))
+    o2 = c(hidden, side, key_for(2, 12, step=0))
+    o3 = c(hidden, side, key_for(2, 12, step=1))
+    assert torch.equal(o1.attn.y, o2.attn.y)
+    assert not torch.equal(o1.attn.y, o3.attn.y)
