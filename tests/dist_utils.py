@@ -1,0 +1,116 @@
+"""Run a test function on N gloo processes on one CPU machine.
+
+Each spawned group pays 3-6 s of imports on a 2-core machine, so a test should batch several checks
+into one call rather than spawn once per check.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the OS picks it; a race is possible but rare)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # 4 ranks x default threads would oversubscribe a 2-core machine
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:  # noqa: BLE001 - everything goes back to the parent, including asserts
+        errors.put((rank, traceback.format_exc()))
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> None:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
+
+    ``torch.distributed`` is initialised (gloo, localhost, a free port) before ``fn`` runs and
+    destroyed after. ``fn`` must be a module-level function (spawn pickles it by name). The first
+    rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
+    without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.
+    """
+    ctx = mp.get_context("spawn")
+    errors = ctx.SimpleQueue()
+    port = free_port()
+    # Children inherit the environment at spawn, before their first `import torch`.
+    saved_threads = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        context = mp.start_processes(
+            _worker,
+            args=(world_size, port, fn, args, errors),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+    finally:
+        if saved_threads is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved_threads
+    reports: list[tuple[int, str]] = []
+    finished = _join_all(context, timeout, errors, reports)
+    if not finished:
+        _terminate(context)
+    while not errors.empty():
+        reports.append(errors.get())
+    if reports:
+        rank, tb = reports[0]  # the first report is usually the cause; later ones see a dead peer
+        raise AssertionError(f"rank {rank} of {world_size} failed ({len(reports)} rank(s) reported):\n{tb}")
+    if not finished:
+        raise AssertionError(f"{world_size} processes running {fn.__name__} did not finish in {timeout} s")
+    codes = [p.exitcode for p in context.processes]
+    if any(code != 0 for code in codes):
+        raise AssertionError(f"{fn.__name__} on {world_size} processes exited with codes {codes}")
+
+
+def _join_all(context, timeout: float, errors, reports: list) -> bool:
+    """Wait for every process, draining reported errors meanwhile (a full pipe would block a child).
+
+    True when all processes ended (or one failed, after which torch terminates the rest) before
+    ``timeout`` seconds.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        while not errors.empty():
+            reports.append(errors.get())
+        try:
+            if context.join(timeout=1.0):
+                return True
+        except (mp.ProcessRaisedException, mp.ProcessExitedException):
+            return True
+    return False
+
+
+def _terminate(context) -> None:
+    for process in context.processes:
+        if process.is_alive():
+            process.terminate()
+    for process in context.processes:
+        process.join(5)
+        if process.is_alive():
+            process.kill()
