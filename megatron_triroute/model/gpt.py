@@ -1,0 +1,90 @@
+"""TriRoute GPT: Megatron-Core's GPTModel with TriRoute layers and the routing rows.
+
+The first pipeline stage embeds the tokens and appends the routing rows (psi features, empty
+previous-decision features, the global sample index); every layer reads and rewrites them;
+the last stage drops them before the output layer. The model owns the budget controller, the
+router statistics and the per-step state its layers share.
+"""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.models.gpt import GPTModel
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..config import TriRouteConfig
+from ..routing.budget import BudgetController
+from ..routing.side_features import TokenTables, static_side_features
+from . import routing_rows
+from .layer import row_layout
+from .spec import get_triroute_block_spec
+from .step_state import RouterStatistics, RoutingStepState
+
+
+class TriRouteGPTModel(GPTModel):
+    def __init__(self, config: TransformerConfig, triroute: TriRouteConfig, tables: TokenTables | None = None,
+                 groups=None, pre_process: bool = True, post_process: bool = True, use_te: bool | None = None):
+        m = triroute.model
+        super().__init__(
+            config=config, transformer_layer_spec=get_triroute_block_spec(triroute, config, groups, use_te),
+            vocab_size=m.vocab_size, max_sequence_length=m.seq_len, pre_process=pre_process,
+            post_process=post_process, share_embeddings_and_output_weights=False,
+            position_embedding_type="rope",
+        )
+        self.triroute = triroute
+        self.layout = row_layout(triroute)
+        tables = tables or TokenTables.uniform(m.vocab_size)
+        if tables.log_prob.numel() != m.vocab_size:
+            raise ValueError(f"token tables cover {tables.log_prob.numel()} ids but model.vocab_size={m.vocab_size}; "
+                             "use the tables saved with the tokenizer the data was built with")
+        self.register_buffer("token_log_prob", tables.log_prob.float().clone())
+        self.register_buffer("token_word_start", tables.word_start.bool().clone())
+        self.eod_id = tables.eod_id
+        self.budget = BudgetController(triroute.budget)
+        self.router_statistics = RouterStatistics(triroute)
+        self.step_state = RoutingStepState(triroute, self.budget, self.router_statistics)
+        for layer in self.decoder.layers:
+            layer.step_state = self.step_state
+
+    @property
+    def routing_seq_len(self) -> int:
+        """Rows of the tensor passed between pipeline stages: tokens + routing rows."""
+        return self.layout.seq_len + self.layout.rows
+
+    def set_routing_step(self, step: int, tau: float) -> None:
+        self.step_state.step, self.step_state.tau = step, tau
+
+    def forward(self, tokens: torch.Tensor | None, sample_index: torch.Tensor, labels: torch.Tensor | None = None):
+        """tokens, labels: (B, T) (tokens may be None on non-first pipeline stages);
+        sample_index: (B,) global sample indices. Returns per-token losses (B, T) when labels
+        are given on the last stage, logits (B, T, V) otherwise, or the stage's output tensor."""
+        decoder_input = None
+        if self.pre_process:
+            if tokens.shape[1] != self.layout.seq_len:
+                raise ValueError(f"sequence length {tokens.shape[1]} != model.seq_len={self.layout.seq_len}")
+            emb = self.embedding(input_ids=tokens, position_ids=None)  # [T, B, d]
+            rows = self._initial_rows(tokens, sample_index)
+            decoder_input = torch.cat([emb, routing_rows.pack(rows, self.layout, emb.dtype)], 0)
+        return super().forward(input_ids=tokens, position_ids=None, attention_mask=None,
+                               decoder_input=decoder_input, labels=labels)
+
+    def _initial_rows(self, tokens: torch.Tensor, sample_index: torch.Tensor) -> routing_rows.RoutingRows:
+        B, T = tokens.shape
+        lay = self.layout
+        tables = TokenTables(self.token_log_prob, self.token_word_start, self.eod_id)
+        rows = routing_rows.RoutingRows(
+            static=static_side_features(tokens, tables, self.triroute.router.max_doc_position),
+            decisions=torch.zeros(B, T, lay.n_decision, device=tokens.device),
+            sample_index=sample_index.to(tokens.device),
+        )
+        if lay.leader:
+            H = lay.n_heads
+            rows.leader_y = torch.zeros(B, T, H, 3, device=tokens.device)
+            rows.leader_y_cost = torch.zeros(B, T, H, 3, device=tokens.device)
+            rows.leader_hard = torch.zeros(B, T, H, dtype=torch.long, device=tokens.device)
+        return rows
+
+    def _postprocess(self, hidden_states, *args, **kwargs):
+        if self.post_process:
+            hidden_states = hidden_states[: self.layout.seq_len]  # drop the routing rows
+        return super()._postprocess(hidden_states, *args, **kwargs)

@@ -1,0 +1,176 @@
+"""The TriRoute transformer layer: controller -> routed attention -> experts (Alg. 1, one layer).
+
+    x + Attn(Norm(x)) in per-head modes, K/V written at the bit head's width;
+    then + FFN(Norm(.)) through the selected experts (null = nothing runs).
+
+It plugs into Megatron-Core's TransformerBlock through a ModuleSpec (see `spec.py`) and speaks
+its layer contract: built as (config, layer_number, submodules, ...), called with the block's
+keyword arguments, returns (hidden_states, context). Routing inputs and outputs travel in the
+routing rows after the token rows (see `routing_rows.py`).
+
+Tensor parallel: the controller is replicated and sees the same tokens on every TP rank, so its
+decisions are identical there. Each rank uses only its heads' decisions, so the decisions enter
+the model through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
+backward): the gradient reaching the controller is the sum of every rank's part, identical on
+all ranks. Auxiliary and budget losses are computed from the raw outputs on every rank alike
+and are attached to the layer output with Megatron's MoEAuxLossAutoScaler, so layers on
+non-last pipeline stages still reach the backward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from megatron.core import parallel_state, tensor_parallel
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
+
+from ..config import ATTN_MODES, TriRouteConfig
+from ..routing.controller import AxisDecision, RouterOutput, TriRouteController, decision_features
+from ..routing.cost import dense_cost, expected_cost, noise_free_cost
+from ..routing.losses import router_aux_loss
+from ..routing.noise import NoiseKey
+from . import routing_rows
+from .step_state import RoutingStepState
+
+
+@dataclass
+class TriRouteLayerSubmodules:
+    input_layernorm: ModuleSpec | type
+    self_attention: ModuleSpec | type
+    pre_mlp_layernorm: ModuleSpec | type
+    mlp: ModuleSpec | type
+
+
+def row_layout(config: TriRouteConfig) -> routing_rows.RowLayout:
+    from ..routing.side_features import STATIC_FEATURES, decision_feature_size
+
+    return routing_rows.RowLayout(
+        seq_len=config.model.seq_len, hidden=config.model.d_model, n_static=STATIC_FEATURES,
+        n_decision=decision_feature_size(len(config.router.bits)), n_heads=config.model.n_heads,
+        leader=config.router.attn_routing and config.router.attn_granularity == "layer_group",
+    )
+
+
+class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
+    def __init__(self, config: TransformerConfig, submodules: TriRouteLayerSubmodules, layer_number: int = 1,
+                 triroute: TriRouteConfig | None = None, pg_collection=None, vp_stage=None, **unused):
+        super().__init__(config=config)
+        assert triroute is not None, "TriRouteTransformerLayer needs the TriRoute config (spec params)"
+        self.triroute = triroute
+        self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)  # 1-based, global
+        self.layout = row_layout(triroute)
+        self.controller = TriRouteController(triroute, self.layer_number - 1)
+        d = triroute.model.d_model
+        self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=d,
+                                            eps=config.layernorm_epsilon)
+        self.self_attention = build_module(submodules.self_attention, config=config, triroute=triroute,
+                                           layer_number=layer_number)
+        self.pre_mlp_layernorm = build_module(submodules.pre_mlp_layernorm, config=config, hidden_size=d,
+                                              eps=config.layernorm_epsilon)
+        self.mlp = build_module(submodules.mlp, config=config, triroute=triroute)
+        self.step_state: RoutingStepState | None = None  # attached by the model after building
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        heads_local = triroute.model.n_heads // config.tensor_model_parallel_size
+        self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb=None, **unused):
+        cfg, state = self.triroute, self.step_state
+        x, packed = routing_rows.split(hidden_states, self.layout)  # [T, B, d], [R, B, d]
+        rows = routing_rows.unpack(packed, self.layout)
+        B, T = rows.static.shape[:2]
+        positions = torch.arange(T, device=x.device)
+
+        # --- controller (Alg. 1, lines 1-3) ------------------------------------------------
+        prev = _leader_output(rows)
+        side = torch.cat([rows.static, rows.decisions], -1)
+        key = NoiseKey(cfg.seed, state.step, self.layer_number - 1, rows.sample_index, positions)
+        out = self.controller(x.transpose(0, 1), side, key, state.tau, prev)
+
+        # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
+        modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
+        bit_weights = tensor_parallel.copy_to_tensor_model_parallel_region(out.bits.y)
+        hard = not self.training
+        attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, out.bits.y.argmax(-1),
+                                   rotary_pos_emb=rotary_pos_emb, hard=hard)
+        x = x + attn
+
+        # --- experts (null = nothing runs) ---------------------------------------------------
+        h = self.pre_mlp_layernorm(x)
+        if out.experts is None:
+            ffn = self.mlp(h)
+        else:
+            weight = tensor_parallel.copy_to_tensor_model_parallel_region(out.experts.weight)
+            flat = lambda t: t.transpose(0, 1).reshape(T * B, -1)  # (B, T, k) -> (T*B, k), token-major like h
+            ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight)).view(T, B, -1)
+        x = x + ffn
+
+        # --- losses and statistics (lines 5-6) -------------------------------------------------
+        if self.training:
+            x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions))
+            if state.should_record(self.training):
+                self._record(out, positions)
+
+        next_rows = routing_rows.RoutingRows(
+            static=rows.static,
+            decisions=decision_features(out, B, T, len(cfg.router.bits), cfg.router.top_k, x.device),
+            sample_index=rows.sample_index,
+        )
+        if self.layout.leader:
+            next_rows.leader_y, next_rows.leader_y_cost, next_rows.leader_hard = out.attn.y, out.attn.y_cost, out.attn.hard
+        return torch.cat([x, routing_rows.pack(next_rows, self.layout, x.dtype)], 0), None
+
+    def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor) -> torch.Tensor:
+        """alpha L_bal + beta L_z + gamma L_ent of this layer, plus its share of
+        sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so each layer adds
+        lambda_r * sum_t c_r / (L * sum_t dense_r)."""
+        cfg = self.triroute
+        aux, _ = router_aux_loss(out, cfg.losses)
+        if not cfg.budget.enabled:
+            return aux
+        cost = expected_cost(out, positions, cfg.model, cfg.router)
+        dense = dense_cost(positions, cfg.model)
+        B = cost.flops.shape[0]
+        frac = torch.stack([cost.flops.sum() / (dense.flops.sum() * B), cost.mem.sum() / (dense.mem.sum() * B)])
+        frac = frac / cfg.model.n_layers
+        lam = self.step_state.budget.lambdas.to(frac.dtype)
+        share = lam[0] * frac.sum() if cfg.budget.tied else (lam * frac).sum()
+        return aux + share.to(aux.dtype)
+
+    @torch.no_grad()
+    def _record(self, out: RouterOutput, positions: torch.Tensor) -> None:
+        cfg, stats = self.triroute, self.step_state.statistics
+        row = stats.sums[self.layer_number - 1]
+        sl = stats.slices()
+        B, T = out.attn.y.shape[:2]
+        row[sl["tokens"]] += B * T
+        row[sl["attn/fraction"]] += F.one_hot(out.attn.hard, len(ATTN_MODES)).double().sum((0, 1, 2)) / out.attn.hard.shape[2]
+        if out.attn.logits is not None:
+            row[sl["attn/prob"]] += out.attn.logits.double().softmax(-1).mean(2).sum((0, 1))
+        if out.experts is not None:
+            n = out.experts.probs.shape[-1]
+            row[sl["experts/fraction"]] += F.one_hot(out.experts.option, n).double().sum((0, 1, 2)) / cfg.router.top_k
+            row[sl["experts/prob"]] += out.experts.probs.double().sum((0, 1))
+        row[sl["bits/fraction"]] += F.one_hot(out.bits.hard, stats.n_bits).double().sum((0, 1))
+        if out.bits.logits is not None:
+            row[sl["bits/prob"]] += out.bits.logits.double().softmax(-1).sum((0, 1))
+        hard = noise_free_cost(out, positions, cfg.model, cfg.router)
+        dense = dense_cost(positions, cfg.model)
+        cost = torch.stack([hard.flops.sum(), hard.kv_bits.sum()])
+        dense_sums = torch.stack([dense.flops.sum() * B, dense.mem.sum() * B])
+        row[sl["cost"]] += cost
+        row[sl["dense"]] += dense_sums
+        self.step_state.budget.observe(cost, dense_sums)
+
+
+def _leader_output(rows: routing_rows.RoutingRows) -> RouterOutput | None:
+    """The layer-group leader's attention decision, for follower layers (None otherwise)."""
+    if rows.leader_y is None:
+        return None
+    attn = AxisDecision(rows.leader_y, rows.leader_y_cost, rows.leader_hard)
+    return RouterOutput(attn=attn, bits=attn, experts=None)
