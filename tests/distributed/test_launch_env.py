@@ -274,6 +274,14 @@ MPI_SCRIPT = textwrap.dedent(
     dist.all_reduce(total)
     print(f"RESULT {env.launcher} {env.rank} {env.world_size} {env.local_rank} {env.master_port} {total.item()}")
     dist.destroy_process_group()
+
+    # Without launcher variables, an mpi4py the program already imported answers instead.
+    from mpi4py import MPI
+    bare = {k: v for k, v in os.environ.items() if not k.startswith(("OMPI_", "PMI", "RANK", "WORLD", "LOCAL", "MASTER"))}
+    via_mpi4py = resolve_launch_env(bare)
+    assert (via_mpi4py.rank, via_mpi4py.world_size, via_mpi4py.local_rank, via_mpi4py.local_world_size) == (
+        env.rank, env.world_size, env.local_rank, env.local_world_size), via_mpi4py
+    print(f"MPI4PY {via_mpi4py.launcher} {via_mpi4py.master_addr} {via_mpi4py.master_port}")
     """
 )
 
@@ -299,3 +307,6 @@ def test_real_mpirun_two_ranks(tmp_path):
     assert [r[:4] for r in results] == [["mpi", "0", "2", "0"], ["mpi", "1", "2", "1"]]
     assert results[0][4] == results[1][4]  # both derived the same port
     assert [float(r[5]) for r in results] == [3.0, 3.0]  # (0 + 1) + (1 + 1)
+    via_mpi4py = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("MPI4PY")]
+    assert len(via_mpi4py) == 2 and via_mpi4py[0] == via_mpi4py[1]  # rank 0's port, broadcast
+    assert via_mpi4py[0][:2] == ["mpi", "127.0.0.1"]
