@@ -76,6 +76,10 @@ class ModelConfig:
 class RouterConfig:
     """The controller: features, trunk, heads, relaxation, and the Table 4 switches."""
 
+    kind: Literal["triroute", "mod", "independent"] = "triroute"
+    """Which router family builds the per-layer decisions (see `routing.factory`):
+    triroute (the joint controller), mod (Mixture-of-Depths block router), independent
+    (MoD + MoE + KV-quant, each with its own router and knob)."""
     d_router: int = 128
     """Trunk width d_r."""
     num_experts: int = 8
@@ -136,6 +140,8 @@ class RouterConfig:
         return self.num_experts + (1 if self.null_expert else 0)
 
     def validate(self, path: str = "router", model: ModelConfig | None = None) -> None:
+        if self.kind not in ("triroute", "mod", "independent"):
+            _fail(f"{path}.kind", self.kind, "unknown router family", "use triroute, mod or independent")
         if self.d_router <= 0:
             _fail(f"{path}.d_router", self.d_router, "must be positive", "use e.g. 128")
         if self.num_experts < 1:

@@ -31,7 +31,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 
 from ..config import ATTN_MODES, TriRouteConfig
-from ..routing.controller import AxisDecision, RouterOutput, TriRouteController, decision_features
+from ..routing.controller import AxisDecision, RouterOutput, decision_features
+from ..routing.factory import build_controller
 from ..routing.cost import dense_cost, expected_cost, noise_free_cost
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
@@ -65,7 +66,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.triroute = triroute
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)  # 1-based, global
         self.layout = row_layout(triroute)
-        self.controller = TriRouteController(triroute, self.layer_number - 1)
+        self.controller = build_controller(triroute, self.layer_number - 1)
         d = triroute.model.d_model
         self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=d,
                                             eps=config.layernorm_epsilon)
@@ -131,6 +132,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         lambda_r * sum_t c_r / (L * sum_t dense_r)."""
         cfg = self.triroute
         aux, _ = router_aux_loss(out, cfg.losses)
+        if out.extra_loss is not None:
+            aux = aux + out.extra_loss
         if not cfg.budget.enabled:
             return aux
         cost = expected_cost(out, positions, cfg.model, cfg.router)

@@ -57,6 +57,9 @@ class RouterOutput:
     experts: ExpertRoutes | None
     """Top-k routes; None for a dense FFN."""
     expert_logits: torch.Tensor | None = None
+    extra_loss: torch.Tensor | None = None
+    """Router-family-specific auxiliary loss (e.g. MoD's causal predictor), added to the
+    balancing losses by the layer."""
 
 
 class Trunk(nn.Module):
