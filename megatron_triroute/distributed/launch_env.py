@@ -147,9 +147,7 @@ def _inside_slurm_step(environ: Mapping[str, str]) -> bool:
 def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     rank = _int(environ, "SLURM_PROCID", launcher="slurm")
     # The step's task count first: `srun -n2` inside a 4-task allocation is a world of 2.
-    world_var = _first_present(environ, "SLURM_NTASKS", "SLURM_STEP_NUM_TASKS", "SLURM_NPROCS")
-    if "SLURM_STEP_NUM_TASKS" in environ:
-        world_var = "SLURM_STEP_NUM_TASKS"
+    world_var = _first_present(environ, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS", "SLURM_NPROCS")
     world_size = _int(environ, world_var, launcher="slurm")
     local_rank = _int(environ, "SLURM_LOCALID", launcher="slurm")
 
@@ -162,7 +160,7 @@ def _from_slurm(environ: Mapping[str, str]) -> LaunchEnv:
     elif nodes:
         master_addr = nodes[0]  # srun's default block distribution puts rank 0 on the first node
     else:
-        raise LaunchEnvError(_missing("slurm", "SLURM_JOB_NODELIST (or SLURM_NODELIST, or MASTER_ADDR)"))
+        raise LaunchEnvError(_missing("slurm", f"MASTER_ADDR nor {nodelist_var}"))
 
     if "MASTER_PORT" in environ:
         master_port = _int(environ, "MASTER_PORT")
@@ -184,7 +182,7 @@ def _slurm_local_world_size(environ: Mapping[str, str], world_size: int, *, n_no
         if node_id >= len(per_node):
             raise LaunchEnvError(f"slurm: SLURM_NODEID={node_id} but {var}={environ[var]!r} lists {len(per_node)} nodes")
         return per_node[node_id]
-    if n_nodes == 1:
+    if n_nodes == 1 or world_size == 1:
         return world_size
     raise LaunchEnvError(_missing("slurm", "SLURM_TASKS_PER_NODE (or SLURM_NTASKS_PER_NODE)"))
 
@@ -311,7 +309,7 @@ def _mpi_env(
     elif job_id_var in environ:
         master_port = port_from_job_id(_job_number(environ[job_id_var]))
     else:
-        raise LaunchEnvError(_missing("mpi", "MASTER_PORT (no job id variable to derive it from)"))
+        raise LaunchEnvError(_missing("mpi", f"MASTER_PORT (nor {job_id_var} to derive it from)"))
     return LaunchEnv(rank, world_size, local_rank, local_world_size, master_addr, master_port, "mpi")
 
 
@@ -361,8 +359,12 @@ def _from_initialized_mpi4py(environ: Mapping[str, str]) -> LaunchEnv | None:
 
 
 def _first_present(environ: Mapping[str, str], *names: str) -> str:
-    """The first of `names` set in `environ`, else the first name (so errors name the usual one)."""
-    return next((name for name in names if name in environ), names[0])
+    """The first of `names` set in `environ`; if none is, "A (or B, C)", which is in no environment
+    and makes the missing-variable error name every alternative."""
+    present = next((name for name in names if name in environ), None)
+    if present is not None:
+        return present
+    return names[0] if len(names) == 1 else f"{names[0]} (or {', '.join(names[1:])})"
 
 
 def _missing(launcher: str, name: str) -> str:
