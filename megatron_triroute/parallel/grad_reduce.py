@@ -1,0 +1,82 @@
+"""Data-parallel gradient reduction for a plain torch optimizer (no DeepSpeed engine, no Megatron DDP)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import TYPE_CHECKING, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+if TYPE_CHECKING:
+    from megatron_triroute.parallel.groups import ParallelGroups
+
+
+def reduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
+    """Turn each rank's local gradients into the gradient of the global mean loss, in place.
+
+    Call after ``loss.backward()`` and before ``optimizer.step()``; every rank must call it.
+
+    Convention: each data-parallel replica ``r`` (``dp`` of them) computes ``L_r``, the mean loss over
+    its own micro-batch, and the global loss is ``L = (1/dp) * sum_r L_r``.
+
+    Dense parameters are replicated on every replica and rank ``r`` holds ``dL_r/dw``, so
+    ``dL/dw = (1/dp) * sum_r dL_r/dw``: an all-reduce SUM over the data-parallel group, times ``1/dp``
+    (an average). Megatron-Core 0.16.1's data-parallel group spans the expert dimension: it holds every
+    rank with the same tensor/pipeline position, ``dp = world / (tp * pp)``.
+
+    Expert parameters (``allreduce == False``, set by DeepSpeed's ``Experts``) live on one rank of
+    each expert-parallel group. The all-to-all in the forward brought that rank the tokens of every
+    replica in its expert-parallel group, and its backward returned their gradients, so after
+    ``backward`` the rank already holds ``sum_{r in its EP group} dL_r/dw_e``. The copies of the same
+    expert in the other expert-parallel groups hold the sums for their replicas, and those copies
+    form the expert-data-parallel group. Hence ``dL/dw_e = (1/dp) * sum over EDP of the local grads``:
+    an all-reduce SUM over the expert-data-parallel group only (reducing over the full data-parallel
+    group would add other experts' gradients), scaled by ``1/dp``, not ``1/edp``: dividing by
+    ``edp = dp * tp / ep`` would be off by a factor ``ep / tp``. (With tensor parallel, DeepSpeed's
+    ``MOELayer`` gives each tensor-parallel rank a disjoint slice of its replica's tokens, so the
+    tensor-parallel ranks' expert grads are partial sums that the same EDP sum completes.) This is
+    the scaling DeepSpeed's engine (``_reduce_expert_gradients``) and Megatron's DDP use.
+
+    Gradients are reduced in one flat buffer per (group, dtype). A parameter that requires grad
+    but got none is given a zero gradient first, so every rank reduces buffers of the same layout.
+    Tensor-parallel reductions (sequence-parallel norms, pipeline-tied embeddings) are not done here.
+    """
+    dense: list[torch.Tensor] = []
+    expert: list[torch.Tensor] = []
+    for name, param in model.named_parameters():
+        if not param.requires_grad:
+            continue
+        if param.grad is None:
+            param.grad = torch.zeros_like(param)
+        if getattr(param, "allreduce", True):
+            dense.append(param.grad)
+        else:
+            group_name = getattr(param, "group_name", None)
+            if group_name != groups.ep_group_name:
+                raise ValueError(
+                    f"expert parameter {name} belongs to DeepSpeed expert group {group_name!r} but the run's "
+                    f"groups are {groups.ep_group_name!r}; build expert layers with the same ParallelGroups"
+                )
+            expert.append(param.grad)
+    scale = 1.0 / groups.dp
+    _all_reduce_coalesced(dense, groups.dp_group, scale)
+    _all_reduce_coalesced(expert, groups.edp_group, scale)
+
+
+def _all_reduce_coalesced(grads: Iterable[torch.Tensor], group, scale: float) -> None:
+    """Sum ``grads`` over ``group`` and multiply by ``scale``, one flat buffer per dtype/device."""
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
+    for grad in grads:
+        buckets[(grad.dtype, grad.device)].append(grad)
+    reduce = dist.get_world_size(group) > 1
+    for bucket in buckets.values():
+        flat = _flatten_dense_tensors(bucket)
+        if reduce:
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        if scale != 1.0:
+            flat.mul_(scale)
+        for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
+            grad.copy_(reduced)
