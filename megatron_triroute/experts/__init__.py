@@ -1,0 +1,6 @@
+"""Expert layers driven by TriRoute's precomputed routes (the null expert is index -1)."""
+
+from megatron_triroute.experts.deepspeed_moe import NULL_EXPERT, PrecomputedGate, TriRouteExperts
+from megatron_triroute.experts.swiglu import SwiGLUExpert
+
+__all__ = ["NULL_EXPERT", "PrecomputedGate", "SwiGLUExpert", "TriRouteExperts"]

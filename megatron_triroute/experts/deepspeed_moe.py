@@ -1,0 +1,242 @@
+"""TriRoute's expert layer on DeepSpeed-MoE: routes come from the controller, DeepSpeed moves tokens.
+
+The controller's expert head has already chosen, per token, ``k`` experts and their renormalised
+weights; index ``-1`` is the null expert (skip the FFN, output exactly zero). This layer does no
+routing of its own. It hands those routes to DeepSpeed 0.19.8's ``MOELayer`` through
+:class:`PrecomputedGate`, a gate that speaks ``MOELayer``'s sparse-route contract, so DeepSpeed's
+own dispatch (slot encode, all-to-all over the expert-parallel group, its ``Experts`` container,
+all-to-all back, weighted decode) does the rest. Expert parameters are created by DeepSpeed's
+``Experts`` and so carry ``allreduce=False`` and ``group_name``, which DeepSpeed's engine and
+:func:`megatron_triroute.parallel.grad_reduce.reduce_gradients` use to reduce them over the
+expert-data-parallel group.
+
+Capacity. ``capacity_factor=None`` (default) never drops: the capacity is the largest number of
+routes any expert receives on any rank of the expert-parallel group (an all-reduce MAX), so a
+token's output does not depend on the other tokens in the batch. With a factor ``c`` the capacity
+is ``max(1, ceil(c * N * k / E))`` (max over the group when ranks hold different ``N``) and routes
+beyond it are dropped deterministically, slot-major: every token's route in column 0 of
+``expert_index`` is placed before any route in column 1, and within a column lower token indices
+come first; the routes that do not fit are the dropped ones. A dropped route contributes zero and
+the token's other weights are not renormalised (the routing core owns the weights).
+
+Tensor parallel. With tensor parallel > 1, ``MOELayer`` assumes every tensor-parallel rank holds
+the same tokens: each rank dispatches a 1/tp slice of the capacity slots and the results are
+all-gathered afterwards (capacity is padded to a multiple of tp). Under sequence parallel the
+tensor-parallel ranks hold different tokens and that slicing would silently lose tokens, so this
+layer refuses ``sequence_parallel=True`` with tp > 1; gather the sequence before the layer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
+
+if TYPE_CHECKING:
+    from megatron_triroute.parallel.groups import ParallelGroups
+
+NULL_EXPERT = -1
+
+
+class PrecomputedGate(nn.Module):
+    """A DeepSpeed 0.19.8 ``MOELayer`` gate that returns routes set by :meth:`set_routes`.
+
+    ``MOELayer.forward`` calls ``gate(tokens, used_token, True, use_tutel)`` and unpacks the
+    sparse-route 7-tuple of ``top2gating(..., sparse_routes=True)``::
+
+        l_aux       0-dim float   auxiliary loss: zero (the routing core owns balancing losses)
+        capacity    0-dim int64   slots per expert
+        num_experts int           E
+        indices     (k, N) int32  expert of each route; -1 for null-expert and dropped routes
+        locations   (k, N) int32  slot of each route inside its expert's buffer
+        gates       (k, N) fp32   route weight (differentiable; zero for null and dropped routes)
+        exp_counts  (E,)   int64  routes requested per expert before capacity drops (detached)
+    """
+
+    def __init__(self, num_experts: int, k: int, capacity_factor: float | None = None) -> None:
+        super().__init__()
+        if capacity_factor is not None and capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={capacity_factor} must be positive, or None for no drops")
+        self.num_experts = num_experts
+        self.k = k
+        self.capacity_factor = capacity_factor
+        self.ep_group = None
+        self._routes: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _set_ep_group(self, ep_group: Any) -> None:
+        self.ep_group = ep_group
+
+    def set_routes(self, expert_index: torch.Tensor, expert_weight: torch.Tensor) -> None:
+        """Routes for the next forward only: ``expert_index`` (N, k) long, ``expert_weight`` (N, k)."""
+        if expert_index.shape != expert_weight.shape or expert_index.dim() != 2:
+            raise ValueError(
+                f"expert_index {tuple(expert_index.shape)} and expert_weight {tuple(expert_weight.shape)} "
+                "must both be (N, k)"
+            )
+        if expert_index.shape[1] != self.k:
+            raise ValueError(f"routes have k={expert_index.shape[1]} columns; this gate was built with k={self.k}")
+        if expert_index.numel() and (expert_index.min() < NULL_EXPERT or expert_index.max() >= self.num_experts):
+            raise ValueError(f"expert_index values must be in [-1, {self.num_experts}); -1 is the null expert")
+        self._routes = (expert_index, expert_weight)
+
+    def forward(
+        self,
+        input: torch.Tensor,
+        used_token: torch.Tensor | None = None,
+        sparse_routes: bool = True,
+        use_tutel: bool = False,
+    ) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        if not sparse_routes or use_tutel:
+            raise NotImplementedError("PrecomputedGate only produces sparse routes without Tutel")
+        if self._routes is None:
+            raise RuntimeError("PrecomputedGate has no routes: call set_routes(expert_index, expert_weight) first")
+        expert_index, expert_weight = self._routes
+        self._routes = None  # routes belong to exactly one forward
+        num_tokens = input.shape[0]
+        if expert_index.shape[0] != num_tokens:
+            raise ValueError(f"routes cover {expert_index.shape[0]} tokens but the layer received {num_tokens}")
+
+        index = expert_index.t().to(device=input.device, dtype=torch.long)  # (k, N), slot-major
+        if used_token is not None:
+            index = torch.where(used_token.to(index.device).bool().unsqueeze(0), index, NULL_EXPERT)
+        routed = index >= 0  # (k, N); the null expert is never dispatched
+        exp_counts = torch.bincount(index[routed], minlength=self.num_experts)  # (E,)
+        locations = _slot_in_expert(index, self.num_experts)  # (k, N)
+
+        capacity = self._capacity(exp_counts, num_tokens)
+        kept = routed & (locations < capacity)
+        indices = torch.where(kept, index, NULL_EXPERT)
+        gates = torch.where(kept, expert_weight.t().to(input.device, torch.float32), 0.0)
+        l_aux = input.new_zeros((), dtype=torch.float32)
+        return (
+            l_aux,
+            torch.tensor(capacity, dtype=torch.long),
+            self.num_experts,
+            indices.to(torch.int32),
+            (locations * kept).to(torch.int32),
+            gates,
+            exp_counts.detach(),
+        )
+
+    def _capacity(self, exp_counts: torch.Tensor, num_tokens: int) -> int:
+        """Slots per expert, equal on every rank of the expert-parallel group (the all-to-all needs it)."""
+        if self.capacity_factor is None:
+            local = int(exp_counts.max()) if exp_counts.numel() else 0
+        else:
+            local = math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts)
+        # On the tokens' device: NCCL reduces only device tensors.
+        capacity = torch.tensor([max(1, local)], dtype=torch.long, device=exp_counts.device)
+        if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
+            dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.ep_group)
+        # MOELayer hands each tensor-parallel rank (of DeepSpeed's mpu) an equal slice of the slots.
+        tp = _deepspeed_tensor_parallel_size()
+        return math.ceil(int(capacity) / tp) * tp
+
+
+def _deepspeed_tensor_parallel_size() -> int:
+    """The tensor-parallel size MOELayer slices by: DeepSpeed's ``groups.mpu`` (1 when unset)."""
+    ds_groups = importlib.import_module("deepspeed.utils.groups")
+    bwc = importlib.import_module("deepspeed.utils.bwc")
+    return bwc.bwc_tensor_model_parallel_world_size(ds_groups.mpu)
+
+
+def _slot_in_expert(index: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Position of every route among the routes to the same expert, in flattened (k, N) order.
+
+    A stable sort by expert keeps the slot-major order inside each expert; null routes sort last
+    and get meaningless positions (the caller masks them).
+    """
+    flat = index.reshape(-1)  # (k * N,)
+    key = torch.where(flat >= 0, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=num_experts + 1)
+    first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
+    sorted_position = torch.arange(flat.numel(), device=flat.device) - first[key[order]]
+    position = torch.empty_like(sorted_position)
+    position[order] = sorted_position
+    return position.view_as(index)
+
+
+class TriRouteExperts(nn.Module):
+    """SwiGLU experts behind DeepSpeed's ``MOELayer``, driven by precomputed TriRoute routes.
+
+    ``groups`` gives the expert-parallel layout (``None``: one process, all experts local). Each
+    rank builds ``num_experts / groups.ep`` experts, global indices ``ep_rank * E_local + i``.
+    Every expert is initialised from its own seed drawn from the CPU generator, so the same global
+    seed gives the same expert weights whatever the expert-parallel size.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        d_expert: int,
+        num_experts: int,
+        groups: ParallelGroups | None = None,
+        capacity_factor: float | None = None,
+        init_method: InitMethod | None = None,
+        output_init_method: InitMethod | None = None,
+        top_k: int = 2,
+        sequence_parallel: bool = False,
+    ) -> None:
+        super().__init__()
+        sharded_moe = importlib.import_module("deepspeed.moe.sharded_moe")
+        ds_experts = importlib.import_module("deepspeed.moe.experts")
+
+        ep, ep_rank, tp = (groups.ep, groups.ep_rank, groups.tp) if groups is not None else (1, 0, 1)
+        if num_experts % ep:
+            raise ValueError(f"num_experts={num_experts} is not divisible by expert_parallel={ep}")
+        if sequence_parallel and tp > 1:
+            raise ValueError(
+                f"sequence_parallel with tensor_parallel={tp} is not supported by the DeepSpeed expert layer: "
+                "DeepSpeed's MOELayer assumes every tensor-parallel rank holds the same tokens and keeps only "
+                "a 1/tp slice of them, which would drop tokens; gather the sequence before this layer or set "
+                "sequence_parallel=False"
+            )
+        self.num_experts = num_experts
+        self.num_local_experts = num_experts // ep
+        self.top_k = top_k
+        self.ep_group_name = groups.ep_group_name if groups is not None else "ep_size_1"
+
+        experts = ds_experts.Experts(SwiGLUExpert(d_model, d_expert), self.num_local_experts, self.ep_group_name)
+        _init_per_expert(experts, ep_rank * self.num_local_experts, num_experts, init_method, output_init_method)
+        self.gate = PrecomputedGate(num_experts, top_k, capacity_factor)
+        self.moe = sharded_moe.MOELayer(self.gate, experts, self.ep_group_name, ep, self.num_local_experts)
+        if groups is not None:
+            ds_groups = importlib.import_module("deepspeed.utils.groups")
+            self.moe._set_ep_group(ds_groups._get_expert_parallel_group(self.ep_group_name))
+
+    @property
+    def experts(self) -> nn.ModuleList:
+        """This rank's experts, local index order (global index ``ep_rank * E_local + i``)."""
+        return self.moe.experts.deepspeed_experts
+
+    def forward(
+        self, hidden: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor
+    ) -> torch.Tensor:  # (N, d), (N, k), (N, k) -> (N, d)
+        self.gate.set_routes(expert_index, expert_weight)
+        return self.moe(hidden, None)  # MOELayer reads (tokens, used_token)
+
+
+def _init_per_expert(
+    experts: nn.Module,
+    first_global_index: int,
+    num_experts: int,
+    init_method: InitMethod | None,
+    output_init_method: InitMethod | None,
+) -> None:
+    """Initialise local expert ``i`` from seed ``base + first_global_index + i``.
+
+    ``base`` is drawn once from the CPU generator, for all ``num_experts`` experts on every rank, so
+    the generator advances the same way whatever the expert-parallel size.
+    """
+    base = int(torch.randint(0, 2**31 - num_experts, ()))
+    for i, expert in enumerate(experts.deepspeed_experts):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(base + first_global_index + i)
+            expert.reset_parameters(init_method, output_init_method)
