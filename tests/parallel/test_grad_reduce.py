@@ -1,0 +1,86 @@
+"""reduce_gradients: with DP=2 (EP=1 and EP=2), dense and expert grads equal one process on the union batch."""
+
+import pytest
+
+from tests.dist_utils import run_distributed
+
+D_MODEL, D_EXPERT, NUM_EXPERTS, TOKENS_PER_RANK = 8, 12, 4, 6
+TOL = dict(rtol=0, atol=1e-6)
+
+
+def _tiny_moe_model(groups):
+    """Dense projection and router, TriRoute experts fed by the router's weights, a norm on top."""
+    import torch
+    from torch import nn
+
+    from megatron_triroute.experts import TriRouteExperts
+
+    class TinyMoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(D_MODEL, D_MODEL)
+            self.router = nn.Linear(D_MODEL, 2, bias=False)
+            self.moe = TriRouteExperts(D_MODEL, D_EXPERT, NUM_EXPERTS, groups, top_k=2)
+            self.norm = nn.LayerNorm(D_MODEL)
+
+        def forward(self, x, expert_index):  # (N, d), (N, 2) -> (N, d)
+            h = self.proj(x)
+            expert_weight = torch.softmax(self.router(h), dim=-1)  # gradients reach the router via the gates
+            return self.norm(h + self.moe(h, expert_index, expert_weight))
+
+    torch.manual_seed(2024)
+    return TinyMoE()
+
+
+def _union_batch():
+    import torch
+
+    generator = torch.Generator().manual_seed(7)
+    n = 2 * TOKENS_PER_RANK
+    x = torch.randn(n, D_MODEL, generator=generator)
+    index = torch.randint(-1, NUM_EXPERTS, (n, 2), generator=generator)
+    index[3] = -1  # a token that skips the FFN on rank 0
+    target = torch.randn(n, D_MODEL, generator=generator)
+    return x, index, target
+
+
+def _loss(model, x, index, target):
+    return (model(x, index) - target).square().sum(dim=1).mean()
+
+
+def _check_reduce_matches_union_batch(rank, world_size):
+    import torch
+
+    from megatron_triroute.parallel import destroy_parallel, initialize_parallel, reduce_gradients
+
+    x, index, target = _union_batch()
+    reference = _tiny_moe_model(None)
+    _loss(reference, x, index, target).backward()  # one process, the union batch, all experts
+    expected = dict(reference.named_parameters())
+    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
+
+    for ep in (1, 2):
+        groups = initialize_parallel(expert_parallel=ep)
+        assert (groups.dp, groups.ep, groups.edp) == (2, ep, 2 // ep)
+        model = _tiny_moe_model(groups)
+        _loss(model, x[mine], index[mine], target[mine]).backward()
+        reduce_gradients(model, groups)
+
+        first = groups.ep_rank * model.moe.num_local_experts
+        checked = 0
+        for name, param in model.named_parameters():
+            if getattr(param, "allreduce", True):
+                reference_name = name
+            else:  # moe.moe.experts.deepspeed_experts.<local>.w1.weight -> the reference's global expert
+                prefix, local, linear, weight = name.rsplit(".", 3)
+                reference_name = f"{prefix}.{first + int(local)}.{linear}.{weight}"
+            assert param.grad is not None, name
+            torch.testing.assert_close(param.grad, expected[reference_name].grad, **TOL, msg=f"ep={ep} {name}")
+            checked += 1
+        assert checked == 2 + 1 + 3 * NUM_EXPERTS // ep + 2
+        destroy_parallel()
+
+
+@pytest.mark.distributed
+def test_reduced_grads_equal_union_batch_for_ep1_and_ep2():
+    run_distributed(_check_reduce_matches_union_batch, 2)
