@@ -1,0 +1,204 @@
+"""Single-process tests of the DeepSpeed-backed expert layer: null-expert semantics, the gate contract,
+no-drop and capacity-drop behaviour, checked against explicit expert math."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_triroute.experts import NULL_EXPERT, PrecomputedGate, SwiGLUExpert, TriRouteExperts
+from megatron_triroute.parallel.groups import ParallelGroups
+
+D_MODEL, D_EXPERT, NUM_EXPERTS = 8, 12, 4
+
+
+def expert_math(expert: SwiGLUExpert, x: torch.Tensor) -> torch.Tensor:
+    """w2 (silu(w1 x) * w3 x), written out with the weight matrices."""
+    gate = x @ expert.w1.weight.t()
+    value = x @ expert.w3.weight.t()
+    return (gate * torch.sigmoid(gate) * value) @ expert.w2.weight.t()
+
+
+def hand_output(layer: TriRouteExperts, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
+                kept: torch.Tensor | None = None) -> torch.Tensor:
+    """sum over a token's kept, non-null routes of weight * expert(x); zero when there are none."""
+    out = torch.zeros_like(x)
+    for n in range(x.shape[0]):
+        for j in range(index.shape[1]):
+            e = int(index[n, j])
+            if e != NULL_EXPERT and (kept is None or kept[n, j]):
+                out[n] += weight[n, j] * expert_math(layer.experts[e], x[n])
+    return out
+
+
+def make_layer(top_k: int, capacity_factor=None, seed: int = 0) -> TriRouteExperts:
+    torch.manual_seed(seed)
+    return TriRouteExperts(D_MODEL, D_EXPERT, NUM_EXPERTS, capacity_factor=capacity_factor, top_k=top_k)
+
+
+def test_swiglu_expert_matches_formula():
+    torch.manual_seed(1)
+    expert = SwiGLUExpert(D_MODEL, D_EXPERT)
+    x = torch.randn(5, D_MODEL)
+    assert all(lin.bias is None for lin in (expert.w1, expert.w2, expert.w3))
+    torch.testing.assert_close(expert(x), expert.w2(F.silu(expert.w1(x)) * expert.w3(x)), rtol=0, atol=0)
+    torch.testing.assert_close(expert(x), expert_math(expert, x), rtol=1e-6, atol=1e-7)
+
+
+def test_null_expert_top1_gives_exact_zero():
+    layer = make_layer(top_k=1)
+    x = torch.randn(6, D_MODEL, requires_grad=True)
+    index = torch.tensor([[0], [NULL_EXPERT], [3], [NULL_EXPERT], [1], [2]])
+    weight = torch.rand(6, 1, requires_grad=True)
+
+    out = layer(x, index, weight)
+
+    null_rows = (index[:, 0] == NULL_EXPERT)
+    assert torch.equal(out[null_rows], torch.zeros(2, D_MODEL))  # exactly zero, not merely small
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight), rtol=1e-6, atol=1e-6)
+    assert layer.moe.exp_counts.tolist() == [1, 1, 1, 1]  # null routes are never dispatched
+
+    out.square().sum().backward()
+    assert torch.equal(x.grad[null_rows], torch.zeros(2, D_MODEL))
+    assert torch.equal(weight.grad[null_rows], torch.zeros(2, 1))  # its weight contributes nothing
+
+
+def test_null_expert_top2_runs_exactly_one_expert():
+    layer = make_layer(top_k=2)
+    x = torch.randn(5, D_MODEL, requires_grad=True)
+    # token 0: {null, 2}; token 1: {1, null}; token 2: {0, 3}; token 3: {null, null}; token 4: {2, 1}
+    index = torch.tensor([[NULL_EXPERT, 2], [1, NULL_EXPERT], [0, 3], [NULL_EXPERT, NULL_EXPERT], [2, 1]])
+    weight = torch.rand(5, 2, requires_grad=True)
+    captured = {}
+    gate_forward = layer.gate.forward
+
+    def spy(*args):
+        captured["routes"] = gate_forward(*args)
+        return captured["routes"]
+
+    layer.gate.forward = spy
+    out = layer(x, index, weight)
+
+    indices = captured["routes"][3]  # (k, N): what MOELayer dispatches
+    assert (indices[:, 0] >= 0).sum() == 1 and indices[1, 0] == 2  # {null, j} dispatches only j
+    assert (indices[:, 3] >= 0).sum() == 0
+    assert layer.moe.exp_counts.sum() == 6  # six real routes out of ten
+    torch.testing.assert_close(out[0], weight[0, 1] * expert_math(layer.experts[2], x[0]), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3], torch.zeros(D_MODEL))
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight), rtol=1e-6, atol=1e-6)
+
+    upstream = torch.randn_like(out)
+    (out * upstream).sum().backward()
+    assert weight.grad[0, 0] == 0 and weight.grad[3].abs().sum() == 0
+    # d out_0 / d weight_0j = f_j(x_0), so the gate gradient is <upstream_0, f_j(x_0)>
+    expected = (upstream[0] * expert_math(layer.experts[2], x[0])).sum()
+    torch.testing.assert_close(weight.grad[0, 1], expected.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_gate_speaks_deepspeed_sparse_route_contract():
+    """Same arity, dtypes and shapes as DeepSpeed 0.19.8's own top2gating(..., sparse_routes=True)."""
+    from deepspeed.moe.sharded_moe import top2gating
+
+    n = 7
+    reference = top2gating(torch.randn(n, NUM_EXPERTS), 1.0, 1, drop_tokens=False, sparse_routes=True)
+    gate = PrecomputedGate(NUM_EXPERTS, k=2)
+    gate.set_routes(torch.randint(-1, NUM_EXPERTS, (n, 2)), torch.rand(n, 2))
+    ours = gate(torch.randn(n, D_MODEL), None, True, False)
+
+    assert len(ours) == len(reference) == 7
+    assert ours[2] == reference[2] == NUM_EXPERTS
+    for position in (0, 1, 3, 4, 5, 6):
+        assert ours[position].shape == reference[position].shape, position
+        assert ours[position].dtype == reference[position].dtype, position
+    assert int(ours[1]) >= 1 and gate.k == 2 and hasattr(gate, "_set_ep_group")
+    with pytest.raises(RuntimeError, match="set_routes"):
+        gate(torch.randn(n, D_MODEL), None, True, False)  # routes are consumed by one forward
+
+
+def test_routes_are_validated():
+    gate = PrecomputedGate(NUM_EXPERTS, k=2)
+    with pytest.raises(ValueError, match=r"\[-1, 4\)"):
+        gate.set_routes(torch.tensor([[0, 4]]), torch.rand(1, 2))
+    with pytest.raises(ValueError, match="k=1 columns"):
+        gate.set_routes(torch.tensor([[0]]), torch.rand(1, 1))
+    gate.set_routes(torch.tensor([[0, 1]]), torch.rand(1, 2))
+    with pytest.raises(ValueError, match="cover 1 tokens"):
+        gate(torch.randn(3, D_MODEL), None, True, False)
+
+
+def test_no_drop_with_all_tokens_on_one_expert():
+    layer = make_layer(top_k=2)
+    n = 9
+    x = torch.randn(n, D_MODEL)
+    index = torch.stack([torch.full((n,), 3), torch.full((n,), NULL_EXPERT)], dim=1)
+    index[::2, 1] = 3  # some tokens even route to expert 3 twice
+    weight = torch.rand(n, 2)
+
+    out = layer(x, index, weight)
+
+    assert layer.moe.exp_counts.tolist() == [0, 0, 0, n + (n + 1) // 2]
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight), rtol=1e-6, atol=1e-6)
+    assert (out.abs().sum(dim=1) > 0).all()  # every token got its expert output: nothing dropped
+
+
+def test_no_drop_output_does_not_depend_on_other_tokens():
+    layer = make_layer(top_k=2)
+    x = torch.randn(6, D_MODEL)
+    index = torch.tensor([[0, 1], [0, NULL_EXPERT], [0, 2], [0, 3], [1, 0], [NULL_EXPERT, 0]])
+    weight = torch.rand(6, 2)
+    full = layer(x, index, weight)
+    alone = layer(x[:1], index[:1], weight[:1])
+    torch.testing.assert_close(full[:1], alone, rtol=1e-6, atol=1e-6)
+
+
+def test_capacity_factor_drops_slot_major_then_token_order():
+    # capacity = ceil(0.5 * N * k / E) = ceil(0.5 * 4 * 2 / 2) = 2 slots per expert
+    torch.manual_seed(3)
+    layer = TriRouteExperts(D_MODEL, D_EXPERT, 2, capacity_factor=0.5, top_k=2)
+    x = torch.randn(4, D_MODEL)
+    index = torch.tensor([[0, 1], [1, 0], [0, 1], [0, 1]])
+    weight = torch.rand(4, 2)
+    # Column 0 is placed first, in token order: expert 0 takes tokens 0 and 2, then is full, so
+    # token 3's first route and token 1's second route are dropped. Expert 1 takes token 1 (col 0)
+    # then token 0 (col 1); tokens 2 and 3's second routes are dropped.
+    kept = torch.tensor([[True, True], [True, False], [True, False], [False, False]])
+
+    out = layer(x, index, weight)
+
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight, kept), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[3], torch.zeros(D_MODEL))  # both routes dropped: zero, like the null expert
+
+
+def test_capacity_factor_with_skewed_routes_keeps_earliest_tokens():
+    torch.manual_seed(4)
+    layer = TriRouteExperts(D_MODEL, D_EXPERT, NUM_EXPERTS, capacity_factor=1.0, top_k=1)
+    n = 8  # capacity = ceil(1.0 * 8 * 1 / 4) = 2
+    x = torch.randn(n, D_MODEL)
+    index = torch.zeros(n, 1, dtype=torch.long)
+    weight = torch.ones(n, 1)
+    out = layer(x, index, weight)
+    kept = torch.zeros(n, 1, dtype=torch.bool)
+    kept[:2] = True
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight, kept), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out[2:], torch.zeros(n - 2, D_MODEL))
+
+
+def test_expert_params_carry_deepspeed_moe_attributes():
+    layer = make_layer(top_k=2)
+    expert_params = list(layer.moe.experts.parameters())
+    assert len(expert_params) == 3 * NUM_EXPERTS
+    assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in expert_params)
+    from deepspeed.moe.utils import is_moe_param
+
+    assert all(is_moe_param(p) for p in expert_params)
+    # each expert is initialised on its own (DeepSpeed's Experts deep-copies one expert)
+    assert not torch.equal(layer.experts[0].w1.weight, layer.experts[1].w1.weight)
+
+
+def test_sequence_parallel_with_tensor_parallel_is_refused():
+    groups = ParallelGroups(
+        world_size=2, rank=0, tp=2, pp=1, dp=1, ep=1, edp=2, tp_rank=0, pp_rank=0, dp_rank=0, ep_rank=0,
+        edp_rank=0, tp_group=None, pp_group=None, dp_group=None, ep_group=None, edp_group=None,
+        tp_ranks=(0, 1), dp_ranks=(0,), ep_ranks=(0,), edp_ranks=(0, 1), ep_group_name="ep_size_1",
+    )
+    with pytest.raises(ValueError, match="gather the sequence"):
+        TriRouteExperts(D_MODEL, D_EXPERT, NUM_EXPERTS, groups, sequence_parallel=True)
