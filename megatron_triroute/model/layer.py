@@ -108,7 +108,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         else:
             weight = tensor_parallel.copy_to_tensor_model_parallel_region(out.experts.weight)
             flat = lambda t: t.transpose(0, 1).reshape(T * B, -1)  # (B, T, k) -> (T*B, k), token-major like h
-            ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight)).view(T, B, -1)
+            ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight), hard=hard).view(T, B, -1)
         x = x + ffn
 
         # --- losses and statistics (lines 5-6) -------------------------------------------------

@@ -23,6 +23,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
 from ..routing.cost import expert_width
+from ..routing.reference import hard_experts
 from .attention import RoutedAttentionSubmodules, TriRouteSelfAttention
 from .layer import TriRouteLayerSubmodules, TriRouteTransformerLayer
 
@@ -63,8 +64,15 @@ class RoutedExperts(MegatronModule):
             sequence_parallel=config.sequence_parallel,
         )
 
-    def forward(self, hidden, expert_index, expert_weight):
+    def forward(self, hidden, expert_index, expert_weight, hard: bool = False):
+        """hidden (N, d); expert_index/weight (N, k). `hard` (inference, one expert-parallel
+        rank): run each expert only on its own tokens instead of DeepSpeed's capacity-padded
+        dispatch, so a null-routed token costs nothing."""
+        if hard and self.experts.num_local_experts == self.experts.num_experts:
+            return hard_experts(hidden, expert_index, expert_weight, list(self.experts.experts))
         return self.experts(hidden, expert_index, expert_weight)
+
+
 
 
 def get_triroute_layer_spec(config: TriRouteConfig, groups=None, use_te: bool | None = None) -> ModuleSpec:

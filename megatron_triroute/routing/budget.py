@@ -55,6 +55,10 @@ class BudgetController(nn.Module):
         self._acc[:2] += cost_sums.to(torch.float64)
         self._acc[2:] += dense_sums.to(torch.float64)
 
+    def discard(self) -> None:
+        """Drop this step's accumulated costs (the step was skipped)."""
+        self._acc.zero_()
+
     @torch.no_grad()
     def step(self, all_reduce: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
         """Reduce the step's accumulators across ranks, update EMA and multipliers; returns the

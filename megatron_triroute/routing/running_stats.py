@@ -66,3 +66,9 @@ def commit_running_statistics(
         n = buf.numel()
         stat.commit(flat[offset : offset + n].view_as(buf))
         offset += n
+
+
+def discard_running_statistics(modules: Iterable[nn.Module]) -> None:
+    """Drop every pending accumulator (a skipped step must not move any statistic)."""
+    for stat in running_statistics(modules):
+        stat.pending().zero_()

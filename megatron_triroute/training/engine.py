@@ -1,0 +1,184 @@
+"""One optimizer step of a TriRoute model on any (TP, PP, EP, DP) layout.
+
+    set step/temperature -> Megatron's forward-backward schedule over the micro-batches
+    -> finite check (all ranks) -> gradient reduction (dense over DP, experts over EDP)
+    -> clip -> optimizer -> router statistics, budget multipliers (global batch, one reduction)
+
+Optimizer engine (our choice): a replicated torch optimizer per model-parallel shard. Megatron's
+tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts; gradients
+are reduced by `parallel.reduce_gradients`. Megatron's schedule runs forward/backward for PP = 1
+and PP > 1 alike, so there is one code path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+from ..routing.gumbel import temperature_at
+from ..routing.running_stats import commit_running_statistics, discard_running_statistics
+
+
+@dataclass
+class MicroBatch:
+    tokens: torch.Tensor
+    """(B, T) int64 input ids."""
+    labels: torch.Tensor
+    """(B, T) int64 next-token targets."""
+    loss_mask: torch.Tensor
+    """(B, T) float: 1 where the target is scored."""
+    sample_index: torch.Tensor
+    """(B,) int64 global sample index (the routing noise key)."""
+
+
+@dataclass
+class StepReport:
+    step: int
+    loss: float
+    """Mean LM loss over the global batch's scored tokens (nan if skipped)."""
+    skipped: bool
+    grad_norm: float
+    tau: float
+    realised: list[float] = field(default_factory=list)
+    """Noise-free (FLOPs, memory) fractions of this global batch."""
+    lambdas: list[float] = field(default_factory=list)
+    statistics: torch.Tensor | None = None
+    """Per-layer router statistics summed over the global batch (see RouterStatistics)."""
+
+
+class TrainEngine:
+    """Owns the step logic; data, checkpoints and logging live in the trainer."""
+
+    def __init__(self, model, groups, optimizer: torch.optim.Optimizer, total_steps: int,
+                 clip_grad: float = 1.0, scheduler=None):
+        self.model, self.groups, self.optimizer = model, groups, optimizer
+        self.scheduler = scheduler
+        self.total_steps = total_steps
+        self.clip_grad = clip_grad
+        self.forward_backward = get_forward_backward_func()
+
+    # ------------------------------------------------------------------------------------
+    def train_step(self, micro_batches: list[MicroBatch], step: int) -> StepReport:
+        from ..parallel.grad_reduce import reduce_gradients
+
+        model, router = self.model, self.model.triroute.router
+        tau = temperature_at(step, self.total_steps, router.tau_start, router.tau_end)
+        model.set_routing_step(step, tau)
+        model.train()
+        n_mb = len(micro_batches)
+        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n_mb))
+        for p in model.parameters():
+            p.grad = None
+        losses = self.forward_backward(
+            forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
+            num_microbatches=n_mb, seq_length=model.routing_seq_len,
+            micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=False,
+        )
+        loss_sum, token_count = self._global_loss(losses)
+        loss = loss_sum / max(token_count, 1.0)
+        if not self._all_finite(loss):
+            self._discard()
+            return StepReport(step, float("nan"), True, float("nan"), tau)
+        reduce_gradients(model, self.groups)
+        grad_norm = self._clip()
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+        commit_running_statistics([model], self._reduce_dp)
+        realised = model.budget.step(self._reduce_dp_pp)
+        stats = model.router_statistics.sums.clone()
+        self._reduce_dp_pp(stats)
+        model.router_statistics.reset()
+        return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.lambdas.tolist(), stats)
+
+    # ------------------------------------------------------------------------------------
+    def _reduce_dp(self, t: torch.Tensor) -> None:
+        if self.groups.dp > 1:
+            dist.all_reduce(t, group=self.groups.dp_group)
+
+    def _reduce_dp_pp(self, t: torch.Tensor) -> None:
+        """Sum over the whole global batch and all layers: DP replicas, then pipeline stages."""
+        self._reduce_dp(t)
+        if self.groups.pp > 1:
+            dist.all_reduce(t, group=self.groups.pp_group)
+
+    def _global_loss(self, losses: list[dict]) -> tuple[float, float]:
+        """Sum of scored-token losses and their count over the global batch (every rank)."""
+        local = torch.zeros(2, dtype=torch.float64)
+        for item in losses:  # only the last pipeline stage returns losses
+            local += item["lm"].double()
+        self._reduce_dp_pp(local)
+        return local[0].item(), local[1].item()
+
+    def _all_finite(self, loss: float) -> bool:
+        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0])
+        for p in self.model.parameters():
+            if p.grad is not None and not torch.isfinite(p.grad).all():
+                bad += 1
+                break
+        dist.all_reduce(bad)  # every rank skips together
+        return bad.item() == 0
+
+    def _discard(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+        discard_running_statistics([self.model])
+        self.model.budget.discard()
+        self.model.router_statistics.reset()
+
+    def _clip(self) -> float:
+        """Global gradient L2 norm over every parameter once, then clip to `clip_grad`.
+
+        Tensor-parallel shards sum over TP; replicated (non-TP) dense parameters count once;
+        experts sum over the expert-parallel group; all of it sums over pipeline stages.
+        """
+        g = self.groups
+        parts = torch.zeros(3, dtype=torch.float64)  # [tp-sharded, replicated, expert]
+        grads = []
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            grads.append(p.grad)
+            sq = p.grad.detach().double().pow(2).sum()
+            if getattr(p, "allreduce", True) is False:
+                parts[2] += sq
+            elif getattr(p, "tensor_model_parallel", False):
+                parts[0] += sq
+            else:
+                parts[1] += sq
+        sharded = parts[0:1].clone()
+        if g.tp > 1:
+            dist.all_reduce(sharded, group=g.tp_group)
+        expert = parts[2:3].clone()
+        if g.ep > 1:
+            dist.all_reduce(expert, group=g.ep_group)
+        total = sharded + parts[1:2] + expert
+        if g.pp > 1:
+            dist.all_reduce(total, group=g.pp_group)
+        norm = total.sqrt().item()
+        if self.clip_grad > 0 and norm > self.clip_grad:
+            scale = self.clip_grad / (norm + 1e-6)
+            for grad in grads:
+                grad.mul_(scale)
+        return norm
+
+
+def _forward_step(data_iterator: Iterator[MicroBatch], model):
+    """Megatron schedule callback: run one micro-batch, return its loss function."""
+    mb = next(data_iterator)
+    output = model(mb.tokens, mb.sample_index, labels=mb.labels)
+    return output, lambda out: _loss(out, mb)
+
+
+def _loss(per_token: torch.Tensor, mb: MicroBatch):
+    mask = mb.loss_mask.float()
+    loss_sum = (per_token.float() * mask).sum()
+    count = mask.sum()
+    report = {"lm": torch.stack([loss_sum.detach().double(), count.double()])}
+    return loss_sum, count.clamp_min(1).to(torch.int), report

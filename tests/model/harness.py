@@ -1,0 +1,42 @@
+"""Builders shared by the Megatron-integration tests (run inside gloo processes)."""
+
+import torch
+
+from megatron_triroute.config import TriRouteConfig
+
+
+def tiny_triroute(**router) -> TriRouteConfig:
+    cfg = TriRouteConfig()
+    m = cfg.model
+    m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.vocab_size, m.seq_len = 32, 2, 4, 2, 64, 64, 12
+    r = cfg.router
+    r.d_router, r.num_experts, r.window, r.kv_group_size = 16, 4, 3, 8
+    for k, v in router.items():
+        setattr(r, k, v)
+    return cfg.validate()
+
+
+def build(cfg: TriRouteConfig, tp=1, pp=1, ep=1, seed=1234, recompute=False):
+    """Initialise parallel state and build the TriRoute GPT (this rank's stage)."""
+    from megatron.core import parallel_state
+
+    from megatron_triroute.model.gpt import TriRouteGPTModel
+    from megatron_triroute.model.spec import transformer_config
+    from megatron_triroute.parallel import apply_cpu_workarounds, initialize_parallel
+
+    apply_cpu_workarounds()
+    groups = initialize_parallel(tp, pp, ep)
+    torch.manual_seed(seed)
+    mcfg = transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, recompute=recompute)
+    model = TriRouteGPTModel(
+        mcfg, cfg, groups=groups,
+        pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    return model, groups
+
+
+def batch(cfg: TriRouteConfig, n: int = 2, seed: int = 0, offset: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    T, V = cfg.model.seq_len, cfg.model.vocab_size
+    tokens = torch.randint(0, V, (n, T + 1), generator=g)
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.arange(offset, offset + n)

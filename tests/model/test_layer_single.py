@@ -1,0 +1,109 @@
+"""Single-process checks of the TriRoute layer inside Megatron's TransformerBlock."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from tests.dist_utils import run_distributed
+from tests.model.harness import batch, build, tiny_triroute
+
+
+def _force(layer, attn_mode: int, bit_option: int, expert_option: int):
+    """Make the controller's decisions constant through huge head biases."""
+    with torch.no_grad():
+        heads = layer.controller.heads
+        b = torch.full_like(heads["attn"].bias, -1e4).view(-1, 3)
+        b[:, attn_mode] = 1e4
+        heads["attn"].bias.copy_(b.view(-1))
+        if "bits" in heads:
+            b = torch.full_like(heads["bits"].bias, -1e4)
+            b[bit_option] = 1e4
+            heads["bits"].bias.copy_(b)
+        b = torch.full_like(heads["experts"].bias, -1e4)
+        b[expert_option] = 1e4
+        heads["experts"].bias.copy_(b)
+
+
+def _layer_io(model, tokens, sample_index):
+    """Input and output of decoder layer 0 in eval mode."""
+    captured = {}
+    layer = model.decoder.layers[0]
+    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw["hidden_states"]), with_kwargs=True)
+    h2 = layer.register_forward_hook(lambda m, a, kw, out: captured.__setitem__("out", out[0]), with_kwargs=True)
+    model.eval()
+    with torch.no_grad():
+        model(tokens, sample_index)
+    h1.remove(), h2.remove()
+    return captured["in"], captured["out"]
+
+
+def _checks(rank, world_size):
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    from megatron_triroute.model.layer import TriRouteTransformerLayer
+
+    # --- the spec plugs into Megatron's own block ---------------------------------------------
+    cfg = tiny_triroute(top_k=1)
+    model, _ = build(cfg)
+    assert type(model.decoder) is TransformerBlock
+    assert all(type(l) is TriRouteTransformerLayer for l in model.decoder.layers)
+    tokens, labels, idx = batch(cfg)
+    T = cfg.model.seq_len
+
+    # --- all skip + null: the layer is the identity; only the controller computes ---------------
+    layer = model.decoder.layers[0]
+    _force(layer, attn_mode=0, bit_option=0, expert_option=0)
+    x_in, x_out = _layer_io(model, tokens, idx)
+    assert torch.equal(x_out[:T], x_in[:T])
+    with FlopCounterMode(display=False) as whole:
+        layer(hidden_states=x_in, attention_mask=None, rotary_pos_emb=None)
+    with FlopCounterMode(display=False) as ctrl:
+        layer.controller(x_in[:T].transpose(0, 1), torch.zeros(2, T, 3 + 4 + 4), None, 1.0, None)
+    assert whole.get_total_flops() == ctrl.get_total_flops() > 0, (whole.get_flop_counts(), ctrl.get_flop_counts())
+
+    # --- forced full + 16 bits + one fixed expert (k=1) equals the dense computation ----------
+    _force(layer, attn_mode=2, bit_option=3, expert_option=2)  # option 2 = real expert 1
+    x_in, x_out = _layer_io(model, tokens, idx)
+    x = x_in[:T]
+    rope = model.rotary_pos_emb(T)
+    att = layer.self_attention
+    h = layer.input_layernorm(x)
+    W = att.linear_qkv.weight.view(2, 4, 8, 32)  # (kv, q-per-kv + k + v, d_h, d)
+    q = torch.einsum("tbd,kgcd->tbkgc", h, W[:, :2]).reshape(T, 2, 4, 8)
+    k = torch.einsum("tbd,kcd->tbkc", h, W[:, 2])
+    v = torch.einsum("tbd,kcd->tbkc", h, W[:, 3])
+    from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+
+    q, k = apply_rotary_pos_emb(q, rope, att.config), apply_rotary_pos_emb(k, rope, att.config)
+    k, v = k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)
+    ctx = F.scaled_dot_product_attention(q.permute(1, 2, 0, 3), k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3), is_causal=True)
+    x = x + ctx.permute(2, 0, 1, 3).reshape(T, 2, 32) @ att.linear_proj.weight.T
+    expert = layer.mlp.experts.experts[1]
+    x = x + expert(layer.pre_mlp_layernorm(x))
+    assert torch.allclose(x_out[:T], x, atol=1e-5), (x_out[:T] - x).abs().max()
+    model.train()  # relaxed path with the same forced decisions gives the same layer output
+    out_train = layer(hidden_states=x_in, attention_mask=None, rotary_pos_emb=rope)[0]
+    assert torch.allclose(out_train[:T], x, atol=1e-5)
+
+    # --- causality of the whole GPT in training mode (noise on, no-drop) ----------------------
+    cfg = tiny_triroute()
+    from megatron_triroute.parallel import destroy_parallel
+
+    destroy_parallel()
+    model, _ = build(cfg, seed=7)
+    model.train()
+    t = 5
+    changed = tokens.clone()
+    changed[:, t + 1 :] = (changed[:, t + 1 :] + 3) % cfg.model.vocab_size
+    la = model(tokens, idx, labels=labels)
+    lb = model(changed, idx, labels=labels)
+    assert torch.equal(la[:, : t + 1], lb[:, : t + 1])
+    assert not torch.equal(la[:, t + 1 :], lb[:, t + 1 :])
+
+
+@pytest.mark.distributed
+def test_triroute_layer_in_megatron_block_single_process():
+    run_distributed(_checks, 1)
