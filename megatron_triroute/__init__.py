@@ -1,12 +1,27 @@
 """megatron-triroute: TriRoute transformers (joint attention / expert / KV-precision routing)
-trained on Megatron-Core with DeepSpeed-MoE expert parallelism."""
+trained on Megatron-Core with DeepSpeed-MoE expert parallelism.
 
-from .config import BudgetConfig, ConfigError, LossConfig, ModelConfig, RouterConfig, TriRouteConfig
-from .routing import BudgetController, TriRouteController, expected_cost, st_gumbel_softmax
+The top-level names are resolved lazily: `import megatron_triroute.training.signals` must not
+import torch, so stop signals can be handled from the first line of a launched process.
+"""
+
+from importlib import import_module
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "BudgetConfig", "BudgetController", "ConfigError", "LossConfig", "ModelConfig", "RouterConfig",
-    "TriRouteConfig", "TriRouteController", "expected_cost", "st_gumbel_softmax",
-]
+_EXPORTS = {
+    "BudgetConfig": ".config", "ConfigError": ".config", "LossConfig": ".config", "ModelConfig": ".config",
+    "RouterConfig": ".config", "TriRouteConfig": ".config",
+    "BudgetController": ".routing", "TriRouteController": ".routing", "expected_cost": ".routing",
+    "st_gumbel_softmax": ".routing",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(import_module(_EXPORTS[name], __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'megatron_triroute' has no attribute {name!r}")

@@ -49,16 +49,6 @@ def test_real_signal_sets_flag_and_worker_exits_requeue(signum):
     assert f"on signal {int(signum)}" in out
 
 
-# The package's __init__ re-exports torch modules eagerly, so `import megatron_triroute.training.signals`
-# imports torch before the handlers can be installed.
-PACKAGE_IMPORTS_TORCH = pytest.mark.xfail(
-    reason="megatron_triroute/__init__.py imports torch eagerly; its re-exports must become lazy "
-    "(module __getattr__) for stop handlers to be installable before `import torch`",
-    strict=False,
-)
-
-
-@PACKAGE_IMPORTS_TORCH
 def test_signal_during_slow_import_is_not_fatal():
     # A signal arriving before the loop (during `import torch`) is remembered, not fatal.
     worker = subprocess.Popen(
@@ -115,7 +105,6 @@ def test_signals_module_imports_nothing_heavy():
     assert out.stdout.strip() == "[]", out.stderr
 
 
-@PACKAGE_IMPORTS_TORCH
 def test_importing_signals_through_the_package_imports_nothing_heavy():
     code = HEAVY_CHECK.format(load="import megatron_triroute.training.signals")
     out = subprocess.run(
