@@ -17,4 +17,12 @@ def build_controller(config: TriRouteConfig, layer_number: int) -> nn.Module:
     kind = config.router.kind
     if kind == "triroute":
         return TriRouteController(config, layer_number)
-    raise NotImplementedError(f"router.kind={kind!r} has no controller yet")
+    if kind == "mod":
+        from .mod import MoDController
+
+        return MoDController(config, layer_number)
+    if kind == "independent":
+        from .independent import IndependentController
+
+        return IndependentController(config, layer_number)
+    raise NotImplementedError(f"router.kind={kind!r} has no controller; use triroute, mod or independent")
