@@ -112,7 +112,7 @@ def get_triroute_block_spec(config: TriRouteConfig, megatron_config: Transformer
 
 
 def transformer_config(config: TriRouteConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       expert_parallel: int = 1, bf16: bool = False, recompute: bool = False,
+                       bf16: bool = False, recompute: bool = False,
                        **overrides) -> TransformerConfig:
     """Megatron TransformerConfig for the backbone described by `config.model`.
 
@@ -127,7 +127,9 @@ def transformer_config(config: TriRouteConfig, tensor_parallel: int = 1, pipelin
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu, add_bias_linear=False,
         hidden_dropout=0.0, attention_dropout=0.0, layernorm_epsilon=1e-5, init_method_std=0.02,
         tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel,
-        expert_model_parallel_size=expert_parallel, sequence_parallel=False,
+        # Experts are DeepSpeed-MoE modules placed by `parallel.groups`; Megatron's own layers
+        # never see an expert, so its config keeps expert_model_parallel_size=1.
+        expert_model_parallel_size=1, sequence_parallel=False,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
         apply_rope_fusion=False, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,

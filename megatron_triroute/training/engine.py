@@ -21,6 +21,7 @@ import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
+from ..routing.grad_balance import GradBalance
 from ..routing.gumbel import temperature_at
 from ..routing.running_stats import commit_running_statistics, discard_running_statistics
 
@@ -90,6 +91,11 @@ class TrainEngine:
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
+        # Each replica back-propagated its own mean loss; the global loss is their mean, so the
+        # squared gradient norms the balancing EMA sees are scaled by 1/dp^2 before summing.
+        for module in model.modules():
+            if isinstance(module, GradBalance):
+                module.pending().mul_(1.0 / self.groups.dp**2)
         commit_running_statistics([model], self._reduce_dp)
         realised = model.budget.step(self._reduce_dp_pp)
         stats = model.router_statistics.sums.clone()

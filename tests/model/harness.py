@@ -27,7 +27,7 @@ def build(cfg: TriRouteConfig, tp=1, pp=1, ep=1, seed=1234, recompute=False):
     apply_cpu_workarounds()
     groups = initialize_parallel(tp, pp, ep)
     torch.manual_seed(seed)
-    mcfg = transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep, recompute=recompute)
+    mcfg = transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, recompute=recompute)
     model = TriRouteGPTModel(
         mcfg, cfg, groups=groups,
         pre_process=parallel_state.is_pipeline_first_stage(), post_process=parallel_state.is_pipeline_last_stage(),
