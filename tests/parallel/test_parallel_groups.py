@@ -58,6 +58,8 @@ def _check_two_process_layouts(rank, world_size):
     for tp, pp, ep in ((1, 1, 2), (1, 2, 1), (2, 1, 1), (1, 1, 1)):
         groups = initialize_parallel(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
         _check_layout(groups, world_size, tp, pp, ep)
+        if pp == 2:
+            _check_pipeline_schedule_runs(groups)
         with pytest.raises(RuntimeError, match="destroy_parallel"):
             initialize_parallel(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep)
         destroy_parallel()
@@ -73,6 +75,42 @@ def _check_two_process_layouts(rank, world_size):
     with pytest.raises(GroupMismatchError, match="expert-data-parallel"):
         check_deepspeed_matches_megatron(dataclasses.replace(groups, edp_ranks=(0, 1)))
     destroy_parallel()
+
+
+def _check_pipeline_schedule_runs(groups):
+    """Megatron's 1F1B schedule over two gloo stages (p2p shapes, token counters, RNG tracker on CPU)."""
+    import torch
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer import TransformerConfig
+
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    config = TransformerConfig(
+        num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+        gradient_accumulation_fusion=False, masked_softmax_fusion=False, bias_activation_fusion=False,
+        bias_dropout_fusion=False, persist_layer_norm=False, pipeline_model_parallel_size=groups.pp,
+        pipeline_dtype=torch.float32,
+    )
+    last_stage = parallel_state.is_pipeline_last_stage()
+    model = GPTModel(config, get_gpt_layer_local_spec(), vocab_size=64, max_sequence_length=16,
+                     position_embedding_type="rope", pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=last_stage, share_embeddings_and_output_weights=False)
+    tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(16).expand(2, 16)
+
+    def forward_step(data_iterator, model):
+        per_token = model(tokens, positions, None, labels=tokens)
+        return per_token, lambda out: (out.float().mean(), {"loss": out.float().mean().detach()})
+
+    losses = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([None, None]), model=[model], num_microbatches=2,
+        seq_length=16, micro_batch_size=2, forward_only=False,
+    )
+    assert len(losses) == (2 if last_stage else 0)
+    assert all(torch.isfinite(loss["loss"]) for loss in losses)
+    assert all(param.grad is not None for param in model.parameters())  # gradients crossed the stages
 
 
 def _check_four_process_layouts(rank, world_size):
@@ -150,7 +188,7 @@ def _check_expert_layer_tp2_ep2(groups):
 
 
 @pytest.mark.distributed
-def test_two_process_layouts_match_megatron_and_deepspeed():
+def test_two_process_layouts_match_megatron_and_deepspeed_and_pipeline_runs():
     run_distributed(_check_two_process_layouts, 2)
 
 
