@@ -37,6 +37,7 @@ def scores(c, hidden):
 def test_capacity_rounds_half_up_and_keeps_at_least_one_token():
     assert capacity_tokens(0.5, 12) == 6
     assert capacity_tokens(0.125, 12) == 2  # 1.5 -> 2
+    assert capacity_tokens(0.25, 10) == 3  # 2.5 -> 3 (half up, not to even)
     assert capacity_tokens(0.2, 12) == 2  # 2.4 -> 2
     assert capacity_tokens(0.01, 12) == 1
     assert capacity_tokens(1.0, 12) == 12
