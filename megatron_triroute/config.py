@@ -134,6 +134,13 @@ class RouterConfig:
     KV-quant-only and Dense systems)."""
     expert_routing: bool = True
     """False: the FFN is dense; the expert head is not built."""
+    # --- MoD baseline knobs (router.kind = "mod" / "independent") --------------------------
+    mod_capacity: float = 0.5
+    """MoD: fraction c of each sequence's tokens a block processes in training (k = max(1, round(c*T)))."""
+    mod_predictor_weight: float = 1e-2
+    """MoD: weight of the causal predictor's BCE (the family's extra_loss)."""
+    mod_predictor_width: int = 128
+    """MoD: hidden width of the causal predictor MLP."""
 
     @property
     def num_expert_options(self) -> int:
@@ -175,6 +182,12 @@ class RouterConfig:
             _fail(f"{path}.sharing", self.sharing, "unknown", "use shared_trunk, separate or single_head")
         if self.estimator not in ("st_gumbel", "reinforce"):
             _fail(f"{path}.estimator", self.estimator, "unknown", "use st_gumbel or reinforce")
+        if not 0.0 < self.mod_capacity <= 1.0:
+            _fail(f"{path}.mod_capacity", self.mod_capacity, "the processed fraction must be in (0, 1]", "use e.g. 0.5")
+        if self.mod_predictor_weight < 0:
+            _fail(f"{path}.mod_predictor_weight", self.mod_predictor_weight, "must be >= 0", "use 1e-2")
+        if self.mod_predictor_width <= 0:
+            _fail(f"{path}.mod_predictor_width", self.mod_predictor_width, "must be positive", "use 128")
         if self.kv_group_size <= 0:
             _fail(f"{path}.kv_group_size", self.kv_group_size, "must be positive", "use 32")
         if model is not None and model.d_head % self.group_size_for(model):

@@ -107,7 +107,6 @@ class TriRouteController(nn.Module):
         self.layer_number = layer_number
         self.n_heads = model.n_heads
         self.n_bits = len(router.bits) if router.bit_routing else 1
-        self.input_norm = nn.RMSNorm(model.d_model)
         d_in = model.d_model + STATIC_FEATURES + decision_feature_size(len(router.bits))
 
         sizes: dict[str, int] = {}
@@ -123,7 +122,10 @@ class TriRouteController(nn.Module):
 
         head = lambda n: RouterHead(router.d_router, n, router.whitening, router.whitening_momentum,
                                     router.whitening_eps)
-        if router.sharing == "separate":
+        self.input_norm = nn.RMSNorm(model.d_model) if sizes else None
+        if not sizes:  # nothing routed (Dense, KV-quant-only): no trunk, no unused parameters
+            pass
+        elif router.sharing == "separate":
             self.trunks = nn.ModuleDict({a: Trunk(d_in, router.d_router) for a in sizes})
             self.heads = nn.ModuleDict({a: head(n) for a, n in sizes.items()})
         else:
@@ -146,6 +148,8 @@ class TriRouteController(nn.Module):
     # ------------------------------------------------------------------------------------
     def logits(self, hidden: torch.Tensor, side: torch.Tensor) -> dict[str, torch.Tensor]:
         """Raw per-axis logits (B, T, n_axis) from [Norm(x); psi]."""
+        if not self.sizes:
+            return {}
         x = torch.cat([self.input_norm(hidden.float()), side.float()], dim=-1)
         sharing = self.config.router.sharing
         if sharing == "separate":

@@ -59,11 +59,11 @@ class MoDConfig:
 
     @classmethod
     def from_router(cls, router: RouterConfig, path: str = "router") -> "MoDConfig":
-        """The knobs as the config sets them, validated; defaults where the config has no field."""
+        """The knobs as the config sets them, validated."""
         knobs = cls(
-            capacity=float(getattr(router, "mod_capacity", cls.capacity)),  # config field
-            predictor_weight=float(getattr(router, "mod_predictor_weight", cls.predictor_weight)),  # config field
-            predictor_width=int(getattr(router, "mod_predictor_width", cls.predictor_width)),  # config field
+            capacity=router.mod_capacity,
+            predictor_weight=router.mod_predictor_weight,
+            predictor_width=router.mod_predictor_width,
         )
         knobs.validate(path)
         return knobs
