@@ -96,7 +96,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
         modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
         bit_weights = tensor_parallel.copy_to_tensor_model_parallel_region(out.bits.y)
-        hard = not self.training
+        hard = not self.training and state.hard_execution
         attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, out.bits.y.argmax(-1),
                                    rotary_pos_emb=rotary_pos_emb, hard=hard)
         x = x + attn

@@ -62,6 +62,11 @@ class RoutingStepState:
     tau: float = 2.0
     record: bool = field(default=True)
     """Accumulate statistics (off for evaluation passes that must not move the budget)."""
+    hard_execution: bool = False
+    """In eval mode, run the hard path (only what decisions select executes, token by token).
+    False: evaluate with the noise-free one-hot decisions on the batched relaxed path, which
+    computes the same outputs (tested) much faster; the hard path is the executed-cost
+    reference for the inference engine."""
 
     def should_record(self, training: bool) -> bool:
         return self.record and training and not in_backward_pass()
