@@ -47,6 +47,7 @@ class DatasetWriter:
         self.prefix = prefix
         self.suffix = f"{TMP_MARK}write" if temporary else ""
         self.documents = 0
+        """Documents added with `add` (not counting appended datasets)."""
         self.tokens = 0
         module = _indexed_dataset_module()
         self._builder = module.IndexedDatasetBuilder(str(prefix) + ".bin" + self.suffix, dtype=dtype)
@@ -57,12 +58,9 @@ class DatasetWriter:
         self.tokens += len(tokens)
 
     def append_dataset(self, prefix: Path) -> None:
-        """Concatenate another dataset of the same dtype (Megatron's `add_index`)."""
-        before = len(self._builder.document_indices)
+        """Concatenate another dataset of the same dtype (Megatron's `add_index`). The callers know
+        the part's sizes from its stats, so `documents`/`tokens` are not updated here."""
         self._builder.add_index(str(prefix))
-        index = self._builder.sequence_lengths
-        self.documents += len(self._builder.document_indices) - before
-        self.tokens = int(np.sum(index, dtype=np.int64)) if index else 0
 
     def finish(self) -> None:
         self._builder.finalize(str(self.prefix) + ".idx" + self.suffix)
