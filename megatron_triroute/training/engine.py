@@ -103,6 +103,32 @@ class TrainEngine:
         model.router_statistics.reset()
         return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.lambdas.tolist(), stats)
 
+    @torch.no_grad()
+    def evaluate(self, batches: list[MicroBatch]) -> float:
+        """Mean loss per scored token over `batches` with noise-free decisions (eval mode).
+
+        Data-parallel ranks split the batches (each the same number, since expert-parallel
+        all-to-alls span data-parallel ranks); nothing is recorded into the router statistics.
+        """
+        model, g = self.model, self.groups
+        usable = len(batches) - len(batches) % g.dp
+        mine = batches[g.dp_rank : usable : g.dp]
+        local = torch.zeros(2, dtype=torch.float64)
+        if mine:
+            model.eval()
+            try:
+                losses = self.forward_backward(
+                    forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
+                    num_microbatches=len(mine), seq_length=model.routing_seq_len,
+                    micro_batch_size=mine[0].tokens.shape[0], forward_only=True,
+                )
+            finally:
+                model.train()
+            for item in losses:
+                local += item["lm"].double()
+        self._reduce_dp_pp(local)
+        return local[0].item() / max(local[1].item(), 1.0)
+
     # ------------------------------------------------------------------------------------
     def _reduce_dp(self, t: torch.Tensor) -> None:
         if self.groups.dp > 1:

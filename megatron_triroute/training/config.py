@@ -1,0 +1,181 @@
+"""The run configuration: the routing tree plus parallel layout, optimizer, schedule, data, output.
+
+`RunConfig` is what a recipe returns, what `key=value` overrides edit, what is printed at
+start, and what every checkpoint stores (as JSON).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..config import ConfigError, TriRouteConfig, _fail, _from_dict
+
+
+@dataclass
+class ParallelConfig:
+    tensor: int = 1
+    """Tensor-parallel size; must divide n_kv_heads (and n_heads)."""
+    pipeline: int = 1
+    """Pipeline stages; must divide n_layers."""
+    expert: int = 1
+    """Expert-parallel size (DeepSpeed-MoE); must divide num_experts."""
+
+
+@dataclass
+class OptimConfig:
+    """AdamW with cosine decay and linear warmup (Appendix B)."""
+
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    """Final LR as a fraction of the peak (ours)."""
+    warmup_steps: int = 2000
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 1000
+    """Optimizer steps (recipes derive it from ~20 tokens per parameter)."""
+    global_batch_size: int = 8
+    """Sequences per optimizer step, over all data-parallel ranks."""
+    micro_batch_size: int = 4
+    bf16: bool | None = None
+    """None: bf16 on GPU, fp32 on CPU. The router always runs in fp32."""
+    recompute: bool = False
+    """Full activation recomputation of every layer (Megatron's 'full'/'uniform')."""
+    log_interval: int = 10
+    eval_interval: int = 200
+    eval_batches: int = 8
+    """Validation micro-batches per evaluation (held-out set and each tail bucket)."""
+    save_interval_steps: int = 1000
+    save_interval_minutes: float = 30.0
+    keep_last: int = 3
+    max_nonfinite_steps: int = 5
+    """Abort after this many consecutive non-finite steps (each is skipped)."""
+    collapse_entropy: float = 0.1
+    """Warn when an axis's normalised option entropy in a layer falls below this."""
+
+    @property
+    def dtype_name(self) -> str:
+        import torch
+
+        bf16 = torch.cuda.is_available() if self.bf16 is None else self.bf16
+        return "bf16" if bf16 else "fp32"
+
+
+@dataclass
+class DataConfig:
+    path: str = "data/tiny"
+    """A `python -m data_prep build` output directory."""
+    train_prefixes: tuple[str, ...] = ("train_text_document",)
+    train_weights: tuple[float, ...] = ()
+    """Blend weights of `train_prefixes` (empty: proportional to size, Megatron's default)."""
+    valid_prefix: str = "valid_text_document"
+    buckets: tuple[str, ...] = ("rare_entity", "code", "math", "long_context")
+    seed: int = 1234
+
+
+@dataclass
+class RunConfig:
+    name: str = "tiny"
+    system: str = "triroute"
+    """Which of the six systems or Table 4 variants (see `megatron_triroute.systems`)."""
+    triroute: TriRouteConfig = field(default_factory=TriRouteConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    output_dir: str = "runs/tiny"
+
+    def validate(self, world_size: int | None = None) -> "RunConfig":
+        self.triroute.validate()
+        m, r, p, t = self.triroute.model, self.triroute.router, self.parallel, self.train
+        for name in ("tensor", "pipeline", "expert"):
+            if getattr(p, name) < 1:
+                _fail(f"parallel.{name}", getattr(p, name), "must be >= 1", "use 1 to disable")
+        if m.n_kv_heads % p.tensor:
+            divisors = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0]
+            _fail("parallel.tensor", p.tensor, f"does not divide n_kv_heads={m.n_kv_heads}",
+                  f"use parallel.tensor in {divisors}")
+        if m.n_layers % p.pipeline:
+            _fail("parallel.pipeline", p.pipeline, f"does not divide n_layers={m.n_layers}",
+                  "choose a divisor of the layer count")
+        if r.expert_routing and r.num_experts % p.expert:
+            _fail("parallel.expert", p.expert, f"does not divide num_experts={r.num_experts}",
+                  "choose a divisor of the expert count")
+        if t.global_batch_size % t.micro_batch_size:
+            _fail("train.global_batch_size", t.global_batch_size,
+                  f"not a multiple of micro_batch_size={t.micro_batch_size}", "adjust either")
+        if world_size is not None:
+            mp = p.tensor * p.pipeline
+            if world_size % mp:
+                _fail("parallel", (p.tensor, p.pipeline), f"tensor x pipeline does not divide world size {world_size}",
+                      "change the layout or the number of processes")
+            dp = world_size // mp
+            if (dp * p.tensor) % p.expert:
+                _fail("parallel.expert", p.expert, f"does not divide data x tensor parallel = {dp * p.tensor}",
+                      "choose an expert-parallel size that divides it")
+            if t.global_batch_size % (t.micro_batch_size * dp):
+                _fail("train.global_batch_size", t.global_batch_size,
+                      f"not divisible by micro_batch_size x data_parallel = {t.micro_batch_size} x {dp}",
+                      "scale the global batch or the micro-batch")
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "RunConfig":
+        return _from_dict(cls, data, "run")
+
+
+def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
+    """Apply `a.b.c=value` overrides in place; values parse as the field's type."""
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
+        key, raw = item.split("=", 1)
+        target: Any = config
+        parts = key.split(".")
+        for part in parts[:-1]:
+            if not dataclasses.is_dataclass(target) or not hasattr(target, part):
+                raise ConfigError(f"override {key!r}: no section {part!r}. Fix: check the name against the printed config.")
+            target = getattr(target, part)
+        leaf = parts[-1]
+        fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
+        if leaf not in fields:
+            raise ConfigError(f"override {key!r}: unknown field {leaf!r}. Fix: use one of {sorted(fields)}.")
+        setattr(target, leaf, _parse(raw, getattr(target, leaf), key))
+    return config
+
+
+def _parse(raw: str, current: Any, key: str) -> Any:
+    try:
+        if isinstance(current, bool) or current is None and raw.lower() in ("true", "false", "none"):
+            lowered = raw.lower()
+            if lowered == "none":
+                return None
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return lowered in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, tuple):
+            items = [s for s in raw.split(",") if s]
+            kind = type(current[0]) if current else str
+            return tuple(kind(s) for s in items)
+        return raw
+    except ValueError:
+        raise ConfigError(f"override {key}={raw!r}: cannot parse as {type(current).__name__}") from None

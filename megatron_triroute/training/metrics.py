@@ -1,0 +1,111 @@
+"""Turning step reports into TensorBoard scalars, console progress and collapse warnings.
+
+Scalars (tag names are stable; tests read them back):
+  train/lm_loss, train/lr, train/temperature, train/tokens_per_s, train/grad_norm,
+  budget/lambda_{flops,mem}, budget/realised_{flops,mem}, budget/target_{flops,mem},
+  router/{attn,experts,bits}/fraction_{option}        (global, all layers)
+  router/{attn,experts,bits}/entropy/layer_{l}        (normalised marginal entropy per layer)
+  valid/ppl, valid/{bucket}_ppl
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import torch
+
+from ..config import ATTN_MODES, TriRouteConfig
+from ..model.step_state import RouterStatistics
+
+log = logging.getLogger("megatron_triroute.train")
+
+
+def axis_options(config: TriRouteConfig) -> dict[str, list[str]]:
+    r = config.router
+    experts = (["null"] if r.null_expert else []) + [f"e{i}" for i in range(r.num_experts)]
+    bits = [f"{b}bit" for b in (r.bits if r.bit_routing else (r.uniform_bits,))]
+    out = {"attn": list(ATTN_MODES), "bits": bits}
+    if r.expert_routing:
+        out["experts"] = experts
+    return out
+
+
+def router_scalars(stats: torch.Tensor, config: TriRouteConfig) -> tuple[dict[str, float], dict[str, list[float]]]:
+    """Global option fractions and per-layer normalised marginal entropies from the step's
+    per-layer sums (RouterStatistics layout)."""
+    layout = RouterStatistics(config)
+    sl = layout.slices()
+    tokens = stats[:, sl["tokens"]].clamp_min(1)  # (L, 1)
+    scalars: dict[str, float] = {}
+    entropies: dict[str, list[float]] = {}
+    for axis, names in axis_options(config).items():
+        frac = stats[:, sl[f"{axis}/fraction"]].sum(0) / tokens.sum()
+        for name, value in zip(names, frac.tolist()):
+            scalars[f"router/{axis}/fraction_{name}"] = value
+        probs = stats[:, sl[f"{axis}/prob"]] / tokens  # (L, O) marginal soft probabilities
+        if len(names) > 1 and probs.sum() > 0:
+            p = probs.clamp_min(1e-12)
+            ent = (-(p * p.log()).sum(-1) / math.log(len(names))).tolist()
+            entropies[axis] = ent
+            for layer, value in enumerate(ent):
+                scalars[f"router/{axis}/entropy/layer_{layer}"] = value
+    return scalars, entropies
+
+
+def collapse_warnings(entropies: dict[str, list[float]], threshold: float) -> list[str]:
+    return [f"router collapse: axis '{axis}' in layer {layer} has normalised entropy {value:.3f} < {threshold}"
+            for axis, values in entropies.items() for layer, value in enumerate(values) if value < threshold]
+
+
+class Progress:
+    """Console progress line: step, loss, rate, ETA."""
+
+    def __init__(self, total_steps: int, start_step: int, tokens_per_step: int):
+        self.total, self.start = total_steps, start_step
+        self.tokens_per_step = tokens_per_step
+        self.t0 = time.time()
+        self.last = self.t0
+
+    def line(self, step: int, loss: float, realised: list[float], lambdas: list[float], lr: float) -> tuple[str, float]:
+        now = time.time()
+        done = step + 1 - self.start
+        rate = done / max(now - self.t0, 1e-9)
+        eta = (self.total - step - 1) / max(rate, 1e-9)
+        tokens_per_s = rate * self.tokens_per_step
+        text = (f"step {step + 1}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
+                f"cost flops {realised[0]:.3f} mem {realised[1]:.3f} | lambda {' '.join(f'{x:.3f}' for x in lambdas)} | "
+                f"{tokens_per_s:,.0f} tok/s | {rate:.2f} it/s | ETA {_hms(eta)}")
+        return text, tokens_per_s
+
+
+def _hms(seconds: float) -> str:
+    seconds = int(seconds)
+    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+class TensorBoard:
+    """Writes scalars on one rank only (others get a no-op)."""
+
+    def __init__(self, log_dir: str | None):
+        self.writer = None
+        if log_dir is not None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(log_dir=log_dir)
+
+    def scalars(self, values: dict[str, float], step: int) -> None:
+        if self.writer is None:
+            return
+        for tag, value in values.items():
+            if value is not None and math.isfinite(value):
+                self.writer.add_scalar(tag, value, step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()

@@ -1,0 +1,186 @@
+"""The pretraining loop: build, resume, train, evaluate, checkpoint, stop cleanly.
+
+Exit statuses: 0 finished; 75 (signals.EXIT_REQUEUE) checkpointed on SIGTERM/SIGUSR1 and wants to be
+resumed; 1 an error (including too many consecutive non-finite steps).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from . import signals
+from .config import RunConfig
+
+log = logging.getLogger("megatron_triroute.train")
+
+
+class NonFiniteLossError(RuntimeError):
+    pass
+
+
+def build_optimizer(model, run: RunConfig):
+    """AdamW (Appendix B) with no weight decay on norms, biases and gains; warmup + cosine."""
+    o = run.optim
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    )
+    total, warmup = run.train.steps, o.warmup_steps
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def train(run: RunConfig, env, tables) -> int:
+    """Run (or resume) `run` on this process's rank with the tokenizer's token `tables`
+    (vocabulary already padded to `run.triroute.model.vocab_size`). Returns the exit status."""
+    from ..model.gpt import TriRouteGPTModel
+    from ..model.spec import transformer_config
+    from ..parallel import apply_cpu_workarounds, initialize_parallel
+    from . import data as data_mod
+    from .engine import TrainEngine
+    from .metrics import Progress, TensorBoard, collapse_warnings, router_scalars
+    from .run_state import load_run, save_run
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
+    # the launcher (torchrun's agent, srun --kill-on-bad-exit), not by this timeout.
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(env.local_rank)
+    apply_cpu_workarounds()
+    p = run.parallel
+    groups = initialize_parallel(p.tensor, p.pipeline, p.expert)
+    rank0 = groups.rank == 0
+    out = Path(run.output_dir)
+    if rank0:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text(run.to_json())
+        log.info("resolved config:\n%s", run.to_json())
+
+    torch.manual_seed(run.triroute.seed)  # identical initialisation on every data-parallel replica
+    from megatron.core import parallel_state
+
+    mcfg = transformer_config(run.triroute, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
+                              bf16=run.train.dtype_name == "bf16", recompute=run.train.recompute)
+    model = TriRouteGPTModel(mcfg, run.triroute, tables, groups=groups,
+                             pre_process=parallel_state.is_pipeline_first_stage(),
+                             post_process=parallel_state.is_pipeline_last_stage())
+    if torch.cuda.is_available():
+        model.cuda()
+    optimizer, scheduler = build_optimizer(model, run)
+    engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler)
+    vocab = run.triroute.model.vocab_size
+    train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier)
+
+    ckpt_dir = str(out / "checkpoints")
+    meta = load_run(ckpt_dir, model, optimizer, scheduler, groups)
+    start = 0 if meta is None else int(meta["step"])
+    if meta is not None and rank0:
+        log.info("resumed from step %d (%d samples consumed)", start, meta["consumed_samples"])
+
+    tb = TensorBoard(str(out / "tensorboard") if rank0 else None)
+    t = run.train
+    tokens_per_step = t.global_batch_size * run.triroute.model.seq_len
+    progress = Progress(t.steps, start, tokens_per_step)
+    last_save = time.time()
+    nonfinite = 0
+    stop = signals.torch_all_reduce_max()
+    valid_batches = data_mod.validation_batches(valid_ds, run)
+    bucket_batches = {name: data_mod.bucket_batches(run, name, tables.eod_id) for name in run.data.buckets}
+
+    def save(next_step: int) -> None:
+        save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
+                 next_step * t.global_batch_size, t.keep_last)
+
+    def evaluate(step: int) -> dict[str, float]:
+        results = {"valid/ppl": math.exp(min(engine.evaluate(valid_batches), 50.0))}
+        for name, batches in bucket_batches.items():
+            if len(batches) >= groups.dp:
+                results[f"valid/{name}_ppl"] = math.exp(min(engine.evaluate(batches), 50.0))
+        if rank0:
+            log.info("eval step %d: %s", step, " | ".join(f"{k} {v:.2f}" for k, v in results.items()))
+        tb.scalars(results, step)
+        return results
+
+    status = 0
+    report = None
+    for step in range(start, t.steps):
+        mbs = data_mod.micro_batches(train_ds, step, run, groups.dp_rank, groups.dp)
+        report = engine.train_step(mbs, step)
+        if report.skipped:
+            nonfinite += 1
+            if rank0:
+                log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)", step, nonfinite)
+            if nonfinite >= t.max_nonfinite_steps:
+                raise NonFiniteLossError(
+                    f"{nonfinite} consecutive non-finite steps (last {step}). Fix: lower optim.lr, check the data, "
+                    "or resume from an earlier checkpoint.")
+        else:
+            nonfinite = 0
+        lr = scheduler.get_last_lr()[0]
+        if not report.skipped and (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
+            line, tokens_per_s = progress.line(step, report.loss, report.realised, report.lambdas, lr)
+            scalars, entropies = router_scalars(report.statistics, run.triroute)
+            scalars.update({
+                "train/lm_loss": report.loss, "train/lr": lr, "train/temperature": report.tau,
+                "train/tokens_per_s": tokens_per_s, "train/grad_norm": report.grad_norm,
+                "budget/realised_flops": report.realised[0], "budget/realised_mem": report.realised[1],
+                "budget/target_flops": run.triroute.budget.flops_target,
+                "budget/target_mem": run.triroute.budget.mem_target,
+            })
+            for i, lam in enumerate(report.lambdas):
+                scalars[f"budget/lambda_{['flops', 'mem'][i] if len(report.lambdas) == 2 else 'tied'}"] = lam
+            tb.scalars(scalars, step + 1)
+            if rank0:
+                log.info(line)
+                for warning in collapse_warnings(entropies, t.collapse_entropy):
+                    log.warning("step %d: %s", step + 1, warning)
+        if (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
+            evaluate(step + 1)
+        due = (step + 1) % t.save_interval_steps == 0 or time.time() - last_save > 60 * t.save_interval_minutes
+        stopping = signals.stop_agreed(stop)
+        if stopping or (due and step + 1 < t.steps):
+            save(step + 1)
+            last_save = time.time()
+            tb.flush()
+        if stopping:
+            if rank0:
+                log.warning("stop signal: checkpointed at step %d, exiting with %d for requeue",
+                            step + 1, signals.EXIT_REQUEUE)
+            status = signals.EXIT_REQUEUE
+            break
+    else:
+        results = evaluate(t.steps)
+        if start < t.steps:
+            save(t.steps)
+        if rank0:
+            summary = {"step": t.steps, **results}
+            if report is not None:
+                summary.update({"realised_flops": report.realised[0], "realised_mem": report.realised[1],
+                                "target_flops": run.triroute.budget.flops_target,
+                                "target_mem": run.triroute.budget.mem_target, "lambdas": report.lambdas,
+                                "final_loss": report.loss})
+            summary["tensorboard"] = str(out / "tensorboard")
+            (out / "summary.json").write_text(json.dumps(summary, indent=2))
+            log.info("finished: %s", json.dumps(summary))
+    tb.close()
+    dist.barrier()
+    return status
