@@ -136,6 +136,10 @@ def train(run: RunConfig, env, tables) -> int:
         else:
             nonfinite = 0
         lr = scheduler.get_last_lr()[0]
+        if rank0:  # one line per step: what resume and preemption tests compare
+            with open(out / "steps.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": report.loss, "skipped": report.skipped,
+                                    "realised": report.realised, "lambdas": report.lambdas}) + "\n")
         if not report.skipped and (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
             line, tokens_per_s = progress.line(step, report.loss, report.realised, report.lambdas, lr)
             scalars, entropies = router_scalars(report.statistics, run.triroute)
