@@ -27,7 +27,7 @@ def test_resume_after_kill_mid_shard_is_byte_identical(tmp_path, small_corpus, c
     if workers == "1":
         assert crashed.returncode == CRASH_EXIT_CODE
     # The interrupted shard left a half-written temporary directory and no manifest record.
-    assert list((out / "work").glob(f"*/stdlib-01*.tmp-*")), "expected a half-written temporary output"
+    assert list((out / "work").glob("*/stdlib-01*.tmp-*")), "expected a half-written temporary output"
     assert "stdlib-01" not in _records(out, stage)
     assert not (out / "summary.json").exists()
     finished_before = {name: path.stat().st_mtime_ns for name, path in _records(out, stage).items()}
