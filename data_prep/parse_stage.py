@@ -62,7 +62,7 @@ def iter_parsed_docs(work: Path, shard: Shard):
             yield json.loads(line)
 
 
-def is_finished(task: ParseTask, known_sha256: str | None = None) -> bool:
+def is_finished(task: ParseTask) -> bool:
     """True when the manifest says this shard is done and every checksum still matches."""
     work, shard = Path(task.work), task.shard
     record = load_record(work, STAGE, shard.shard_id)
@@ -70,7 +70,7 @@ def is_finished(task: ParseTask, known_sha256: str | None = None) -> bool:
         return False
     if record.get("shard") != shard.path or record.get("format") != shard.format:
         return False
-    if (known_sha256 or input_sha256(shard)) != record.get("input_sha256"):
+    if input_sha256(shard) != record.get("input_sha256"):
         return False
     return outputs_intact(parsed_dir(work, shard), record.get("outputs", {}))
 

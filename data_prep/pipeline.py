@@ -48,7 +48,8 @@ def _run_stage(name: str, fn, tasks: list, workers: int, total_units: int) -> li
     counters = Counters()
     progress = ProgressLine(name, counters, total_units=total_units, total_shards=len(tasks))
     try:
-        return map_shards(fn, tasks, workers, counters, describe=lambda task: task.shard.path)
+        return map_shards(fn, tasks, workers, counters, describe=lambda task: task.shard.path,
+                          on_started=progress.start)
     finally:
         progress.close()
 

@@ -31,10 +31,17 @@ def _init_worker(counters: Optional[Counters]) -> None:
 
 
 def map_shards(fn: Callable[[T], R], items: Sequence[T], workers: int,
-               counters: Optional[Counters] = None, describe: Callable[[T], str] = str) -> list[R]:
-    """`[fn(item) for item in items]`, in parallel. A failure names the item it happened on."""
+               counters: Optional[Counters] = None, describe: Callable[[T], str] = str,
+               on_started: Callable[[], None] = lambda: None) -> list[R]:
+    """`[fn(item) for item in items]`, in parallel. A failure names the item it happened on.
+
+    `on_started` runs once the worker processes exist. Threads (like the progress ticker) must
+    start there, not before: a thread holding a lock at fork time would leave that lock held
+    forever in the child.
+    """
     _init_worker(counters)
     if workers <= 1 or len(items) <= 1:
+        on_started()
         results = []
         for item in items:
             try:
@@ -47,7 +54,8 @@ def map_shards(fn: Callable[[T], R], items: Sequence[T], workers: int,
     ctx = multiprocessing.get_context("fork")
     with concurrent.futures.ProcessPoolExecutor(max_workers=min(workers, len(items)), mp_context=ctx,
                                                 initializer=_init_worker, initargs=(counters,)) as pool:
-        futures = [pool.submit(fn, item) for item in items]
+        futures = [pool.submit(fn, item) for item in items]  # the fork context starts every worker here
+        on_started()
         results = []
         for item, future in zip(items, futures):
             try:

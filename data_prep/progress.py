@@ -70,7 +70,7 @@ class Tally:
 
 
 class ProgressLine:
-    """Prints `stage: shards | docs, docs/s | tokens, tokens/s | ETA` until `close()`."""
+    """Prints `stage: shards | docs, docs/s | tokens, tokens/s | ETA` from `start()` to `close()`."""
 
     def __init__(self, stage: str, counters: Counters, total_units: int, total_shards: int,
                  tick: float = 1.0, log_interval: float = 10.0, stream=None):
@@ -82,14 +82,17 @@ class ProgressLine:
         self.interactive = hasattr(self.stream, "isatty") and self.stream.isatty()
         self.tick = tick
         self.log_interval = log_interval
-        self.start = time.monotonic()
+        self.started_at = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def start(self) -> None:
+        self.started_at = time.monotonic()
         self._thread.start()
 
     def line(self) -> str:
         now = self.counters.read()
-        elapsed = max(1e-6, time.monotonic() - self.start)
+        elapsed = max(1e-6, time.monotonic() - self.started_at)
         fraction = min(1.0, now["units"] / self.total_units)
         eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
         eta_text = _clock(eta) if eta == eta else "?"
@@ -112,8 +115,9 @@ class ProgressLine:
     def close(self) -> float:
         """Stop ticking, print the final line; returns the elapsed seconds."""
         self._stop.set()
-        self._thread.join()
-        elapsed = time.monotonic() - self.start
+        if self._thread.is_alive():
+            self._thread.join()
+        elapsed = time.monotonic() - self.started_at
         self.stream.write(("\r" if self.interactive else "") + self.line() + f" | done in {elapsed:.1f}s\n")
         self.stream.flush()
         return elapsed

@@ -70,15 +70,18 @@ class ShardReader:
     def _json_lines(self) -> Iterator[Outcome]:
         raw_blocks = self._raw_blocks()
         stream = _DecodedStream(raw_blocks, self.shard.format)
-        pending = b""
+        partial: list[bytes] = []  # pieces of the line still being read (a line may span many blocks)
         number = 0
         for block in stream:
-            pending += block
-            lines = pending.split(b"\n")
-            pending = lines.pop()
-            for raw in lines:
+            start = 0
+            while (end := block.find(b"\n", start)) >= 0:
+                partial.append(block[start:end])
                 number += 1
-                yield parse_json_line(number, raw, self.text_field)
+                yield parse_json_line(number, b"".join(partial), self.text_field)
+                partial = []
+                start = end + 1
+            partial.append(block[start:])
+        pending = b"".join(partial)
         for _ in raw_blocks:  # a corrupt stream stops decoding early; the checksum covers the whole file
             pass
         if stream.truncation is not None:

@@ -8,7 +8,7 @@ Writes `work/tokenized/<shard_id>/`:
   valid_docs.jsonl.zst             the validation documents' text, for the bucket step
   stats.json                       documents and tokens per split
 Like the parse stage: temporary directory, atomic rename, then a manifest record whose inputs
-(parsed docs, assignment, tokenizer, bucket rules) must all match for a resume to skip it.
+(parsed docs, assignment, tokenizer, code rule) must all match for a resume to skip it.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -60,7 +60,9 @@ def _inputs(task: TokenizeTask) -> dict:
         "assign_sha256": sha256_file(assign_path(work, task.shard)),
         "tokenizer_sha256": task.tokenizer_sha256,
         "dtype": task.dtype,
-        "buckets": asdict(task.buckets),
+        # Only the code rule shapes these outputs (code documents are left out of entity counts);
+        # other bucket thresholds can change without re-tokenizing.
+        "code_rule": [task.buckets.code_min_lines, task.buckets.code_min_line_fraction],
     }
 
 
