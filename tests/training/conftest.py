@@ -1,0 +1,122 @@
+"""A tiny dataset built once per session, and a launcher for real training runs (torchrun)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.dist_utils import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+
+# A model small enough for 2-core CI: two layers, sequence 64, width 64.
+TINY_OVERRIDES = [
+    "triroute.model.n_layers=2", "triroute.model.seq_len=64", "triroute.model.d_model=64",
+    "triroute.model.d_ff=128", "triroute.router.d_router=32", "train.global_batch_size=4",
+    "train.micro_batch_size=2", "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
+    "optim.warmup_steps=2",
+]
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tiny_data")
+    py = sys.executable
+    subprocess.run([py, "-m", "data_prep", "corpus", "--output", str(root / "corpus"), "--max-docs", "300"],
+                   check=True, cwd=REPO, capture_output=True)
+    subprocess.run([py, "-m", "data_prep", "build", "--input", str(root / "corpus" / "*.jsonl.zst"),
+                    "--output", str(root / "data"), "--vocab-size", "1000", "--workers", "1"],
+                   check=True, cwd=REPO, capture_output=True)
+    return root / "data"
+
+
+def launch(run_dir: Path, data: Path, nproc: int = 1, extra: list[str] = (), recipe: str = "tiny") -> subprocess.Popen:
+    """Start the trainer in its own process group: one process directly (so its exit status is the
+    trainer's), several under torchrun."""
+    launcher = [sys.executable]
+    if nproc > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd = [*launcher, "-m", "megatron_triroute.train", "--recipe", recipe, f"data.path={data}",
+           f"output_dir={run_dir}", *TINY_OVERRIDES, *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait(proc: subprocess.Popen, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def run_to_end(run_dir: Path, data: Path, **kw) -> int:
+    return wait(launch(run_dir, data, **kw))
+
+
+def steps(run_dir: Path) -> dict[int, dict]:
+    """Last record per step (a resumed run rewrites the steps after its checkpoint)."""
+    out = {}
+    path = run_dir / "steps.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            rec = json.loads(line)
+            out[rec["step"]] = rec
+    return out
+
+
+def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if len(steps(run_dir)) >= n:
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended early with {proc.returncode}: {log_text(run_dir)[-3000:]}")
+        time.sleep(0.2)
+    raise AssertionError(f"no {n} steps within {timeout} s")
+
+
+def log_text(run_dir: Path) -> str:
+    path = run_dir.parent / f"{run_dir.name}.log"
+    return path.read_text(errors="replace") if path.exists() else ""
+
+
+def workers(proc: subprocess.Popen) -> list[int]:
+    """PIDs of the trainer processes under a torchrun launched by `launch`."""
+    return [pid for pid in _descendants(proc.pid)
+            if b"megatron_triroute.train" in _cmdline(pid) and b"torch.distributed.run" not in _cmdline(pid)]
+
+
+def _descendants(pid: int) -> list[int]:
+    out, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = open(f"/proc/{entry}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                out.append(int(entry))
+                frontier.append(int(entry))
+    return out
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read()
+    except OSError:
+        return b""
