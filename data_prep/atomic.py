@@ -50,6 +50,16 @@ def write_json_atomic(path: Path, obj: Any) -> None:
     write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
 
 
+def write_npy_atomic(path: Path, array) -> None:
+    import io
+
+    import numpy as np
+
+    buffer = io.BytesIO()
+    np.save(buffer, array)
+    write_bytes_atomic(path, buffer.getvalue())
+
+
 def publish_file(tmp: Path, final: Path) -> None:
     """fsync a finished temporary file and rename it to its final name."""
     fsync_file(tmp)

@@ -36,7 +36,9 @@ class BucketTask:
     eod_id: int
     dtype: str
     buckets: BucketConfig
-    rare_keys: frozenset
+    rare_keys_file: str
+    """`.npy` of the rare entity keys: a file, not a task field, so thousands of tasks do not each
+    pickle the whole set."""
 
 
 def bucket_dir(work: Path, shard: Shard) -> Path:
@@ -79,6 +81,7 @@ def run(task: BucketTask) -> dict:
     out.mkdir(parents=True)
     tally = Tally(worker_counters())
     processor = sentencepiece.SentencePieceProcessor(model_file=task.tokenizer)
+    rare_keys = set(np.load(task.rare_keys_file).tolist())
     dtype = getattr(np, task.dtype)
     tokens_out = {name: DatasetWriter(out / f"{name}_text_document", dtype) for name in BUCKETS}
     masks_out = {name: DatasetWriter(out / f"{name}_loss_mask", np.uint8) for name in BUCKETS}
@@ -88,7 +91,7 @@ def run(task: BucketTask) -> dict:
         ids = np.array([piece.id for piece in pieces] + [task.eod_id], dtype=np.int64)
         begins = np.array([piece.begin for piece in pieces], dtype=np.int64)
         ends = np.array([piece.end for piece in pieces], dtype=np.int64)
-        for name, mask in scored_masks(doc["text"], doc["domain"], begins, ends, task.buckets, task.rare_keys).items():
+        for name, mask in scored_masks(doc["text"], doc["domain"], begins, ends, task.buckets, rare_keys).items():
             tokens_out[name].add(ids)
             masks_out[name].add(np.append(mask, 0))  # EOD is never scored
             stats[name]["documents"] += 1

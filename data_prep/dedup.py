@@ -12,13 +12,12 @@ DUPLICATE (dropped), TRAIN or VALID (`doc_hash.is_validation`).
 
 from __future__ import annotations
 
-import io
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from data_prep.atomic import write_bytes_atomic
+from data_prep.atomic import write_npy_atomic
 from data_prep.doc_hash import HASH_BYTES, is_validation
 from data_prep.inputs import Shard
 from data_prep.parse_stage import load_index
@@ -51,7 +50,7 @@ def assign_documents(work: Path, shards: list[Shard], valid_fraction: float, see
         codes[position] = VALID if is_validation(raw[position].tobytes(), valid_fraction, seed) else TRAIN
     per_shard = np.split(codes, np.cumsum([len(index) for index in indexes])[:-1]) if indexes else []
     for shard, shard_codes in zip(shards, per_shard):
-        write_bytes_atomic(assign_path(work, shard), _npy_bytes(shard_codes))
+        write_npy_atomic(assign_path(work, shard), shard_codes)
     return Assignment(codes=list(per_shard))
 
 
@@ -59,9 +58,3 @@ def hash_rows(hashes: np.ndarray) -> np.ndarray:
     """(N, HASH_BYTES) uint8 view of an `S16` hash column. Going through bytes of the raw view
     matters: numpy's `bytes(np.bytes_)` drops trailing NUL bytes, which would change the hash."""
     return np.ascontiguousarray(hashes).view(np.uint8).reshape(-1, HASH_BYTES)
-
-
-def _npy_bytes(array: np.ndarray) -> bytes:
-    buffer = io.BytesIO()
-    np.save(buffer, array)
-    return buffer.getvalue()

@@ -23,7 +23,7 @@ import numpy as np
 
 from data_prep import bucket_stage, dedup, parse_stage, tokenize_stage
 from data_prep import tokenizer as tokenizer_step
-from data_prep.atomic import TMP_MARK, publish_file, sha256_file, write_json_atomic
+from data_prep.atomic import TMP_MARK, publish_file, sha256_file, write_json_atomic, write_npy_atomic
 from data_prep.buckets import BUCKETS
 from data_prep.config import PrepConfig, PrepError, ShardConfig
 from data_prep.inputs import Shard, expand_inputs, task_range
@@ -113,8 +113,9 @@ def run_merge(config: PrepConfig) -> dict:
                  np.zeros(info.vocab_size, dtype=np.int64))
     save_token_tables(output / TABLES_PATH, tokenizer_step.load_processor(Path(model)), counts, info.eod_id, info.sha256)
 
-    rare = _rare_entity_keys(work, shards, config.buckets.rare_entity_max_train_count)
-    bucket_tasks = [bucket_stage.BucketTask(shard, str(work), model, info.eod_id, dtype, config.buckets, rare)
+    rare_file = work / "rare_entity_keys.npy"
+    write_npy_atomic(rare_file, _rare_entity_keys(work, shards, config.buckets.rare_entity_max_train_count))
+    bucket_tasks = [bucket_stage.BucketTask(shard, str(work), model, info.eod_id, dtype, config.buckets, str(rare_file))
                     for shard in shards]
     bucket_stats = _run_stage("buckets", bucket_stage.run, bucket_tasks, config.shard.workers,
                               assignment.count(dedup.VALID))
@@ -158,7 +159,7 @@ def _fingerprint(work: Path, shards: list[Shard]) -> str:
     return digest.hexdigest()
 
 
-def _rare_entity_keys(work: Path, shards: list[Shard], max_count: int) -> frozenset:
+def _rare_entity_keys(work: Path, shards: list[Shard], max_count: int) -> np.ndarray:
     """Entity keys seen in validation whose train count is <= max_count. Only validation keys are
     tracked, so memory scales with the validation set, not with the train vocabulary of names."""
     valid_keys = np.unique(np.concatenate(
@@ -171,7 +172,7 @@ def _rare_entity_keys(work: Path, shards: list[Shard], max_count: int) -> frozen
         hit = position < len(valid_keys)
         hit[hit] = valid_keys[position[hit]] == keys[hit]
         np.add.at(train_counts, position[hit], counts[hit])
-    return frozenset(int(k) for k in valid_keys[train_counts <= max_count])
+    return valid_keys[train_counts <= max_count]
 
 
 def _concat(output: Path, prefix: str, parts: list[Path], dtype) -> None:

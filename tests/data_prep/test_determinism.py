@@ -83,3 +83,11 @@ def test_seed_changes_the_split_but_not_the_documents(tmp_path, small_corpus, co
     assert other["written"]["total"] == summary(corpus_reference)["documents"]["written"]["total"]
     assert [d.tolist() for d in read_dataset(out / "valid_text_document")] != [d.tolist() for d in reference_valid]
     assert np.isfinite(other["written"]["valid"])
+
+
+def test_hash_rows_keep_trailing_nul_bytes():
+    from data_prep.dedup import hash_rows
+
+    digest = b"\x01" * 14 + b"\x00\x00"  # numpy's bytes() of an S16 element would drop the NULs
+    rows = hash_rows(np.array([digest], dtype="S16"))
+    assert rows[0].tobytes() == digest
