@@ -90,11 +90,14 @@ def run_merge(config: PrepConfig) -> dict:
     _require_parsed(work, shards, config.shard.text_field)
     (output / "summary.json").unlink(missing_ok=True)
     parse_stats = [parse_stage.load_stats(work, shard) for shard in shards]
+    _write_rejects(output, work, shards)
 
     assignment = dedup.assign_documents(work, shards, config.valid_fraction, config.seed)
     if assignment.count(dedup.TRAIN) == 0:
-        raise PrepError("nothing valid remains for training: every record was rejected, a duplicate or held out "
-                        f"(see {output / 'rejects.jsonl'} after fixing). Fix: check the inputs and --text-field, "
+        read, rejected = sum(s["read"] for s in parse_stats), sum(sum(s["rejected"].values()) for s in parse_stats)
+        raise PrepError(f"nothing valid remains for training: of {read} records read, {rejected} were rejected "
+                        f"(see {output / 'rejects.jsonl'}), {assignment.count(dedup.DUPLICATE)} were duplicates and "
+                        f"{assignment.count(dedup.VALID)} went to validation. Fix: check the inputs and --text-field, "
                         "or lower --valid-fraction.")
     info = tokenizer_step.prepare(config, output, work, shards, assignment, _fingerprint(work, shards))
     log.info("tokenizer: %s (vocab %d, eod id %d, %s)", output / info.path, info.vocab_size, info.eod_id,
@@ -121,7 +124,6 @@ def run_merge(config: PrepConfig) -> dict:
                               assignment.count(dedup.VALID))
 
     datasets = _write_datasets(output, work, shards, dtype, tok_stats, bucket_stats)
-    _write_rejects(output, work, shards)
     summary = _summary(config, shards, parse_stats, assignment, info, dtype, tok_stats, bucket_stats, datasets)
     write_consolidated(output, work, [s.shard_id for s in shards])
     write_json_atomic(output / "summary.json", summary)

@@ -96,7 +96,7 @@ def test_nothing_valid_exits_nonzero(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_bytes(b'{"text": ""}\n{"oops"\n')
     assert build(tmp_path / "out", [bad]) == 2
-    assert "nothing valid remains" in capsys.readouterr().err
-    # Even then the rejects were counted per shard.
-    stats = json.loads(next((tmp_path / "out" / "work" / "parsed").glob("bad*/stats.json")).read_text())
-    assert stats["rejected"] == {"empty_document": 1, "malformed_json": 1}
+    assert "nothing valid remains for training: of 2 records read, 2 were rejected" in capsys.readouterr().err
+    # Even then every reject is written down.
+    rejects = [json.loads(line) for line in (tmp_path / "out" / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["line"], r["reason"]) for r in rejects] == [(1, "empty_document"), (2, "malformed_json")]
