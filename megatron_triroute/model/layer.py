@@ -114,8 +114,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         # --- losses and statistics (lines 5-6) -------------------------------------------------
         if self.training:
             x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions))
-            if state.should_record(self.training):
-                self._record(out, positions)
+        if state.should_record(self.training):
+            self._record(out, positions, observe_budget=self.training)
 
         next_rows = routing_rows.RoutingRows(
             static=rows.static,
@@ -146,7 +146,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         return aux + share.to(aux.dtype)
 
     @torch.no_grad()
-    def _record(self, out: RouterOutput, positions: torch.Tensor) -> None:
+    def _record(self, out: RouterOutput, positions: torch.Tensor, observe_budget: bool) -> None:
         cfg, stats = self.triroute, self.step_state.statistics
         row = stats.sums[self.layer_number - 1]
         sl = stats.slices()
@@ -168,7 +168,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         dense_sums = torch.stack([dense.flops.sum() * B, dense.mem.sum() * B])
         row[sl["cost"]] += cost
         row[sl["dense"]] += dense_sums
-        self.step_state.budget.observe(cost, dense_sums)
+        if observe_budget:
+            self.step_state.budget.observe(cost, dense_sums)
 
 
 def _leader_output(rows: routing_rows.RoutingRows) -> RouterOutput | None:

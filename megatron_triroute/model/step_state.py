@@ -62,6 +62,9 @@ class RoutingStepState:
     tau: float = 2.0
     record: bool = field(default=True)
     """Accumulate statistics (off for evaluation passes that must not move the budget)."""
+    record_eval: bool = False
+    """Accumulate statistics in eval mode too (the trainer measures the realised cost of the
+    noise-free policy on held-out data); never feeds the budget."""
     hard_execution: bool = False
     """In eval mode, run the hard path (only what decisions select executes, token by token).
     False: evaluate with the noise-free one-hot decisions on the batched relaxed path, which
@@ -69,4 +72,6 @@ class RoutingStepState:
     reference for the inference engine."""
 
     def should_record(self, training: bool) -> bool:
-        return self.record and training and not in_backward_pass()
+        if in_backward_pass():
+            return False
+        return self.record and training or self.record_eval and not training

@@ -104,18 +104,23 @@ class TrainEngine:
         return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.lambdas.tolist(), stats)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[MicroBatch]) -> float:
-        """Mean loss per scored token over `batches` with noise-free decisions (eval mode).
+    def evaluate(self, batches: list[MicroBatch]) -> tuple[float, list[float]]:
+        """(mean loss per scored token, realised [FLOPs, memory] fractions) over `batches` with the
+        noise-free decisions (eval mode), i.e. the policy that runs at inference.
 
         Data-parallel ranks split the batches (each the same number, since expert-parallel
-        all-to-alls span data-parallel ranks); nothing is recorded into the router statistics.
+        all-to-alls span data-parallel ranks). The budget and the training statistics are untouched.
         """
         model, g = self.model, self.groups
         usable = len(batches) - len(batches) % g.dp
         mine = batches[g.dp_rank : usable : g.dp]
         local = torch.zeros(2, dtype=torch.float64)
+        stats = model.router_statistics
+        saved = stats.sums.clone()
+        stats.reset()
         if mine:
             model.eval()
+            model.step_state.record_eval = True
             try:
                 losses = self.forward_backward(
                     forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
@@ -124,10 +129,17 @@ class TrainEngine:
                 )
             finally:
                 model.train()
+                model.step_state.record_eval = False
             for item in losses:
                 local += item["lm"].double()
         self._reduce_dp_pp(local)
-        return local[0].item() / max(local[1].item(), 1.0)
+        sums = stats.sums.clone()
+        stats.sums.copy_(saved)
+        self._reduce_dp_pp(sums)
+        sl = stats.slices()
+        cost, dense = sums[:, sl["cost"]].sum(0), sums[:, sl["dense"]].sum(0)
+        realised = (cost / dense.clamp_min(1e-300)).tolist()
+        return local[0].item() / max(local[1].item(), 1.0), realised
 
     # ------------------------------------------------------------------------------------
     def _reduce_dp(self, t: torch.Tensor) -> None:

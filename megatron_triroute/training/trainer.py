@@ -111,10 +111,12 @@ def train(run: RunConfig, env, tables) -> int:
                  next_step * t.global_batch_size, t.keep_last)
 
     def evaluate(step: int) -> dict[str, float]:
-        results = {"valid/ppl": math.exp(min(engine.evaluate(valid_batches), 50.0))}
+        loss, realised = engine.evaluate(valid_batches)
+        results = {"valid/ppl": math.exp(min(loss, 50.0)), "valid/realised_flops": realised[0],
+                   "valid/realised_mem": realised[1]}
         for name, batches in bucket_batches.items():
             if len(batches) >= groups.dp:
-                results[f"valid/{name}_ppl"] = math.exp(min(engine.evaluate(batches), 50.0))
+                results[f"valid/{name}_ppl"] = math.exp(min(engine.evaluate(batches)[0], 50.0))
         if rank0:
             log.info("eval step %d: %s", step, " | ".join(f"{k} {v:.2f}" for k, v in results.items()))
         tb.scalars(results, step)
