@@ -37,14 +37,15 @@ def tiny_data(tmp_path_factory) -> Path:
     return root / "data"
 
 
-def launch(run_dir: Path, data: Path, nproc: int = 1, extra: list[str] = (), recipe: str = "tiny") -> subprocess.Popen:
+def launch(run_dir: Path, data: Path, nproc: int = 1, extra: list[str] = (), recipe: str = "tiny",
+           overrides: list[str] | None = None) -> subprocess.Popen:
     """Start the trainer in its own process group: one process directly (so its exit status is the
     trainer's), several under torchrun."""
     launcher = [sys.executable]
     if nproc > 1:
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd = [*launcher, "-m", "megatron_triroute.train", "--recipe", recipe, f"data.path={data}",
-           f"output_dir={run_dir}", *TINY_OVERRIDES, *extra]
+           f"output_dir={run_dir}", *(TINY_OVERRIDES if overrides is None else overrides), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(free_port()))
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
@@ -61,8 +62,8 @@ def wait(proc: subprocess.Popen, timeout: float = 240) -> int:
         raise
 
 
-def run_to_end(run_dir: Path, data: Path, **kw) -> int:
-    return wait(launch(run_dir, data, **kw))
+def run_to_end(run_dir: Path, data: Path, timeout: float = 240, **kw) -> int:
+    return wait(launch(run_dir, data, **kw), timeout=timeout)
 
 
 def steps(run_dir: Path) -> dict[int, dict]:
