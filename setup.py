@@ -34,6 +34,7 @@ setup(
     entry_points={
         "console_scripts": [
             "triroute-data-prep=data_prep.__main__:main",
+            "triroute-train=megatron_triroute.train:cli",
         ]
     },
 )

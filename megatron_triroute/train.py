@@ -70,5 +70,16 @@ def main(argv=None) -> int:
     return trainer.train(run, env, tables)
 
 
+def cli(argv=None) -> int:
+    """main() with configuration and input errors reported as one line and exit status 2."""
+    from megatron_triroute.config import ConfigError
+
+    try:
+        return main(argv)
+    except (ConfigError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli())

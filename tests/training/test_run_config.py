@@ -1,0 +1,71 @@
+import math
+
+import pytest
+
+from megatron_triroute.config import ConfigError
+from megatron_triroute.training.config import RunConfig, apply_overrides
+from megatron_triroute.training.dry_run import dry_run, estimate_rank_memory
+from megatron_triroute.training.recipes import dense_parameter_count, get_recipe
+
+
+def test_overrides_parse_by_field_type_and_round_trip():
+    run = get_recipe("tiny")
+    apply_overrides(run, ["train.steps=7", "optim.lr=1e-3", "triroute.router.null_expert=false",
+                          "triroute.router.bits=4,16", "output_dir=/tmp/x", "train.bf16=true"])
+    assert run.train.steps == 7 and run.optim.lr == 1e-3 and run.triroute.router.null_expert is False
+    assert run.triroute.router.bits == (4, 16) and run.output_dir == "/tmp/x" and run.train.bf16 is True
+    assert RunConfig.from_dict(run.to_dict()) == run
+
+
+@pytest.mark.parametrize("item,needle", [
+    ("train.stepz=3", "unknown field 'stepz'"),
+    ("trian.steps=3", "no section 'trian'"),
+    ("train.steps=three", "cannot parse"),
+    ("train.steps", "expected key=value"),
+])
+def test_bad_overrides_name_the_problem(item, needle):
+    with pytest.raises(ConfigError, match=needle):
+        apply_overrides(get_recipe("tiny"), [item])
+
+
+def test_layout_validation_names_the_fix():
+    run = get_recipe("160m")
+    run.parallel.tensor = 2
+    with pytest.raises(ConfigError, match=r"parallel.tensor=2: does not divide n_kv_heads=3. Fix: use parallel.tensor in \[1, 3\]"):
+        run.validate(8)
+    run = get_recipe("tiny")
+    run.parallel.expert = 3
+    with pytest.raises(ConfigError, match="parallel.expert=3"):
+        run.validate(3)
+    run = get_recipe("tiny")
+    with pytest.raises(ConfigError, match="train.global_batch_size"):
+        run.validate(3)  # 8 sequences do not split over 3 data-parallel ranks of micro-batch 8
+
+
+def test_recipe_steps_follow_twenty_tokens_per_parameter():
+    run = get_recipe("410m")
+    m = run.triroute.model
+    params = (2 * m.vocab_size * m.d_model
+              + m.n_layers * (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.d_head + m.n_heads * m.d_head * m.d_model
+                              + 3 * m.d_model * m.d_ff + 2 * m.d_model) + m.d_model)
+    assert dense_parameter_count(run.triroute) == params
+    tokens_per_step = run.train.global_batch_size * m.seq_len
+    assert run.train.steps == math.ceil(20 * params / tokens_per_step)
+
+
+def test_system_suffix_selects_the_preset():
+    assert get_recipe("tiny-moe").triroute.router.null_expert is False
+    assert get_recipe("tiny-dense").triroute.budget.enabled is False
+    with pytest.raises(ValueError, match="unknown system"):
+        get_recipe("tiny-nonsense")
+
+
+def test_dry_run_reports_layout_and_memory(capsys):
+    run = get_recipe("1p3b")
+    run.parallel.tensor, run.parallel.expert = 4, 8
+    assert dry_run(run, 64) == 0
+    out = capsys.readouterr().out
+    assert "tensor 4 x pipeline 1 x data 16" in out and "dry run OK" in out
+    more_experts = estimate_rank_memory(run, 64)["parameters_per_rank"]
+    run.parallel.expert = 1
+    assert estimate_rank_memory(run, 64)["parameters_per_rank"] > more_experts  # experts spread over ranks
