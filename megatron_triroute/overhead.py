@@ -40,6 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Iterator
 
 import torch
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .config import TriRouteConfig
 from .training.config import RunConfig, apply_overrides
@@ -110,6 +111,16 @@ def build_model(cfg: TriRouteConfig, groups, seed: int = 1234):
 
 
 # --- measurement -----------------------------------------------------------------------------------
+def _cpu_sdpa_flops(query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+_CPU_FLOP_FORMULAS = {torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_sdpa_flops}
+"""FlopCounterMode has formulas for the CUDA SDPA kernels only; on the CPU, SDPA runs
+`_scaled_dot_product_flash_attention_for_cpu` (same math), which it would count as 0. Like the
+CUDA formula, the count is the dense T x T product whatever the mask."""
+
+
 def default_layers_built(cfg: TriRouteConfig) -> int:
     """All layers for small backbones, else one period of the layer pattern (see module doc)."""
     from .training.recipes import dense_parameter_count
@@ -124,8 +135,6 @@ def default_layers_built(cfg: TriRouteConfig) -> int:
 
 def measure(cfg: TriRouteConfig, system: str, groups, layers_built: int) -> Overhead:
     """Build `layers_built` layers of `cfg`, count and run them, scale to cfg.model.n_layers."""
-    from torch.utils.flop_counter import FlopCounterMode
-
     built = copy.deepcopy(cfg)
     built.model.n_layers = layers_built
     model = build_model(built, groups)
@@ -139,7 +148,7 @@ def measure(cfg: TriRouteConfig, system: str, groups, layers_built: int) -> Over
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, built.model.vocab_size, (1, T + 1), generator=g)
     model.train()  # the training forward: relaxed routed attention and no-drop expert dispatch
-    with FlopCounterMode(display=False) as counter:
+    with FlopCounterMode(display=False, custom_mapping=_CPU_FLOP_FORMULAS) as counter:
         model(tokens[:, :-1], torch.zeros(1, dtype=torch.long), labels=tokens[:, 1:])
     flops = {name: sum(ops.values()) for name, ops in counter.get_flop_counts().items()}
     root = type(model).__name__  # FlopCounterMode names modules "<root class>.<path>"
@@ -220,13 +229,28 @@ def main(argv: list[str] | None = None) -> int:
     from .parallel import apply_cpu_workarounds
     from .training.recipes import get_recipe
 
-    apply_cpu_workarounds()  # before Megatron modules are imported by the builders
-    run = apply_overrides(get_recipe(args.recipe), args.overrides)
-    if args.seq_len is not None:
-        run.triroute.model.seq_len = args.seq_len
-    report = overhead_report(run, args.layers)
+    with library_logs_to_stderr():  # DeepSpeed logs to stdout; keep stdout for the report alone
+        apply_cpu_workarounds()  # before Megatron modules are imported by the builders
+        run = apply_overrides(get_recipe(args.recipe), args.overrides)
+        if args.seq_len is not None:
+            run.triroute.model.seq_len = args.seq_len
+        report = overhead_report(run, args.layers)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
+
+
+@contextlib.contextmanager
+def library_logs_to_stderr() -> Iterator[None]:
+    """Send file descriptor 1 to stderr meanwhile (library loggers hold their own stdout handle)."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
 from ..routing.budget import BudgetController
+from ..routing.reinforce import reward_slots_loss
 from ..routing.side_features import TokenTables, static_side_features
 from . import routing_rows
 from .layer import row_layout
@@ -77,6 +78,8 @@ class TriRouteGPTModel(GPTModel):
             decisions=torch.zeros(B, T, lay.n_decision, device=tokens.device),
             sample_index=sample_index.to(tokens.device),
         )
+        if lay.reward:
+            rows.reward = torch.zeros(B, T, 2, device=tokens.device)
         if lay.leader:
             H = lay.n_heads
             rows.leader_y = torch.zeros(B, T, H, 3, device=tokens.device)
@@ -85,6 +88,11 @@ class TriRouteGPTModel(GPTModel):
         return rows
 
     def _postprocess(self, hidden_states, *args, **kwargs):
-        if self.post_process:
-            hidden_states = hidden_states[: self.layout.seq_len]  # drop the routing rows
-        return super()._postprocess(hidden_states, *args, **kwargs)
+        if not self.post_process:
+            return super()._postprocess(hidden_states, *args, **kwargs)
+        tokens, packed = routing_rows.split(hidden_states, self.layout)  # drop the routing rows
+        out = super()._postprocess(tokens, *args, **kwargs)
+        if self.layout.reward and kwargs.get("labels") is not None and self.training:
+            # Deliver each token's LM loss to the REINFORCE decisions of every layer (see reinforce).
+            out = reward_slots_loss(out, routing_rows.unpack(packed, self.layout).reward)
+        return out

@@ -36,6 +36,7 @@ from ..routing.factory import build_controller
 from ..routing.cost import dense_cost, expected_cost, noise_free_cost
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
+from ..routing.reinforce import RewardBaseline, reward_tap
 from . import routing_rows
 from .step_state import RoutingStepState
 
@@ -55,6 +56,7 @@ def row_layout(config: TriRouteConfig) -> routing_rows.RowLayout:
         seq_len=config.model.seq_len, hidden=config.model.d_model, n_static=STATIC_FEATURES,
         n_decision=decision_feature_size(len(config.router.bits)), n_heads=config.model.n_heads,
         leader=config.router.attn_routing and config.router.attn_granularity == "layer_group",
+        reward=config.router.estimator == "reinforce",
     )
 
 
@@ -76,6 +78,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
                                               eps=config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config=config, triroute=triroute)
         self.step_state: RoutingStepState | None = None  # attached by the model after building
+        self.reward_baseline = RewardBaseline() if self.layout.reward else None
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         heads_local = triroute.model.n_heads // config.tensor_model_parallel_size
         self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
@@ -124,6 +127,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         )
         if self.layout.leader:
             next_rows.leader_y, next_rows.leader_y_cost, next_rows.leader_hard = out.attn.y, out.attn.y_cost, out.attn.hard
+        if self.layout.reward:
+            next_rows.reward = reward_tap(rows.reward, out, self.reward_baseline) if self.training else rows.reward
         return torch.cat([x, routing_rows.pack(next_rows, self.layout, x.dtype)], 0), None
 
     def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor) -> torch.Tensor:

@@ -36,6 +36,8 @@ class RowLayout:
     n_heads: int
     leader: bool
     """Carry the layer-group leader's attention (y, y_cost, hard) for follower layers."""
+    reward: bool = False
+    """Carry two REINFORCE reward slots per token (see routing.reinforce.reward_tap)."""
 
     @property
     def leader_width(self) -> int:
@@ -43,7 +45,7 @@ class RowLayout:
 
     @property
     def per_token(self) -> int:
-        return self.n_static + self.n_decision + self.leader_width
+        return self.n_static + self.n_decision + self.leader_width + (2 if self.reward else 0)
 
     @property
     def payload(self) -> int:
@@ -69,6 +71,8 @@ class RoutingRows:
     leader_y_cost: torch.Tensor | None = None
     leader_hard: torch.Tensor | None = None
     """(B, T, H) int64."""
+    reward: torch.Tensor | None = None
+    """(B, T, 2) REINFORCE reward slots: zero in the forward pass, the LM loss's gradient in backward."""
 
 
 def pack(rows: RoutingRows, layout: RowLayout, dtype: torch.dtype) -> torch.Tensor:
@@ -79,6 +83,8 @@ def pack(rows: RoutingRows, layout: RowLayout, dtype: torch.dtype) -> torch.Tens
         H = layout.n_heads
         parts += [rows.leader_y.reshape(B, T, 3 * H).to(dtype), rows.leader_y_cost.reshape(B, T, 3 * H).to(dtype),
                   rows.leader_hard.reshape(B, T, H).to(dtype)]
+    if layout.reward:
+        parts.append(rows.reward.to(dtype))
     flat = torch.cat(parts, -1).reshape(B, T * layout.per_token)
     index = rows.sample_index.to(torch.int64)
     # Bytes (0..255) are exact in bf16, fp16 and fp32, so the noise key survives any dtype.
@@ -106,6 +112,8 @@ def unpack(packed: torch.Tensor, layout: RowLayout) -> RoutingRows:
         rows.leader_y = body[..., off : off + 3 * H].reshape(B, T, H, 3)
         rows.leader_y_cost = body[..., off + 3 * H : off + 6 * H].reshape(B, T, H, 3)
         rows.leader_hard = body[..., off + 6 * H : off + 7 * H].round().to(torch.int64)
+    if layout.reward:
+        rows.reward = body[..., layout.per_token - 2 :]
     return rows
 
 

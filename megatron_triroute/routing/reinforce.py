@@ -28,8 +28,12 @@ class RewardBaseline(RunningStatistic):
 
     def observe(self, reward: torch.Tensor) -> None:
         if self.should_accumulate():
-            self._acc[0] += reward.detach().double().sum()
-            self._acc[1] += reward.numel()
+            self.accumulate(reward.detach().double().sum(), reward.numel())
+
+    def accumulate(self, total, count) -> None:
+        """Add a (sum of rewards, weight) pair; called from backward by the reward tap."""
+        self._acc[0] += total
+        self._acc[1] += count
 
     def pending(self) -> torch.Tensor:
         return self._acc
@@ -61,3 +65,42 @@ def reinforce_loss(outputs: list[RouterOutput], token_loss: torch.Tensor, baseli
             lp = axis.log_prob if axis.log_prob.dim() == 3 else axis.log_prob.unsqueeze(-1)
             total = total - (advantage * lp).sum(-1).mean()
     return total
+
+
+class _RewardTap(torch.autograd.Function):
+    """Identity on a layer's reward slots in the forward pass. In the backward pass the loss's
+    gradient on the slots is (w_t * l_t, w_t) -- the token's loss weight times its LM loss, and
+    the weight (see `reward_slots_loss`) -- which becomes the score-function gradient
+    w_t * (l_t - b) on log pi, with b the loss baseline (-baseline.value)."""
+
+    @staticmethod
+    def forward(ctx, slots, log_prob, baseline_value, baseline):
+        ctx.save_for_backward(baseline_value)
+        ctx.baseline = baseline
+        return slots.view_as(slots)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (value,) = ctx.saved_tensors
+        weighted_loss, weight = grad[..., 0], grad[..., 1]
+        ctx.baseline.accumulate(-weighted_loss.detach().double().sum(), weight.detach().double().sum())
+        grad_log_prob = weighted_loss + value.to(grad.dtype) * weight  # w (l - b), b = -value
+        return grad, grad_log_prob, None, None
+
+
+def reward_tap(slots: torch.Tensor, out: RouterOutput, baseline: "RewardBaseline") -> torch.Tensor:
+    """Route the LM loss back to this layer's REINFORCE decisions through the reward slots
+    (B, T, 2) that travel with the activations (see model.routing_rows)."""
+    log_prob = slots.new_zeros(slots.shape[:2])
+    for axis in (out.attn, out.bits):
+        if axis.log_prob is not None:
+            lp = axis.log_prob
+            log_prob = log_prob + (lp.sum(-1) if lp.dim() == 3 else lp)
+    return _RewardTap.apply(slots, log_prob, baseline.value.detach(), baseline)
+
+
+def reward_slots_loss(token_loss: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """token_loss + sg(token_loss) * slot_0 + slot_1: the same value (slots are zero), and the
+    gradient on the slots is (weight * loss, weight) per token, whatever weights the loss
+    function then applies (mask, token count, micro-batches)."""
+    return token_loss + token_loss.detach() * slots[..., 0] + slots[..., 1]
