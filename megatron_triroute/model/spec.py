@@ -128,15 +128,16 @@ class TokenRowsNorm(torch.nn.Module):
 
 
 def transformer_config(config: TriRouteConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1,
-                       bf16: bool = False, recompute: bool = False,
+                       recompute: bool = False,
                        **overrides) -> TransformerConfig:
     """Megatron TransformerConfig for the backbone described by `config.model`.
 
     Fused CUDA paths are off (they are CPU-incompatible and the routed layer does not use them);
-    on GPU clusters TE's linears come in through the spec instead.
+    on GPU clusters TE's linears come in through the spec instead. Parameters are always fp32
+    (the optimizer's master copy); bf16 training runs the forward under autocast (see
+    training.engine), with the controller opting out so the router computes in fp32.
     """
     m = config.model
-    dtype = torch.bfloat16 if bf16 else torch.float32
     kwargs = dict(
         num_layers=m.n_layers, hidden_size=m.d_model, num_attention_heads=m.n_heads,
         num_query_groups=m.n_kv_heads, kv_channels=m.d_head, ffn_hidden_size=m.d_ff,
@@ -148,7 +149,7 @@ def transformer_config(config: TriRouteConfig, tensor_parallel: int = 1, pipelin
         expert_model_parallel_size=1, sequence_parallel=False,
         use_cpu_initialization=True, gradient_accumulation_fusion=False, masked_softmax_fusion=False,
         bias_activation_fusion=False, bias_dropout_fusion=False, persist_layer_norm=False,
-        apply_rope_fusion=False, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+        apply_rope_fusion=False, bf16=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
         recompute_granularity="full" if recompute else None,
         recompute_method="uniform" if recompute else None, recompute_num_layers=1 if recompute else None,
     )

@@ -150,7 +150,11 @@ class TriRouteController(nn.Module):
         """Raw per-axis logits (B, T, n_axis) from [Norm(x); psi]."""
         if not self.sizes:
             return {}
-        x = torch.cat([self.input_norm(hidden.float()), side.float()], dim=-1)
+        with torch.autocast(hidden.device.type, enabled=False):  # the router runs in fp32 under bf16 autocast
+            return self._logits(hidden.float(), side.float())
+
+    def _logits(self, hidden: torch.Tensor, side: torch.Tensor) -> dict[str, torch.Tensor]:
+        x = torch.cat([self.input_norm(hidden), side], dim=-1)
         sharing = self.config.router.sharing
         if sharing == "separate":
             return {a: self.heads[a](self.trunks[a](x)) for a in self.sizes}

@@ -57,8 +57,9 @@ class TrainEngine:
     """Owns the step logic; data, checkpoints and logging live in the trainer."""
 
     def __init__(self, model, groups, optimizer: torch.optim.Optimizer, total_steps: int,
-                 clip_grad: float = 1.0, scheduler=None):
+                 clip_grad: float = 1.0, scheduler=None, bf16: bool = False):
         self.model, self.groups, self.optimizer = model, groups, optimizer
+        self.bf16 = bf16
         self.scheduler = scheduler
         self.total_steps = total_steps
         self.clip_grad = clip_grad
@@ -76,11 +77,12 @@ class TrainEngine:
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n_mb))
         for p in model.parameters():
             p.grad = None
-        losses = self.forward_backward(
-            forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
-            num_microbatches=n_mb, seq_length=model.routing_seq_len,
-            micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=False,
-        )
+        with self._autocast():
+            losses = self.forward_backward(
+                forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
+                num_microbatches=n_mb, seq_length=model.routing_seq_len,
+                micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=False,
+            )
         loss_sum, token_count = self._global_loss(losses)
         loss = loss_sum / max(token_count, 1.0)
         if not self._all_finite(loss):
@@ -122,11 +124,12 @@ class TrainEngine:
             model.eval()
             model.step_state.record_eval = True
             try:
-                losses = self.forward_backward(
-                    forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
-                    num_microbatches=len(mine), seq_length=model.routing_seq_len,
-                    micro_batch_size=mine[0].tokens.shape[0], forward_only=True,
-                )
+                with self._autocast():
+                    losses = self.forward_backward(
+                        forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
+                        num_microbatches=len(mine), seq_length=model.routing_seq_len,
+                        micro_batch_size=mine[0].tokens.shape[0], forward_only=True,
+                    )
             finally:
                 model.train()
                 model.step_state.record_eval = False
@@ -142,6 +145,11 @@ class TrainEngine:
         return local[0].item() / max(local[1].item(), 1.0), realised
 
     # ------------------------------------------------------------------------------------
+    def _autocast(self):
+        """bf16 compute over fp32 parameters (the router opts out and stays fp32)."""
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.autocast(device, dtype=torch.bfloat16, enabled=self.bf16)
+
     def _reduce_dp(self, t: torch.Tensor) -> None:
         if self.groups.dp > 1:
             dist.all_reduce(t, group=self.groups.dp_group)

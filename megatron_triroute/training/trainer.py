@@ -79,14 +79,15 @@ def train(run: RunConfig, env, tables) -> int:
     from megatron.core import parallel_state
 
     mcfg = transformer_config(run.triroute, tensor_parallel=p.tensor, pipeline_parallel=p.pipeline,
-                              bf16=run.train.dtype_name == "bf16", recompute=run.train.recompute)
+                              recompute=run.train.recompute)
     model = TriRouteGPTModel(mcfg, run.triroute, tables, groups=groups,
                              pre_process=parallel_state.is_pipeline_first_stage(),
                              post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
         model.cuda()
     optimizer, scheduler = build_optimizer(model, run)
-    engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler)
+    engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
+                         bf16=run.train.dtype_name == "bf16")
     vocab = run.triroute.model.vocab_size
     train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier)
 
