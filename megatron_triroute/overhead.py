@@ -182,16 +182,15 @@ def overhead_report(run: RunConfig, layers_built: int | None = None) -> dict:
         raise ValueError(f"--layers {k}: must be in [1, n_layers={cfg.model.n_layers}]")
     with single_process_parallel() as groups:
         results = {name: measure(c, name, groups, k) for name, c in systems.items()}
-    dense = results.get("dense")
+    dense = results["dense"].flops_per_token_total
     out = {
         "recipe": run.name, "n_layers": cfg.model.n_layers, "layers_built": k, "seq_len": cfg.model.seq_len,
         "d_model": cfg.model.d_model, "d_router": cfg.router.d_router, "batch": 1, "mode": "train forward",
         "systems": {name: r.to_dict() for name, r in results.items()},
     }
     for name, r in results.items():
-        out["systems"][name]["controller_flops_vs_dense"] = (
-            r.flops_per_token_controller / dense.flops_per_token_total if dense else None)
-        out["systems"][name]["flops_vs_dense"] = r.flops_per_token_total / dense.flops_per_token_total if dense else None
+        out["systems"][name]["controller_flops_vs_dense"] = r.flops_per_token_controller / dense
+        out["systems"][name]["flops_vs_dense"] = r.flops_per_token_total / dense
     return out
 
 
@@ -206,12 +205,10 @@ def format_table(report: dict) -> str:
         f"{'FLOPs/token':>12} {'controller':>12} {'share':>8} {'ctrl/dense':>10} {'total/dense':>11}",
     ]
     for name, s in report["systems"].items():
-        vs = lambda v: "-" if v is None else f"{100 * v:.3f}%"
-        ratio = "-" if s["flops_vs_dense"] is None else f"{s['flops_vs_dense']:.3f}"
         lines.append(
             f"{name:<24} {s['params_total']:>14,} {s['params_controller']:>12,} {100 * s['params_share']:>7.3f}%   "
             f"{s['flops_per_token_total']:>12.4g} {s['flops_per_token_controller']:>12.4g} "
-            f"{100 * s['flops_share']:>7.3f}% {vs(s['controller_flops_vs_dense']):>10} {ratio:>11}"
+            f"{100 * s['flops_share']:>7.3f}% {100 * s['controller_flops_vs_dense']:>9.3f}% {s['flops_vs_dense']:>11.3f}"
         )
     return "\n".join(lines)
 

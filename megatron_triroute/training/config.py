@@ -59,6 +59,8 @@ class TrainConfig:
     keep_last: int = 3
     max_nonfinite_steps: int = 5
     """Abort after this many consecutive non-finite steps (each is skipped)."""
+    peak_tflops: float = 0.0
+    """Peak dense TFLOP/s of one device for the MFU report (0: report achieved TFLOP/s only)."""
     collapse_entropy: float = 0.1
     """Warn when an axis's normalised option entropy in a layer falls below this."""
 

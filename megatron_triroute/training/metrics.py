@@ -54,6 +54,19 @@ def router_scalars(stats: torch.Tensor, config: TriRouteConfig) -> tuple[dict[st
     return scalars, entropies
 
 
+def training_flops_per_token(config: TriRouteConfig, realised_flops: float) -> float:
+    """Training FLOPs per token (forward + backward = 3 x forward, 2 FLOPs per MAC) of the routed
+    model: the budgeted part (attention reads + FFN, Appendix A's dense cost scaled by the realised
+    fraction) plus what the budget does not count (Q/K/V/O projections and the output layer)."""
+    m = config.model
+    T = m.seq_len
+    mean_keys = (T + 1) / 2  # mean of t + 1 over positions 0..T-1
+    budgeted = 2 * m.d_model * mean_keys + 3 * m.d_model * m.d_ff
+    projections = (m.n_heads + 2 * m.n_kv_heads) * m.d_head * m.d_model + m.n_heads * m.d_head * m.d_model
+    forward_macs = m.n_layers * (realised_flops * budgeted + projections) + m.vocab_size * m.d_model
+    return 3 * 2 * forward_macs
+
+
 def collapse_warnings(entropies: dict[str, list[float]], threshold: float) -> list[str]:
     return [f"router collapse: axis '{axis}' in layer {layer} has normalised entropy {value:.3f} < {threshold}"
             for axis, values in entropies.items() for layer, value in enumerate(values) if value < threshold]

@@ -56,7 +56,7 @@ def train(run: RunConfig, env, tables) -> int:
     from ..parallel import apply_cpu_workarounds, initialize_parallel
     from . import data as data_mod
     from .engine import TrainEngine
-    from .metrics import Progress, TensorBoard, collapse_warnings, router_scalars
+    from .metrics import Progress, TensorBoard, collapse_warnings, router_scalars, training_flops_per_token
     from .run_state import load_run, save_run
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -155,6 +155,12 @@ def train(run: RunConfig, env, tables) -> int:
             })
             for i, lam in enumerate(report.lambdas):
                 scalars[f"budget/lambda_{['flops', 'mem'][i] if len(report.lambdas) == 2 else 'tied'}"] = lam
+            tflops = tokens_per_s * training_flops_per_token(run.triroute, report.realised[0]) / 1e12
+            scalars["train/tflops"] = tflops
+            line += f" | {tflops / groups.world_size:.3f} TFLOP/s/rank"
+            if t.peak_tflops > 0:
+                scalars["train/mfu"] = tflops / (t.peak_tflops * groups.world_size)
+                line += f" | MFU {scalars['train/mfu']:.1%}"
             tb.scalars(scalars, step + 1)
             if rank0:
                 log.info(line)

@@ -69,3 +69,15 @@ def test_dry_run_reports_layout_and_memory(capsys):
     more_experts = estimate_rank_memory(run, 64)["parameters_per_rank"]
     run.parallel.expert = 1
     assert estimate_rank_memory(run, 64)["parameters_per_rank"] > more_experts  # experts spread over ranks
+
+
+def test_training_flops_per_token_hand_count():
+    from megatron_triroute.training.metrics import training_flops_per_token
+
+    run = get_recipe("tiny")
+    m = run.triroute.model  # d 128, L 4, H 4, H_kv 1, d_h 32, d_ff 384, T 128, V 4096
+    budgeted = 2 * 128 * (129 / 2) + 3 * 128 * 384
+    projections = (4 + 2) * 32 * 128 + 4 * 32 * 128
+    expected = 6 * (4 * (0.5 * budgeted + projections) + 4096 * 128)
+    assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.seq_len, m.vocab_size) == (128, 4, 4, 1, 384, 128, 4096)
+    assert training_flops_per_token(run.triroute, 0.5) == expected
