@@ -42,7 +42,7 @@ from typing import Iterator
 import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
-from .config import TriRouteConfig
+from .config import ConfigError, TriRouteConfig
 from .training.config import RunConfig, apply_overrides
 
 FULL_BUILD_PARAMETERS = 50_000_000
@@ -179,7 +179,7 @@ def overhead_report(run: RunConfig, layers_built: int | None = None) -> dict:
         systems["dense"] = system_config("dense", cfg)
     k = layers_built or default_layers_built(cfg)
     if not 1 <= k <= cfg.model.n_layers:
-        raise ValueError(f"--layers {k}: must be in [1, n_layers={cfg.model.n_layers}]")
+        raise ConfigError(f"layers_built={k}: must be in [1, n_layers={cfg.model.n_layers}]")
     with single_process_parallel() as groups:
         results = {name: measure(c, name, groups, k) for name, c in systems.items()}
     dense = results["dense"].flops_per_token_total
@@ -226,11 +226,18 @@ def main(argv: list[str] | None = None) -> int:
     from .parallel import apply_cpu_workarounds
     from .training.recipes import get_recipe
 
-    with library_logs_to_stderr():  # DeepSpeed logs to stdout; keep stdout for the report alone
-        apply_cpu_workarounds()  # before Megatron modules are imported by the builders
+    try:  # configuration errors: one line and exit status 2, as the training CLI
         run = apply_overrides(get_recipe(args.recipe), args.overrides)
         if args.seq_len is not None:
             run.triroute.model.seq_len = args.seq_len
+        run.triroute.validate()
+        if args.layers is not None and not 1 <= args.layers <= run.triroute.model.n_layers:
+            raise ConfigError(f"--layers {args.layers}: must be in [1, n_layers={run.triroute.model.n_layers}]")
+    except ValueError as err:  # ConfigError, or an unknown recipe
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    with library_logs_to_stderr():  # DeepSpeed logs to stdout; keep stdout for the report alone
+        apply_cpu_workarounds()  # before Megatron modules are imported by the builders
         report = overhead_report(run, args.layers)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0
