@@ -53,8 +53,11 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: t
     local = full & (pos.view(1, T) >= pos.view(T, 1) - window)
     out = torch.zeros_like(q)
     for mode, mask in ((LOCAL, local), (FULL, full)):
+        weight = modes[..., mode, None]
+        if not weight.requires_grad and not bool(weight.any()):
+            continue  # a mode nobody reads and no gradient needs (e.g. local in a dense model)
         ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(1, 2)  # (B, T, H, d)
-        out = out + modes[..., mode, None].to(q.dtype) * ctx
+        out = out + weight.to(q.dtype) * ctx
     return out
 
 
