@@ -79,6 +79,13 @@ def cli(argv=None) -> int:
     except (ConfigError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except Exception as err:
+        from megatron_triroute.training.trainer import NonFiniteLossError
+
+        if not isinstance(err, NonFiniteLossError):
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":
