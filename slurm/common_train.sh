@@ -1,0 +1,145 @@
+# Shared body of slurm/train_160m.sh, slurm/train_410m.sh, slurm/train_1p3b.sh and slurm/ablations.sh.
+# Sourced (never executed) by a batch script that has set REPO and SCALE (ablations.sh also SYSTEM):
+#
+#   triroute_train_job        # trains $RECIPE into $RUN_DIR through srun, requeues on exit 75, exits
+#
+# Environment (defaults in brackets; sbatch passes the submitting shell's environment to the job,
+# and a requeued job keeps it):
+#   RECIPE      [$SCALE, or $SCALE-$SYSTEM when SYSTEM is set]  any `--recipe` name: tiny, 410m-moe, ...
+#   SYSTEM      [unset]  one of the six systems or a Table 4 variant (megatron_triroute.systems)
+#   RUN_DIR     [$REPO/runs/$RECIPE]  checkpoints, steps.jsonl, summary.json and job.log (one log
+#               across restarts). Per run, not per job id: job ids restart when a cluster's state is
+#               wiped, and a resubmitted job must find the same checkpoints. Relative: to the submit dir.
+#   DATA        [unset: the recipe's data.path, data/<scale> in the repository]  a `data_prep build`
+#               output directory. Relative: to the submit directory.
+#   TRAIN_ARGS  [empty]  extra key=value overrides, split on white space ("train.steps=12 parallel.tensor=2")
+#   SCALE_ARGS  [per scale, see triroute_scale_args]  GPU-memory defaults of the paper scales, applied
+#               before TRAIN_ARGS; set it empty to drop them.
+#   TRIROUTE_PYTHON [$REPO/.venv/bin/python if present, else python3 on PATH]
+#   TRIROUTE_MAX_RESTARTS [3]  requeues per job after a checkpointed stop (exit 75)
+# Nodes, tasks per node (= GPUs per node), GPUs and CPUs per task come from sbatch's own flags; the
+# step runs one task per allocated task slot, so `sbatch --nodes=1 --ntasks-per-node=2
+# --gpus-per-node=0 --cpus-per-task=1 slurm/train_1p3b.sh` runs two CPU ranks.
+
+source "$REPO/launchers/env.sh"
+
+# A stop signal that reaches this script before srun runs (triroute_srun installs its forwarding
+# traps only once srun has started) would kill it with the default action. Record it instead:
+# nothing was trained since the last checkpoint, so the job is simply requeued.
+TRIROUTE_EARLY_STOP=
+triroute_trap_early_stop() {
+  trap 'TRIROUTE_EARLY_STOP=USR1' USR1
+  trap 'TRIROUTE_EARLY_STOP=TERM' TERM
+}
+triroute_trap_early_stop
+
+# Overrides that fit the paper scales' recipes on 80 GB GPUs with one rank per GPU and no model
+# parallelism (from `python -m megatron_triroute.train --recipe SCALE --dry-run --world-size N`;
+# TriRoute's experts make the models larger than their dense names):
+#   160m (8 ranks):  none, ~45 GiB per rank at micro-batch 4
+#   410m (16 ranks): micro-batch 1, ~41 GiB per rank instead of ~122 GiB
+#   1p3b (64 ranks): full activation recomputation, ~58 GiB per rank instead of ~173 GiB
+triroute_scale_args() {
+  case "$1" in
+    410m) echo "train.micro_batch_size=1" ;;
+    1p3b) echo "train.recompute=true" ;;
+    *) echo "" ;;
+  esac
+}
+
+# srun's status after a checkpointed stop is not always 75. The ranks leave the trainer's final
+# barrier together but finish exiting at different times; once the first one has exited 75,
+# --kill-on-bad-exit SIGTERMs the others, and a rank already in interpreter shutdown (where Python
+# has put SIGTERM back to its default action) dies of it: srun then reports 143. If srun died of a
+# signal (status > 128) after the trainer logged, in this step's output, that it had checkpointed
+# step N on a stop signal, and `latest` names step N, the stop is complete: the status is 75.
+# Anything else is returned unchanged. Prints the status.
+triroute_stop_status() {
+  local status=$1 offset=$2 step latest
+  if [ "$status" -le 128 ]; then echo "$status"; return; fi
+  step=$(tail -c +$((offset + 1)) "$RUN_DIR/job.log" 2>/dev/null \
+    | grep -o 'stop signal: checkpointed at step [0-9]*, exiting with 75' | tail -n 1 | grep -o '[0-9]\+' | head -n 1)
+  latest=$(cat "$RUN_DIR/checkpoints/latest" 2>/dev/null)
+  if [ -n "$step" ] && [ "$latest" = "$(printf 'step_%08d' "$step")" ]; then
+    triroute_log "srun exited $status after the trainer checkpointed step $step on a stop signal (a rank still exiting was terminated): treating it as $TRIROUTE_EXIT_REQUEUE" >&2
+    echo "$TRIROUTE_EXIT_REQUEUE"
+  else
+    echo "$status"
+  fi
+}
+
+# True while this job is being cancelled by scancel (not by its time limit or a node failure).
+triroute_job_cancelled() {
+  local info
+  info=$(scontrol show job "$SLURM_JOB_ID" 2>/dev/null) || return 1
+  [[ $info =~ JobState=COMPLETING[[:space:]]+Reason=None([[:space:]]|$) ]]
+}
+
+triroute_train_job() {
+  local status scale_args=() extra=()
+  if [ -z "${RECIPE:-}" ]; then
+    RECIPE=${SCALE:?SCALE or RECIPE must be set}${SYSTEM:+-$SYSTEM}
+  fi
+  RUN_DIR=${RUN_DIR:-$REPO/runs/$RECIPE}
+  case "$RUN_DIR" in /*) ;; *) RUN_DIR=$PWD/$RUN_DIR ;; esac
+  if [ -z "${TRIROUTE_PYTHON:-}" ]; then
+    if [ -x "$REPO/.venv/bin/python" ]; then TRIROUTE_PYTHON=$REPO/.venv/bin/python; else TRIROUTE_PYTHON=python3; fi
+  fi
+  # Word splitting without glob expansion.
+  read -r -a scale_args <<<"${SCALE_ARGS-$(triroute_scale_args "${RECIPE%%-*}")}"
+  read -r -a extra <<<"${TRAIN_ARGS:-}"
+  extra=("${scale_args[@]}" "${extra[@]}")
+  if [ -n "${DATA:-}" ]; then
+    case "$DATA" in /*) ;; *) DATA=$PWD/$DATA ;; esac
+    extra+=("data.path=$DATA")
+  fi
+  extra+=("output_dir=$RUN_DIR")  # last: the log, the checkpoints and the outputs stay together
+
+  triroute_append_log "$RUN_DIR/job.log"
+  triroute_slurm_env || exit 1
+  export PYTHONUNBUFFERED=1
+  export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
+  cd "$REPO" || exit 1
+
+  local nodes=${SLURM_JOB_NUM_NODES:-1}
+  local per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / nodes ))}
+  local cpus=${SLURM_CPUS_PER_TASK:-1}
+  local latest="$RUN_DIR/checkpoints/latest"
+  triroute_log "recipe $RECIPE -> $RUN_DIR: $nodes node(s) x $per_node task(s), $cpus CPU(s) per task, GPUs per node ${SLURM_GPUS_PER_NODE:-none}"
+  if [ -f "$latest" ]; then
+    triroute_log "checkpoint $(cat "$latest") in $RUN_DIR/checkpoints: training resumes from it"
+  else
+    triroute_log "no checkpoint in $RUN_DIR/checkpoints: training starts at step 0"
+  fi
+
+  if [ -n "$TRIROUTE_EARLY_STOP" ]; then
+    triroute_log "got $TRIROUTE_EARLY_STOP before the step started: nothing to checkpoint"
+    status=$TRIROUTE_EXIT_REQUEUE
+  else
+    local log_offset
+    log_offset=$(stat -c %s "$RUN_DIR/job.log" 2>/dev/null || echo 0)
+    triroute_log "srun: $TRIROUTE_PYTHON -m megatron_triroute.train --recipe $RECIPE ${extra[*]}"
+    # srun does not inherit --cpus-per-task from sbatch (Slurm 22.05+): pass the layout explicitly.
+    triroute_srun --kill-on-bad-exit=1 --nodes="$nodes" --ntasks-per-node="$per_node" \
+      --ntasks=$((nodes * per_node)) --cpus-per-task="$cpus" \
+      "$TRIROUTE_PYTHON" -m megatron_triroute.train --recipe "$RECIPE" "${extra[@]}"
+    status=$?
+    triroute_trap_early_stop  # triroute_srun resets the traps to the default (fatal) action
+    status=$(triroute_stop_status "$status" "$log_offset")
+  fi
+  case "$status" in
+    0) triroute_log "training finished: $RUN_DIR/summary.json" ;;
+    "$TRIROUTE_EXIT_REQUEUE") triroute_log "training checkpointed on a stop signal (exit $status)" ;;
+    *) triroute_log "training failed (exit $status)" ;;
+  esac
+  # `scancel JOBID` SIGTERMs the batch script and the step: the trainer checkpoints and exits 75 as on
+  # a pre-emption, and Slurm would accept the requeue of the job it is cancelling. While a cancelled
+  # job winds down, scontrol shows JobState=COMPLETING with Reason=None (a time limit shows
+  # Reason=TimeLimit). A cancelled job stays cancelled: resubmit to resume from the checkpoint.
+  if [ "$status" -eq "$TRIROUTE_EXIT_REQUEUE" ] && triroute_job_cancelled; then
+    triroute_log "job cancelled (scancel): not requeueing; resubmit the same command to resume from the checkpoint"
+    exit "$status"
+  fi
+  triroute_requeue_if_needed "$status"
+  exit "$status"
+}
