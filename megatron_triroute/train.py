@@ -89,4 +89,13 @@ def cli(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(cli())
+    status = cli()
+    if status == signals.EXIT_REQUEUE:
+        # The checkpoint is committed. Once one rank has exited 75, `srun --kill-on-bad-exit` sends
+        # SIGTERM to the ranks still shutting down, and Python restores default handlers at shutdown
+        # (ignored signals stay ignored): ignore the stop signals so every rank exits 75.
+        import signal
+
+        for signum in signals.STOP_SIGNALS:
+            signal.signal(signum, signal.SIG_IGN)
+    sys.exit(status)

@@ -124,6 +124,9 @@ class RunConfig:
             if (dp * p.tensor) % p.expert:
                 _fail("parallel.expert", p.expert, f"does not divide data x tensor parallel = {dp * p.tensor}",
                       "choose an expert-parallel size that divides it")
+            if t.eval_batches < dp:
+                _fail("train.eval_batches", t.eval_batches, f"fewer than data_parallel={dp}: evaluation would score nothing",
+                      "use at least the data-parallel size")
             if t.global_batch_size % (t.micro_batch_size * dp):
                 _fail("train.global_batch_size", t.global_batch_size,
                       f"not divisible by micro_batch_size x data_parallel = {t.micro_batch_size} x {dp}",
