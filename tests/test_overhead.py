@@ -55,14 +55,14 @@ def dense_params() -> int:
 
 
 def dense_train_flops_per_token() -> int:
-    """Dense training forward, 2 FLOPs per MAC: per layer the QKV and output projections, the
-    relaxed attention's two reads (local and full, Alg. 1's sum over modes, each a T x T product
-    of q.k and of the weights with V: 2 * 2 * T * d_h per head) and the SwiGLU FFN; then the
-    output layer."""
+    """Dense training forward, 2 FLOPs per MAC: per layer the QKV and output projections, one
+    full causal read (the dense system never reads in local mode, so the relaxed path skips it:
+    a T x T product of q.k and of the weights with V, 2 * 2 * T * d_h per head) and the SwiGLU
+    FFN; then the output layer."""
     m, _, _ = _shape()
     d, d_h, T = m.d_model, m.d_model // m.n_heads, m.seq_len
     qkv_proj = 2 * d * (m.n_heads + 2 * m.n_kv_heads) * d_h + 2 * m.n_heads * d_h * d
-    reads = 2 * (2 * 2 * T * d_h * m.n_heads)
+    reads = 2 * 2 * T * d_h * m.n_heads
     return m.n_layers * (qkv_proj + reads + 2 * 3 * d * m.d_ff) + 2 * d * m.vocab_size
 
 
