@@ -20,7 +20,6 @@ float64 over the global batch, committed once per optimizer step with EMA moment
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .running_stats import RunningStatistic
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from ..config import TriRouteConfig
-from .config import DataConfig, OptimConfig, ParallelConfig, RunConfig, TrainConfig
+from .config import DataConfig, OptimConfig, RunConfig, TrainConfig
 
 SCALES = ("tiny", "160m", "410m", "1p3b")
 

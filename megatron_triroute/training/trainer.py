@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import logging
 import math
-import os
 import time
 from datetime import timedelta
 from pathlib import Path

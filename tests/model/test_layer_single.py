@@ -1,6 +1,5 @@
 """Single-process checks of the TriRoute layer inside Megatron's TransformerBlock."""
 
-import math
 
 import pytest
 import torch

@@ -111,7 +111,7 @@ def marker_task(batch=16, seed=0):
     half of each sequence and -3 on the rest, and the router scores dimension 0."""
     c, cfg = build(seed=seed)
     g = torch.Generator().manual_seed(seed)
-    T, d = cfg.model.seq_len, cfg.model.d_model
+    T = cfg.model.seq_len
     hidden, side = make_inputs(cfg, batch=batch, seed=seed)
     member = torch.stack([torch.randperm(T, generator=g) < T // 2 for _ in range(batch)])  # (B, T)
     hidden[..., 0] = torch.where(member, 3.0, -3.0)

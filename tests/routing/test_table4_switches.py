@@ -1,7 +1,6 @@
 """Every Table 4 switch changes the computation: each test tells the variant from the default."""
 
 import torch
-import torch.nn.functional as F
 
 from megatron_triroute import TriRouteController
 from megatron_triroute.routing.losses import router_aux_loss
