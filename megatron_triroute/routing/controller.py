@@ -194,8 +194,13 @@ class TriRouteController(nn.Module):
         experts, expert_logits = None, None
         if "experts" in raw:
             expert_logits = raw["experts"]
-            experts = top_k_gating(self.balance["experts"](expert_logits), router.top_k, router.null_expert)
+            experts = top_k_gating(self.balance["experts"](expert_logits, self._balance_reference()),
+                                   router.top_k, router.null_expert)
         return RouterOutput(attn=attn, bits=bits, experts=experts, expert_logits=expert_logits)
+
+    def _balance_reference(self) -> torch.Tensor:
+        """Mean running gradient norm over this layer's routed axes (see grad_balance, choice d)."""
+        return torch.stack([b.rho for b in self.balance.values()]).mean()
 
     def _categorical(self, axis: str, z: torch.Tensor, key: NoiseKey | None, tau: float) -> AxisDecision:
         """ST-Gumbel (or REINFORCE) decision for one axis; z: (B, T, [H_a,] O)."""
@@ -204,7 +209,7 @@ class TriRouteController(nn.Module):
             y = F.one_hot(hard, z.shape[-1]).to(z.dtype)
             return AxisDecision(y, y, hard, logits=z)
         g = sample_gumbel(z) if key is None else key.gumbel(tuple(z.shape), _AXIS_ID[axis], z.dtype)
-        z_model = self.balance[axis](z)
+        z_model = self.balance[axis](z, self._balance_reference())
         if self.config.router.estimator == "reinforce":
             sample = (z.detach() + g).argmax(-1)  # Gumbel-max: an exact sample of softmax(z)
             y = F.one_hot(sample, z.shape[-1]).to(z.dtype)

@@ -11,7 +11,15 @@ would weight the newest sample by 0.99; we read m as the conventional EMA moment
 is the norm over the whole global batch of one optimizer step: squared norms are accumulated
 over micro-batches in backward and summed across ranks at commit, then square-rooted. (c) Only
 the model (LM) path goes through this op; the balancing losses and the budget surrogate read
-the raw logits, so rho measures exactly the LM gradient the paper names.
+the raw logits, so rho measures exactly the LM gradient the paper names. (d) The divisor is
+rho relative to the mean rho of the layer's routed axes (`reference`), i.e. the gradient is
+multiplied by mean(rho) / rho_axis. Dividing by rho alone rescales every axis's LM gradient to
+unit norm; for a token-mean loss that norm is tiny, so the router's LM gradient would be
+amplified by orders of magnitude against the balancing losses and the budget term (on the tiny
+recipe the FLOPs budget lost control and training degraded once rho had converged, after ~300
+steps). The relative form keeps what the paper wants -- the axes on comparable footing, no change
+to the forward pass -- and leaves the overall scale, and so the meaning of alpha, beta, gamma and
+lambda, untouched. With one routed axis it is the identity.
 """
 
 from __future__ import annotations
@@ -45,10 +53,12 @@ class GradBalance(RunningStatistic):
         self.register_buffer("rho", torch.ones((), dtype=torch.float32))
         self.register_buffer("_acc", torch.zeros(1, dtype=torch.float64), persistent=False)
 
-    def forward(self, z: torch.Tensor) -> torch.Tensor:
+    def forward(self, z: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
+        """Identity; backward divides by rho / reference (reference None: by rho itself)."""
         if not self.enabled or not torch.is_grad_enabled():
             return z
-        return _GradBalanceFn.apply(z, self.rho.detach(), self._acc)
+        divisor = self.rho.detach() if reference is None else self.rho.detach() / reference.detach()
+        return _GradBalanceFn.apply(z, divisor, self._acc)
 
     def pending(self) -> torch.Tensor:
         return self._acc

@@ -4,10 +4,11 @@ Per rank: model (parameters and buffers: router running statistics, budget multi
 their EMA), optimizer, LR scheduler, RNG states. Shared (rank 0's meta): the resolved config,
 the next step, consumed samples, and every rank's (tp, pp, ep, dp) coordinates.
 
-Resuming on a different data-parallel size (same tensor/pipeline/expert layout): parameters and
-optimizer state are replicated over data-parallel ranks (experts over expert-data-parallel
-ranks), so each new rank loads the shard of the lowest old rank with the same (tp, pp, ep)
-coordinates. The global batch sequence does not depend on the data-parallel size (see
+Resuming on a different data-parallel size (same tensor/pipeline/expert layout): parameters are
+replicated over data-parallel ranks (experts over expert-data-parallel ranks), so each new rank
+loads the model from the lowest old rank with the same (tp, pp, ep) coordinates; the optimizer
+state is sharded by parameter (ZeRO-1), so each rank gathers the states of the parameters it now
+owns from all old ranks with those coordinates. The global batch sequence does not depend on the data-parallel size (see
 `data.py`), so the run continues the same sequence of batches.
 """
 
@@ -69,7 +70,12 @@ def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {info.path} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}. Fix: resume with the config the run was started with.")
-    optimizer.load_state_dict(state["optimizer"])
+    if layout["world_size"] == groups.world_size:
+        optimizer.load_state_dict([state["optimizer"]])
+    else:  # ZeRO-1 ownership moved: gather every owned state from the old replicas of this shard
+        same_shard = [r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine]
+        _, replicas, _ = load_shards(root, ranks=same_shard, step=info.step)
+        optimizer.load_state_dict([replicas[r]["optimizer"] for r in same_shard])
     scheduler.load_state_dict(state["scheduler"])
     restore_rng_state(state["rng"])
     if layout["world_size"] != groups.world_size:

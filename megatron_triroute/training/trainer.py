@@ -26,15 +26,18 @@ class NonFiniteLossError(RuntimeError):
     pass
 
 
-def build_optimizer(model, run: RunConfig):
-    """AdamW (Appendix B) with no weight decay on norms, biases and gains; warmup + cosine."""
+def build_optimizer(model, run: RunConfig, groups):
+    """AdamW (Appendix B) with no weight decay on norms, biases and gains, its state sharded over
+    data-parallel replicas (ZeRO-1, see zero.py); warmup + cosine schedule."""
+    from .zero import ShardedAdamW
+
     o = run.optim
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    optimizer = torch.optim.AdamW(
+        (decay if p.dim() >= 2 else no_decay).append((name, p))
+    optimizer = ShardedAdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
     )
     total, warmup = run.train.steps, o.warmup_steps
 
@@ -44,7 +47,7 @@ def build_optimizer(model, run: RunConfig):
         progress = min((step - warmup) / max(total - warmup, 1), 1.0)
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, factor)
 
 
 def train(run: RunConfig, env, tables) -> int:
@@ -84,7 +87,7 @@ def train(run: RunConfig, env, tables) -> int:
                              post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
         model.cuda()
-    optimizer, scheduler = build_optimizer(model, run)
+    optimizer, scheduler = build_optimizer(model, run, groups)
     engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
                          bf16=run.train.dtype_name == "bf16")
     vocab = run.triroute.model.vocab_size

@@ -108,3 +108,23 @@ def test_training_samples_follow_the_counter_noise():
     o3 = c(hidden, side, key_for(2, 12, step=1))
     assert torch.equal(o1.attn.y, o2.attn.y)
     assert not torch.equal(o1.attn.y, o3.attn.y)
+
+
+def test_grad_balance_is_relative_to_the_layers_mean_norm():
+    """After a commit, each axis's gradient is scaled by mean(rho) / rho_axis: axes with a large
+    LM gradient are damped, small ones boosted, and the mean scale is preserved."""
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    c = TriRouteController(cfg, 0).train()
+    rhos = {"attn": 4.0, "experts": 1.0, "bits": 0.25}
+    for axis, rho in rhos.items():
+        c.balance[axis].rho.fill_(rho)
+    mean = sum(rhos.values()) / 3
+    hidden, side = make_inputs(cfg)
+    z = torch.randn(2, 12, 4, requires_grad=True)
+    up = torch.ones(2, 12, 4)
+    c.balance["bits"](z, c._balance_reference()).backward(up)
+    assert torch.allclose(z.grad, up * mean / 0.25)
+    z.grad = None
+    c.balance["attn"](z, c._balance_reference()).backward(up)
+    assert torch.allclose(z.grad, up * mean / 4.0)
