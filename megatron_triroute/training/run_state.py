@@ -62,7 +62,10 @@ def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
             f"this run has {(groups.tp, groups.pp, groups.ep)}. Fix: resume with the same parallel.tensor, "
             "parallel.pipeline and parallel.expert (only the data-parallel size may change).")
     mine = coordinates(groups)[:3]
-    source = min(r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine)
+    same_layout = layout["world_size"] == groups.world_size and meta["coordinates"][groups.rank] == coordinates(groups)
+    # Same layout: every rank reads its own shard (its ZeRO share, its RNG). Otherwise the model
+    # comes from the lowest old rank holding the same tensor/pipeline/expert shard.
+    source = groups.rank if same_layout else min(r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine)
     _, shards, _ = load_shards(root, ranks=[source], step=info.step)
     state = shards[source]
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
@@ -70,7 +73,7 @@ def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {info.path} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}. Fix: resume with the config the run was started with.")
-    if layout["world_size"] == groups.world_size:
+    if same_layout:
         optimizer.load_state_dict([state["optimizer"]])
     else:  # ZeRO-1 ownership moved: gather every owned state from the old replicas of this shard
         same_shard = [r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine]

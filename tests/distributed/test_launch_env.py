@@ -264,6 +264,8 @@ MPI_SCRIPT = textwrap.dedent(
     """
     import os, sys
     import torch
+
+    out = open(os.path.join(sys.argv[1], f"rank{os.environ['OMPI_COMM_WORLD_RANK']}.txt"), "w")  # mpirun interleaves stdout
     import torch.distributed as dist
     from megatron_triroute.distributed.launch_env import export_torch_env, resolve_launch_env
 
@@ -272,7 +274,7 @@ MPI_SCRIPT = textwrap.dedent(
     dist.init_process_group("gloo", init_method="env://")
     total = torch.tensor([env.rank + 1.0])
     dist.all_reduce(total)
-    print(f"RESULT {env.launcher} {env.rank} {env.world_size} {env.local_rank} {env.master_port} {total.item()}")
+    print(f"RESULT {env.launcher} {env.rank} {env.world_size} {env.local_rank} {env.master_port} {total.item()}", file=out)
     dist.destroy_process_group()
 
     # Without launcher variables, an mpi4py the program already imported answers instead.
@@ -281,7 +283,8 @@ MPI_SCRIPT = textwrap.dedent(
     via_mpi4py = resolve_launch_env(bare)
     assert (via_mpi4py.rank, via_mpi4py.world_size, via_mpi4py.local_rank, via_mpi4py.local_world_size) == (
         env.rank, env.world_size, env.local_rank, env.local_world_size), via_mpi4py
-    print(f"MPI4PY {via_mpi4py.launcher} {via_mpi4py.master_addr} {via_mpi4py.master_port}")
+    print(f"MPI4PY {via_mpi4py.launcher} {via_mpi4py.master_addr} {via_mpi4py.master_port}", file=out)
+    out.close()
     """
 )
 
@@ -300,13 +303,14 @@ def test_real_mpirun_two_ranks(tmp_path):
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": str(REPO),
     }
-    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(script)]
+    command = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable, str(script), str(tmp_path)]
     done = subprocess.run(command, env=environ, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
-    results = sorted(line.split()[1:] for line in done.stdout.splitlines() if line.startswith("RESULT"))
+    lines = [line for rank in (0, 1) for line in (tmp_path / f"rank{rank}.txt").read_text().splitlines()]
+    results = sorted(line.split()[1:] for line in lines if line.startswith("RESULT"))
     assert [r[:4] for r in results] == [["mpi", "0", "2", "0"], ["mpi", "1", "2", "1"]]
     assert results[0][4] == results[1][4]  # both derived the same port
     assert [float(r[5]) for r in results] == [3.0, 3.0]  # (0 + 1) + (1 + 1)
-    via_mpi4py = [line.split()[1:] for line in done.stdout.splitlines() if line.startswith("MPI4PY")]
+    via_mpi4py = [line.split()[1:] for line in lines if line.startswith("MPI4PY")]
     assert len(via_mpi4py) == 2 and via_mpi4py[0] == via_mpi4py[1]  # rank 0's port, broadcast
     assert via_mpi4py[0][:2] == ["mpi", "127.0.0.1"]
