@@ -142,8 +142,10 @@ def bucket_batches(run: RunConfig, name: str, eod: int) -> list[MicroBatch]:
                 break
         if len(windows) >= limit:
             break
+    # Whole micro-batches only, unless the bucket has fewer windows than one micro-batch.
+    usable = len(windows) if len(windows) < mbs else len(windows) - len(windows) % mbs
     batches = []
-    for b in range(0, len(windows) - len(windows) % mbs if len(windows) >= mbs else len(windows), mbs):
+    for b in range(0, usable, mbs):
         group = windows[b : b + mbs]
         tok = torch.as_tensor(np.stack([w[0] for w in group]))
         msk = torch.as_tensor(np.stack([w[1] for w in group]))
