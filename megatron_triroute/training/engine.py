@@ -85,11 +85,14 @@ class TrainEngine:
             )
         loss_sum, token_count = self._global_loss(losses)
         loss = loss_sum / max(token_count, 1.0)
-        if not self._all_finite(loss):
+        reduce_gradients(model, self.groups)
+        grad_norm = self._grad_norm()
+        # Loss and norm are reduced over every rank, so all ranks agree to skip (a NaN or inf in any
+        # gradient makes the global norm non-finite).
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self._discard()
             return StepReport(step, float("nan"), True, float("nan"), tau)
-        reduce_gradients(model, self.groups)
-        grad_norm = self._clip()
+        self._clip(grad_norm)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
@@ -168,15 +171,6 @@ class TrainEngine:
         self._reduce_dp_pp(local)
         return local[0].item(), local[1].item()
 
-    def _all_finite(self, loss: float) -> bool:
-        bad = torch.tensor([0.0 if math.isfinite(loss) else 1.0])
-        for p in self.model.parameters():
-            if p.grad is not None and not torch.isfinite(p.grad).all():
-                bad += 1
-                break
-        dist.all_reduce(bad)  # every rank skips together
-        return bad.item() == 0
-
     def _discard(self) -> None:
         for p in self.model.parameters():
             p.grad = None
@@ -184,19 +178,15 @@ class TrainEngine:
         self.model.budget.discard()
         self.model.router_statistics.reset()
 
-    def _clip(self) -> float:
-        """Global gradient L2 norm over every parameter once, then clip to `clip_grad`.
-
-        Tensor-parallel shards sum over TP; replicated (non-TP) dense parameters count once;
-        experts sum over the expert-parallel group; all of it sums over pipeline stages.
-        """
+    def _grad_norm(self) -> float:
+        """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
+        replicated (non-TP) dense parameters count once, experts sum over the expert-parallel
+        group, and all of it sums over pipeline stages."""
         g = self.groups
         parts = torch.zeros(3, dtype=torch.float64)  # [tp-sharded, replicated, expert]
-        grads = []
         for p in self.model.parameters():
             if p.grad is None:
                 continue
-            grads.append(p.grad)
             sq = p.grad.detach().double().pow(2).sum()
             if getattr(p, "allreduce", True) is False:
                 parts[2] += sq
@@ -213,12 +203,15 @@ class TrainEngine:
         total = sharded + parts[1:2] + expert
         if g.pp > 1:
             dist.all_reduce(total, group=g.pp_group)
-        norm = total.sqrt().item()
+        return total.sqrt().item()
+
+    def _clip(self, norm: float) -> None:
+        """Scale every gradient so the global norm is at most `clip_grad`."""
         if self.clip_grad > 0 and norm > self.clip_grad:
             scale = self.clip_grad / (norm + 1e-6)
-            for grad in grads:
-                grad.mul_(scale)
-        return norm
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(scale)
 
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model):
