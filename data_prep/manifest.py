@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+import os
+from typing import Callable, Optional
 
-from data_prep.atomic import sha256_file, write_json_atomic
+from data_prep.atomic import TMP_MARK, publish_dir, remove_stale_tmp, sha256_file, write_json_atomic
 
 RECORD_VERSION = 1
 
@@ -58,3 +59,23 @@ def write_consolidated(output: Path, work: Path, shard_ids: list[str]) -> None:
         records = {sid: load_record(work, stage_dir.name, sid) for sid in shard_ids}
         stages[stage_dir.name] = {sid: rec for sid, rec in records.items() if rec is not None}
     write_json_atomic(output / "manifest.json", {"stages": stages, "shards": shard_ids})
+
+
+def rebuild_stage_output(work: Path, stage: str, shard_id: str, final_dir: Path,
+                         produce: Callable[[Path], dict], record: Callable[[dict], dict]) -> dict:
+    """Recompute one shard's output of a stage, crash-safely, and return `produce`'s stats.
+
+    The order is the invariant: drop the record first (from then on the old outputs are not
+    trusted), write into a fresh temporary directory, publish it by rename, and only then write the
+    record with `record(stats)` plus the published files' checksums.
+    """
+    remove_record(work, stage, shard_id)
+    root = final_dir.parent
+    root.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp(root, shard_id)
+    tmp = root / f"{shard_id}{TMP_MARK}{os.getpid()}"
+    tmp.mkdir()
+    stats = produce(tmp)
+    publish_dir(tmp, final_dir)
+    write_record(work, stage, shard_id, {**record(stats), "outputs": output_checksums(final_dir)})
+    return stats

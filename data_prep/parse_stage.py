@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from data_prep.atomic import TMP_MARK, publish_dir, remove_stale_tmp
 from data_prep.crash_hook import crash_limit, crash_now
 from data_prep.doc_hash import HASH_BYTES, document_hash
 from data_prep.inputs import Shard
-from data_prep.manifest import load_record, output_checksums, outputs_intact, remove_record, write_record
+from data_prep.manifest import load_record, outputs_intact, rebuild_stage_output
 from data_prep.pool import worker_counters
 from data_prep.progress import Tally
 from data_prep.readers import ShardReader, input_sha256
@@ -84,18 +82,11 @@ def run(task: ParseTask) -> dict:
         tally.add(docs=stats["read"], units=stats["input_bytes"], shards=1)
         tally.flush()
         return {**stats, "skipped": True}
-    remove_record(work, STAGE, shard.shard_id)  # from here on the old outputs are not trusted
-    root = work / "parsed"
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(root, shard.shard_id)
-    tmp = root / f"{shard.shard_id}{TMP_MARK}{os.getpid()}"
-    tmp.mkdir()
-    stats = _parse_into(task, tmp, tally)
-    publish_dir(tmp, parsed_dir(work, shard))
-    write_record(work, STAGE, shard.shard_id, {
-        "stage": STAGE, "shard": shard.path, "format": shard.format, "input_sha256": stats["input_sha256"],
-        "params": {"text_field": task.text_field}, "outputs": output_checksums(parsed_dir(work, shard)),
-    })
+    stats = rebuild_stage_output(
+        work, STAGE, shard.shard_id, parsed_dir(work, shard), lambda tmp: _parse_into(task, tmp, tally),
+        lambda stats: {"stage": STAGE, "shard": shard.path, "format": shard.format,
+                       "input_sha256": stats["input_sha256"], "params": {"text_field": task.text_field}},
+    )
     tally.add(shards=1)
     tally.flush()
     return {**stats, "skipped": False}

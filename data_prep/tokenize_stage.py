@@ -14,7 +14,6 @@ Like the parse stage: temporary directory, atomic rename, then a manifest record
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,13 +21,13 @@ from pathlib import Path
 import numpy as np
 import zstandard
 
-from data_prep.atomic import TMP_MARK, publish_dir, remove_stale_tmp, sha256_file
+from data_prep.atomic import sha256_file
 from data_prep.buckets import entity_keys, is_code_document
 from data_prep.config import BucketConfig
 from data_prep.crash_hook import crash_limit, crash_now
 from data_prep.dedup import TRAIN, VALID, assign_path
 from data_prep.inputs import Shard
-from data_prep.manifest import load_record, output_checksums, outputs_intact, remove_record, write_record
+from data_prep.manifest import load_record, outputs_intact, rebuild_stage_output
 from data_prep.megatron_io import DatasetWriter
 from data_prep.parse_stage import iter_parsed_docs, parsed_dir
 from data_prep.pool import worker_counters
@@ -77,16 +76,10 @@ def run(task: TokenizeTask) -> dict:
                   units=stats["train_docs"] + stats["valid_docs"], shards=1)
         tally.flush()
         return {**stats, "skipped": True}
-    remove_record(work, STAGE, shard.shard_id)
-    root = work / "tokenized"
-    root.mkdir(parents=True, exist_ok=True)
-    remove_stale_tmp(root, shard.shard_id)
-    tmp = root / f"{shard.shard_id}{TMP_MARK}{os.getpid()}"
-    tmp.mkdir()
-    stats = _tokenize_into(task, tmp, tally)
-    publish_dir(tmp, tokenized_dir(work, shard))
-    write_record(work, STAGE, shard.shard_id, {"stage": STAGE, "shard": shard.path, "inputs": inputs,
-                                               "outputs": output_checksums(tokenized_dir(work, shard))})
+    stats = rebuild_stage_output(
+        work, STAGE, shard.shard_id, tokenized_dir(work, shard), lambda tmp: _tokenize_into(task, tmp, tally),
+        lambda stats: {"stage": STAGE, "shard": shard.path, "inputs": inputs},
+    )
     tally.add(shards=1)
     tally.flush()
     return {**stats, "skipped": False}
