@@ -12,10 +12,9 @@ Pinned choices (ours):
   reports them separately so the inference engine can compare measured with accounted cost.
 - Experts: the paper weights kappa_e by the renormalised gates p_bar, whose sum over the
   selected set is always 1, so with top-2 it neither counts two experts nor gives any
-  gradient towards choosing the null expert. We use a straight-through count: each selected
-  real expert contributes kappa_e * (1 + p_j - sg(p_j)) with p the raw softmax, i.e. the
-  forward value is the exact cost of the experts that run and the gradient lowers real
-  experts' probability (raising the null's) when the FLOPs budget binds.
+  gradient towards choosing the null expert. We use a straight-through *swap margin*
+  (`expert_count_surrogate`): the forward value is the exact number of real experts that run,
+  and the gradient acts only where a change of selection would change that number — see there.
 - Memory includes quantisation metadata (float16 scale + zero per group) on both sides.
 """
 
@@ -70,7 +69,7 @@ def dense_cost(positions: torch.Tensor, model: ModelConfig) -> LayerCost:
 def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig) -> LayerCost:
     """Differentiable per-token cost of one layer under the relaxed policy (Eq. cost).
 
-    c_flops = sum_heads sum_m y_cost[m] * 2 d_h keys_m(t)  +  sum_{j in S, j real} kappa_e (1 + p_j - sg p_j)
+    c_flops = sum_heads sum_m y_cost[m] * 2 d_h keys_m(t)  +  kappa_e * expert_count_surrogate(z^e, S)
     c_mem   = sum_b y_cost[b] * bits_per_token(b)
     positions: (T,) or (B, T) 0-based positions in the sequence.
     """
@@ -83,15 +82,47 @@ def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig
     return LayerCost(flops, mem)
 
 
+def expert_count_surrogate(expert_logits: torch.Tensor, index: torch.Tensor, null_expert: bool) -> torch.Tensor:
+    """Straight-through count of the real experts a token runs (the expert part of Eq. cost).
+
+    Forward: n_t = |{j in S_t : j real}|, the exact count. Gradient: only through the one swap
+    that can lower n_t. With one null expert (option 0) the count falls only when the null
+    enters S_t in place of the weakest selected real expert w = argmin_{j in S_t, real} p_j, so
+
+        n_t + [null not in S_t] * (q_t - sg(q_t)),   q_t = p_w / (p_w + p_null) = sigmoid(z_w - z_null),
+
+    whose gradient is kappa_e q(1 - q) on z_w and its negative on z_null, and zero on every
+    other logit. A token whose top-k already holds the null expert runs the fewest real experts
+    it can (k - 1 with top-k, one null), so it gets no pressure at all: the previous
+    straight-through count (1 + p_j - sg p_j per selected real expert) kept lowering p_j there,
+    which changes nothing executed and only shrinks the renormalised gate p_j / (p_null + p_j),
+    turning the real expert's output down (a gate-weight collapse). Without a null expert no
+    selection changes the count and the surrogate has no gradient.
+
+    expert_logits: (..., E') raw router logits (option 0 = null when `null_expert`);
+    index: (..., k) selected real expert ids or NULL_EXPERT (-1). Returns (...,) float64.
+    """
+    real = index >= 0
+    runs = real.sum(-1).to(torch.float64)
+    if not null_expert or not expert_logits.requires_grad:
+        return runs
+    z = expert_logits.double()
+    option = torch.where(real, index + 1, torch.zeros_like(index))  # option ids of the selected set
+    z_sel = z.gather(-1, option).masked_fill(~real, float("inf"))
+    z_weakest = z_sel.amin(-1)  # the real expert the null would replace (logit order = p order)
+    has_null = (~real).any(-1)
+    q = torch.sigmoid(torch.where(has_null, torch.zeros_like(z_weakest), z_weakest) - z[..., 0])
+    swap = torch.where(has_null, torch.zeros_like(q), q - q.detach())
+    return runs + swap
+
+
 def _expert_flops(out: RouterOutput, model: ModelConfig, router: RouterConfig) -> torch.Tensor:
     kappa_dense = 3.0 * model.d_model * model.d_ff
     B, T = out.attn.y.shape[:2]
     if out.experts is None:
         return torch.full((B, T), kappa_dense, dtype=torch.float64)
     kappa_e = 3.0 * model.d_model * expert_width(model, router)
-    p = torch.softmax(out.expert_logits.double(), -1).gather(-1, out.experts.option)  # raw probs of S
-    count = (1.0 + (p - p.detach())) * (out.experts.index >= 0)
-    return kappa_e * count.sum(-1)
+    return kappa_e * expert_count_surrogate(out.expert_logits, out.experts.index, router.null_expert)
 
 
 @dataclass

@@ -1,10 +1,13 @@
+import math
+
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
 from megatron_triroute.config import TriRouteConfig
 from megatron_triroute.routing.controller import AxisDecision, RouterOutput
-from megatron_triroute.routing.cost import budget_fractions, dense_cost, expected_cost, expert_width, hard_cost
+from megatron_triroute.routing.cost import (budget_fractions, dense_cost, expected_cost, expert_count_surrogate,
+                                           expert_width, hard_cost)
 from megatron_triroute.routing.gating import top_k_gating
 from megatron_triroute.routing.reference import hard_attention, hard_experts, swiglu
 
@@ -47,15 +50,47 @@ def test_expected_cost_hand_computation():
     assert hard.flops.item() == cost.flops.item() and hard.kv_bits.item() == cost.mem.item()
 
 
-def test_expert_cost_gradient_prefers_null_when_flops_are_priced():
+def test_expert_cost_gradient_acts_only_on_the_null_swap_margin():
+    """Top-2 = two real experts: the cost's gradient is kappa_e * q(1 - q) on the weakest selected
+    expert's logit and its negative on the null's, q = sigmoid(z_weakest - z_null); zero elsewhere."""
     cfg = small_config()
-    logits = torch.tensor([[[0.1, 0.2, 0.9, 0.0, -1.0]]], requires_grad=True)  # top-2 = experts 1, 0
+    logits = torch.tensor([[[0.1, 0.2, 0.9, 0.0, -1.0]]], requires_grad=True)  # top-2 = options 2, 1
     out = hand_output(torch.tensor([[[2, 2]]]), logits, torch.tensor([[3]]))
     cost = expected_cost(out, torch.tensor([0]), cfg.model, cfg.router)
     assert cost.flops.item() == 2 * 4 * 1 * 2 + 2 * 192  # both heads full at t=0, two experts
     cost.flops.sum().backward()
+    q = 1.0 / (1.0 + math.exp(-(0.2 - 0.1)))  # weakest selected (option 1, z=0.2) vs null (z=0.1)
+    expected = torch.tensor([-192 * q * (1 - q), 192 * q * (1 - q), 0.0, 0.0, 0.0])
+    assert torch.allclose(logits.grad[0, 0].double(), expected.double(), atol=1e-9), logits.grad
     assert logits.grad[0, 0, 0] < 0  # raising the null logit lowers the cost
-    assert logits.grad[0, 0, 2] > 0
+
+
+def test_expert_cost_has_no_gradient_once_the_null_is_selected():
+    """S = {null, j}: one real expert runs whatever the logits do (the fewest possible with top-2 and
+    one null), so no selection change can save anything and the cost pushes on nothing."""
+    cfg = small_config()
+    logits = torch.log(torch.tensor([[[0.90, 0.02, 0.05, 0.02, 0.01]]])).requires_grad_(True)
+    out = hand_output(torch.tensor([[[0, 0]]]), logits, torch.tensor([[0]]))
+    cost = expected_cost(out, torch.tensor([0]), cfg.model, cfg.router)
+    assert out.experts.index.tolist() == [[[-1, 1]]]
+    assert cost.flops.item() == 192  # exactly one expert of 3 * d * d_e MACs, heads skipped
+    cost.flops.sum().backward()
+    assert torch.equal(logits.grad, torch.zeros_like(logits))
+
+
+def test_expert_count_surrogate_top1_and_without_null():
+    z = torch.tensor([[0.3, 1.0, -0.5], [2.0, 0.1, 0.0]], requires_grad=True)  # option 0 = null
+    routes = top_k_gating(z, 1, True)
+    n = expert_count_surrogate(z, routes.index, True)
+    assert n.tolist() == [1.0, 0.0]
+    n.sum().backward()
+    q = 1.0 / (1.0 + math.exp(-(1.0 - 0.3)))
+    assert torch.allclose(z.grad.double(), torch.tensor([[-q * (1 - q), q * (1 - q), 0.0], [0.0, 0.0, 0.0]],
+                                                        dtype=torch.float64), atol=1e-9)
+    # No null expert: every token always runs k experts, so there is nothing to push on.
+    z2 = torch.randn(4, 3, requires_grad=True)
+    n2 = expert_count_surrogate(z2, top_k_gating(z2, 2, False).index, False)
+    assert n2.tolist() == [2.0] * 4 and not n2.requires_grad
 
 
 def test_budget_fraction_of_dense_policy_is_one_for_flops_and_mem():
