@@ -235,6 +235,8 @@ class BudgetConfig:
     """rho_lambda: projected dual-ascent step."""
     ema_momentum: float = 0.9
     """EMA momentum of the realised cost the duals are updated on (ours)."""
+    dual_kp: float = 0.5
+    """k_P: proportional gain of the PI dual update (ours; 0 = the paper's pure dual ascent)."""
     lambda_init: float = 0.0
     """Initial multipliers (ours: 0, the constraint is priced only once violated)."""
     tied: bool = False
@@ -253,6 +255,8 @@ class BudgetConfig:
             _fail(f"{path}.dual_step", self.dual_step, "must be positive", "use 0.05")
         if not 0.0 <= self.ema_momentum < 1.0:
             _fail(f"{path}.ema_momentum", self.ema_momentum, "must be in [0, 1)", "use 0.9")
+        if self.dual_kp < 0:
+            _fail(f"{path}.dual_kp", self.dual_kp, "a proportional gain is non-negative", "use 0.0 to disable")
         if self.lambda_init < 0:
             _fail(f"{path}.lambda_init", self.lambda_init, "multipliers are non-negative", "use 0.0")
 

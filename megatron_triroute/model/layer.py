@@ -34,6 +34,7 @@ from ..config import ATTN_MODES, TriRouteConfig
 from ..routing.controller import AxisDecision, RouterOutput, decision_features
 from ..routing.factory import build_controller
 from ..routing.cost import dense_cost, expected_cost, noise_free_cost
+from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
@@ -95,6 +96,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         side = torch.cat([rows.static, rows.decisions], -1)
         key = NoiseKey(cfg.seed, state.step, self.layer_number - 1, rows.sample_index, positions)
         out = self.controller(x.transpose(0, 1), side, key, state.tau, prev)
+        if not self.training and cfg.router.kind == "triroute":  # the deployed policy: priced argmax
+            out = price_decisions(out, state.budget.prices, positions, cfg.model, cfg.router)
 
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
         modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
@@ -146,7 +149,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         B = cost.flops.shape[0]
         frac = torch.stack([cost.flops.sum() / (dense.flops.sum() * B), cost.mem.sum() / (dense.mem.sum() * B)])
         frac = frac / cfg.model.n_layers
-        lam = self.step_state.budget.lambdas.to(frac.dtype)
+        lam = self.step_state.budget.multipliers().to(frac.dtype)
         share = lam[0] * frac.sum() if cfg.budget.tied else (lam * frac).sum()
         return aux + share.to(aux.dtype)
 

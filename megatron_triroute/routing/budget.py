@@ -36,15 +36,29 @@ class BudgetController(nn.Module):
         self.register_buffer("lambdas", torch.full((n,), config.lambda_init, dtype=torch.float64))
         self.register_buffer("ema", torch.zeros(2, dtype=torch.float64))
         self.register_buffer("steps", torch.zeros((), dtype=torch.int64))
+        # [mu_flops, mu_mem]: prices of the deployed noise-free decisions (routing/pricing.py),
+        # zero during training, set by the end-of-training calibration (training/calibrate.py).
+        self.register_buffer("prices", torch.zeros(2, dtype=torch.float64))
         # [cost_flops, cost_mem, dense_flops, dense_mem] summed over the step's micro-batches.
         self.register_buffer("_acc", torch.zeros(4, dtype=torch.float64), persistent=False)
+
+    def multipliers(self) -> torch.Tensor:
+        """The multipliers the loss applies: [lambda_I + k_P e]_+ with e = EMA(C) - C* (PI form);
+        `lambdas` holds the integral lambda_I. With k_P = 0 this is lambda_I itself."""
+        kp = self.config.dual_kp
+        if kp == 0.0 or self.steps.item() == 0:
+            return self.lambdas
+        violation = self.ema - self.targets
+        if self.config.tied:
+            violation = violation.sum().view(1)
+        return (self.lambdas + kp * violation).clamp_min(0.0)
 
     def penalty(self, fractions: torch.Tensor) -> torch.Tensor:
         """sum_r lambda_r (C_r - C*_r) for surrogate fractions (2,) [flops, mem] (Eq. total)."""
         if not self.config.enabled:
             return fractions.sum() * 0.0
         violation = fractions - self.targets.to(fractions.dtype)
-        lam = self.lambdas.to(fractions.dtype)
+        lam = self.multipliers().to(fractions.dtype)
         if self.config.tied:
             return lam[0] * violation.sum()
         return (lam * violation).sum()

@@ -106,7 +106,7 @@ class TrainEngine:
         stats = model.router_statistics.sums.clone()
         self._reduce_dp_pp(stats)
         model.router_statistics.reset()
-        return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.lambdas.tolist(), stats)
+        return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.multipliers().tolist(), stats)
 
     @torch.no_grad()
     def evaluate(self, batches: list[MicroBatch]) -> tuple[float, list[float]]:

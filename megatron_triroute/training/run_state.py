@@ -69,7 +69,8 @@ def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
     _, shards, _ = load_shards(root, ranks=[source], step=info.step)
     state = shards[source]
     missing, unexpected = model.load_state_dict(state["model"], strict=False)
-    missing = [k for k in missing if not k.endswith("_extra_state")]
+    # Checkpoints written before the deployed-policy prices existed hold none: they load as zero.
+    missing = [k for k in missing if not k.endswith(("_extra_state", "budget.prices"))]
     if missing or unexpected:
         raise RuntimeError(f"checkpoint {info.path} does not match the model: missing {missing[:5]}, "
                            f"unexpected {unexpected[:5]}. Fix: resume with the config the run was started with.")

@@ -57,6 +57,7 @@ def train(run: RunConfig, env, tables) -> int:
     from ..model.spec import transformer_config
     from ..parallel import apply_cpu_workarounds, initialize_parallel
     from . import data as data_mod
+    from .calibrate import RealisedTail, calibrate_prices
     from .engine import TrainEngine
     from .metrics import Progress, TensorBoard, collapse_warnings, router_scalars, training_flops_per_token
     from .run_state import load_run, save_run
@@ -96,6 +97,7 @@ def train(run: RunConfig, env, tables) -> int:
     ckpt_dir = str(out / "checkpoints")
     meta = load_run(ckpt_dir, model, optimizer, scheduler, groups)
     start = 0 if meta is None else int(meta["step"])
+    model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:
         log.info("resumed from step %d (%d samples consumed)", start, meta["consumed_samples"])
 
@@ -113,6 +115,14 @@ def train(run: RunConfig, env, tables) -> int:
         save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
                  next_step * t.global_batch_size, t.keep_last)
 
+    def calibration_batches() -> list:
+        """The last trained global batches, as many micro-batches as evaluation uses: training
+        data, so the held-out report stays held out."""
+        n_micro = t.global_batch_size // t.micro_batch_size
+        steps_needed = min(t.steps, -(-t.eval_batches // n_micro))
+        return [mb for s in range(t.steps - steps_needed, t.steps)
+                for mb in data_mod.micro_batches(train_ds, s, run, 0, 1)]
+
     def evaluate(step: int) -> dict[str, float]:
         loss, realised = engine.evaluate(valid_batches)
         results = {"valid/ppl": math.exp(min(loss, 50.0)), "valid/realised_flops": realised[0],
@@ -127,6 +137,7 @@ def train(run: RunConfig, env, tables) -> int:
 
     status = 0
     report = None
+    tail = RealisedTail(t.steps)
     for step in range(start, t.steps):
         mbs = data_mod.micro_batches(train_ds, step, run, groups.dp_rank, groups.dp)
         report = engine.train_step(mbs, step)
@@ -140,6 +151,7 @@ def train(run: RunConfig, env, tables) -> int:
                     "or resume from an earlier checkpoint.")
         else:
             nonfinite = 0
+            tail.add(step, report.realised)
         lr = scheduler.get_last_lr()[0]
         if rank0:  # one line per step: what resume and preemption tests compare
             with open(out / "steps.jsonl", "a") as f:
@@ -183,6 +195,9 @@ def train(run: RunConfig, env, tables) -> int:
             status = signals.EXIT_REQUEUE
             break
     else:
+        calibration = None
+        if run.triroute.budget.enabled and run.triroute.router.kind == "triroute":
+            calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1])
         results = evaluate(t.steps)
         if start < t.steps:
             save(t.steps)
@@ -193,6 +208,9 @@ def train(run: RunConfig, env, tables) -> int:
                                 "target_flops": run.triroute.budget.flops_target,
                                 "target_mem": run.triroute.budget.mem_target, "lambdas": report.lambdas,
                                 "final_loss": report.loss})
+            if calibration is not None:
+                summary["calibration"] = calibration
+            summary["realised_tail"] = tail.summary()
             summary["tensorboard"] = str(out / "tensorboard")
             (out / "summary.json").write_text(json.dumps(summary, indent=2))
             log.info("finished: %s", json.dumps(summary))

@@ -13,7 +13,7 @@ from tests.dist_utils import run_distributed
 
 
 def test_dual_update_hand_computation():
-    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_step=0.05, ema_momentum=0.9))
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_step=0.05, ema_momentum=0.9, dual_kp=0.0))
     b.observe(torch.tensor([30.0, 10.0]), torch.tensor([50.0, 20.0]))  # micro-batch 1
     b.observe(torch.tensor([30.0, 10.0]), torch.tensor([50.0, 30.0]))  # micro-batch 2
     realised = b.step()
@@ -30,11 +30,28 @@ def test_dual_update_hand_computation():
 
 
 def test_tied_knob_uses_one_multiplier_on_the_summed_violation():
-    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.5, tied=True))
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.5, tied=True, dual_kp=0.0))
     b.update(torch.tensor([0.7, 0.4]))
     assert b.lambdas.shape == (1,)
     assert math.isclose(b.lambdas.item(), 0.05 * (0.2 - 0.1), rel_tol=1e-6)
     assert math.isclose(b.penalty(torch.tensor([0.6, 0.6])).item(), b.lambdas.item() * 0.2, rel_tol=1e-6)
+
+
+def test_pi_multipliers_hand_computation():
+    """Applied multiplier = [lambda_I + k_P (EMA(C) - C*)]_+ ; lambda_I is the plain dual ascent."""
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_step=0.05, ema_momentum=0.9, dual_kp=0.5))
+    assert torch.equal(b.multipliers(), b.lambdas)  # before the first update there is no error yet
+    b.update(torch.tensor([0.6, 0.3]))
+    assert torch.allclose(b.lambdas, torch.tensor([0.05 * 0.1, 0.0], dtype=torch.float64))
+    assert torch.allclose(b.multipliers(), torch.tensor([0.005 + 0.5 * 0.1, 0.0], dtype=torch.float64))
+    b.update(torch.tensor([0.5, 0.5]))
+    ema = torch.tensor([0.9 * 0.6 + 0.1 * 0.5, 0.9 * 0.3 + 0.1 * 0.5], dtype=torch.float64)
+    lam_i = (torch.tensor([0.005, 0.0], dtype=torch.float64) + 0.05 * (ema - torch.tensor([0.5, 0.4]))).clamp_min(0)
+    assert torch.allclose(b.lambdas, lam_i)
+    applied = (lam_i + 0.5 * (ema - torch.tensor([0.5, 0.4], dtype=torch.float64))).clamp_min(0)
+    assert torch.allclose(b.multipliers(), applied)
+    frac = torch.tensor([0.7, 0.5])
+    assert math.isclose(b.penalty(frac).item(), applied[0].item() * 0.2 + applied[1].item() * 0.1, rel_tol=1e-6)
 
 
 def test_inactive_constraint_decays_to_zero_and_stays_nonnegative():

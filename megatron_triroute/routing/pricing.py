@@ -1,0 +1,93 @@
+"""Priced noise-free decisions: the deployed policy as the argmax of the Lagrangian (ours).
+
+Why. The dual variables of `budget.BudgetController` are judged on the noise-free argmax policy
+while the gradient acts on the sampled relaxed policy. When most tokens hold similar logit
+margins between two options (e.g. 4 and 8 KV bits), the argmax policy's cost is a near step
+function of the multipliers and the primal-dual loop settles into a limit cycle around the
+target: the realised cost swings from step to step, and the cost of the checkpoint a user stops
+at depends on which side the last step landed. Damping the dual (the PI form, `dual_kp`) narrows
+the swing but cannot remove it, and the primal-dual method only promises the target on average
+over iterates, not at the last one.
+
+What. At the end of training the deployed decisions become the argmax of the per-token
+Lagrangian with calibrated prices mu = (mu_flops, mu_mem):
+
+    attention mode m of a head:  argmax_m  z_m - mu_flops * c_flops(m, t)
+    KV bit-width b:              argmax_b  z_b - mu_mem   * c_mem(b)
+    experts:                     TopK_j    z_j - mu_flops * c_flops(j)       (c(null) = 0)
+
+where c_r(o, t) is the option's cost as a fraction of the dense cost of the same token and
+layer (Appendix A's normalisation, per token). The cost of each token's decision is
+non-increasing in its price, so one bisection per resource on calibration batches finds the
+price at which the realised fraction meets the target (see training/calibrate.py). An active
+constraint (lambda_r > 0 at the end) is met with equality, so mu_r may be negative (the policy
+was under budget: spend what the budget allows); an inactive one only ever gets mu_r >= 0.
+Gate weights stay the unpriced renormalised probabilities of the selected experts. Prices of
+zero leave every decision as the plain argmax; training always runs with zero prices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig, RouterConfig
+from .controller import AxisDecision, RouterOutput
+from .cost import bit_costs, dense_cost, expert_width, keys_read
+from .gating import top_k_gating
+
+
+def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: RouterConfig, attn_heads: int):
+    """Per-token option costs as fractions of the dense cost of the token's layer.
+
+    Returns (attn (T, 3): one attention head's share per mode, expert (T,): one real expert,
+    bits (|bits|,)). positions: (T,) 0-based. `attn_heads` heads share the query heads evenly.
+    """
+    dense = dense_cost(positions, model)
+    heads_per_decision = model.n_heads / attn_heads
+    attn = heads_per_decision * 2.0 * model.d_head * keys_read(positions, router.window) / dense.flops.unsqueeze(-1)
+    expert = 3.0 * model.d_model * expert_width(model, router) / dense.flops
+    bits = bit_costs(router, model) / (2.0 * model.d_kv * 16)
+    return attn, expert, bits
+
+
+def _priced_axis(d: AxisDecision, shift: torch.Tensor, n_heads: int) -> AxisDecision:
+    hard = (d.logits.double() - shift).argmax(-1)  # (B, T, [H_a])
+    y = F.one_hot(hard, d.logits.shape[-1]).to(d.logits.dtype)
+    if hard.dim() == 3 and hard.shape[2] != n_heads:  # token-granular attention: one mode for all heads
+        B, T = hard.shape[:2]
+        hard = hard.expand(B, T, n_heads)
+        y = y.expand(B, T, n_heads, y.shape[-1])
+    return AxisDecision(y, y, hard, logits=d.logits)
+
+
+def price_decisions(out: RouterOutput, prices: torch.Tensor, positions: torch.Tensor,
+                    model: ModelConfig, router: RouterConfig) -> RouterOutput:
+    """Noise-free decisions of `out` re-taken as the argmax of the priced logits (module doc).
+
+    prices: (2,) [mu_flops, mu_mem]. Axes without logits (fixed, or a layer-group follower that
+    reuses its leader's decision) are left as they are. Only for the noise-free (eval) path.
+    """
+    mu_flops, mu_mem = (float(p) for p in prices)
+    if mu_flops == 0.0 and mu_mem == 0.0:
+        return out
+    T = positions.shape[-1]
+    attn, bits, experts = out.attn, out.bits, out.experts
+    attn_heads = attn.logits.shape[2] if attn.logits is not None else 1
+    c_attn, c_expert, c_bits = option_cost_fractions(positions.view(-1)[:T], model, router, attn_heads)
+    if attn.logits is not None and mu_flops != 0.0:
+        attn = _priced_axis(attn, mu_flops * c_attn.view(1, T, 1, -1), model.n_heads)
+    if bits.logits is not None and mu_mem != 0.0:
+        bits = _priced_axis(bits, mu_mem * c_bits, model.n_heads)
+    if experts is not None and out.expert_logits is not None and mu_flops != 0.0:
+        z = out.expert_logits.double()
+        shift = (mu_flops * c_expert).view(1, T, 1).expand(*z.shape[:2], z.shape[-1]).clone()
+        if router.null_expert:
+            shift[..., 0] = 0.0  # the null expert costs nothing
+        routes = top_k_gating(z - shift, router.top_k, router.null_expert)
+        chosen = experts.probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
+        weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(experts.weight.dtype)
+        experts = dataclasses.replace(routes, probs=experts.probs, weight=weight)
+    return dataclasses.replace(out, attn=attn, bits=bits, experts=experts)

@@ -1,0 +1,104 @@
+"""Budget calibration of the deployed policy: one bisection per resource on the prices of
+`routing.pricing` (see its module docstring for why), run once at the end of training.
+
+The evaluation callback runs the noise-free policy over calibration batches of *training* data
+(held-out data stays untouched for the report) with the prices set on the model's
+`BudgetController`, and returns the realised (FLOPs, memory) fractions reduced over all ranks,
+so every rank takes the same bisection path and ends with bit-identical prices.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+
+from ..routing.budget import BudgetController
+
+log = logging.getLogger(__name__)
+
+BRACKET_STEPS = 12
+"""Doublings of the initial price step while looking for a bracket (2^12 logit units per unit of
+cost fraction is far beyond any policy's logit margins)."""
+
+
+def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[float]],
+                     bisection_steps: int = 14) -> dict[str, list[float]]:
+    """Set `budget.prices` so the noise-free policy's realised fractions meet the targets.
+
+    Resource r is *active* when its multiplier is positive at the end of training (the tied knob
+    makes both active together). An active resource is met with equality (its price may be
+    negative: a policy under budget spends up to it); an inactive one only ever gets a
+    non-negative price, i.e. it is lowered to its target if above it and left alone otherwise.
+    Both prices bisect in lock-step (the FLOPs price moves attention and expert decisions, the
+    memory price moves bit-widths). The final prices are the feasible side of each bracket, so the
+    realised fraction ends at or just below the target. Returns a record for the log.
+    """
+    cfg = budget.config
+    targets = budget.targets.tolist()
+    lam = budget.multipliers()
+    active = [bool(lam[0] > 0)] * 2 if cfg.tied else [bool(x > 0) for x in lam]
+    budget.prices.zero_()
+    start = realised_at()
+
+    def measure(prices: list[float]) -> list[float]:
+        budget.prices.copy_(torch.tensor(prices, dtype=torch.float64))
+        return realised_at()
+
+    # Bracket [lo, hi] per resource with realised(lo) >= target >= realised(hi); cost falls as price rises.
+    lo, hi = [0.0, 0.0], [0.0, 0.0]
+    todo = []
+    for r in range(2):
+        if start[r] > targets[r]:
+            todo.append(r)
+            hi[r] = 1.0
+        elif start[r] < targets[r] and active[r]:
+            todo.append(r)
+            lo[r] = -1.0
+    for _ in range(BRACKET_STEPS):
+        probe = [hi[r] if (r in todo and hi[r] > 0) else lo[r] if r in todo else 0.0 for r in range(2)]
+        seen = measure(probe)
+        open_ = False
+        for r in todo:
+            if hi[r] > 0 and seen[r] > targets[r]:
+                lo[r], hi[r], open_ = hi[r], hi[r] * 2, True
+            elif lo[r] < 0 and seen[r] < targets[r]:
+                hi[r], lo[r], open_ = lo[r], lo[r] * 2, True
+        if not open_:
+            break
+    for _ in range(bisection_steps if todo else 0):
+        mid = [(lo[r] + hi[r]) / 2 if r in todo else 0.0 for r in range(2)]
+        seen = measure(mid)
+        for r in todo:
+            if seen[r] > targets[r]:
+                lo[r] = mid[r]
+            else:
+                hi[r] = mid[r]
+    final = [hi[r] if r in todo else 0.0 for r in range(2)]
+    end = measure(final)
+    record = {"prices": final, "realised_before": start, "realised_after": end, "targets": targets,
+              "active": active}
+    log.info("budget calibration: prices %s | realised (flops, mem) %s -> %s | targets %s",
+             [round(p, 4) for p in final], [round(x, 4) for x in start], [round(x, 4) for x in end], targets)
+    return record
+
+
+class RealisedTail:
+    """Per-step realised (FLOPs, memory) fractions of the training policy over the last 20 % of
+    the run's steps: how far the primal-dual loop still swings at the end (reported in summary)."""
+
+    def __init__(self, total_steps: int, share: float = 0.2):
+        self.first = total_steps - max(1, int(round(share * total_steps)))
+        self.values: list[list[float]] = []
+
+    def add(self, step: int, realised: list[float]) -> None:
+        if step >= self.first:
+            self.values.append(list(realised))
+
+    def summary(self) -> dict:
+        if not self.values:
+            return {"steps": 0}
+        x = torch.tensor(self.values, dtype=torch.float64)
+        return {"steps": len(self.values), "mean": x.mean(0).tolist(), "std": x.std(0, correction=0).tolist(),
+                "min": x.amin(0).tolist(), "max": x.amax(0).tolist()}

@@ -1,0 +1,65 @@
+"""End-of-training budget calibration (training/calibrate.py) on a tabular population whose
+noise-free decisions are the argmax of priced logits, as in routing/pricing.py."""
+
+import torch
+
+from megatron_triroute.config import BudgetConfig
+from megatron_triroute.routing.budget import BudgetController
+from megatron_triroute.training.calibrate import calibrate_prices
+
+
+def population(seed: int, n: int = 4000):
+    g = torch.Generator().manual_seed(seed)
+    cost = torch.tensor([0.1875, 0.3125, 0.5625, 1.0], dtype=torch.float64)  # per-option cost fractions
+    logits = [torch.randn(n, 4, generator=g, dtype=torch.float64) * 0.5 + torch.tensor([0.0, 0.3, 0.6, 0.4],
+                                                                                         dtype=torch.float64)
+              for _ in range(2)]
+    calls = []
+
+    def realised_at(budget: BudgetController):
+        def f():
+            calls.append(budget.prices.clone())
+            return [cost[(z - mu * cost).argmax(-1)].mean().item() for z, mu in zip(logits, budget.prices.tolist())]
+        return f
+    return realised_at, calls
+
+
+def controller(flops_target, mem_target, lambdas):
+    b = BudgetController(BudgetConfig(flops_target=flops_target, mem_target=mem_target, dual_kp=0.0))
+    b.lambdas.copy_(torch.tensor(lambdas, dtype=torch.float64))
+    return b
+
+
+def test_active_constraints_land_on_the_target_from_above_and_below():
+    for seed in range(3):
+        make, _ = population(seed)
+        b = controller(0.40, 0.70, [0.3, 0.2])  # both active; unpriced cost ~0.6: above 0.40, below 0.70
+        rec = calibrate_prices(b, make(b))
+        assert rec["realised_before"][0] > 0.40 + 0.05 and rec["realised_before"][1] < 0.70 - 0.05
+        assert rec["prices"][0] > 0 and rec["prices"][1] < 0  # lowered one, raised the other
+        for r, target in enumerate((0.40, 0.70)):
+            assert target - 0.01 <= rec["realised_after"][r] <= target + 1e-12, rec
+        assert torch.equal(b.prices, torch.tensor(rec["prices"], dtype=torch.float64))
+
+
+def test_inactive_constraint_under_budget_keeps_the_plain_argmax():
+    make, _ = population(0)
+    b = controller(0.40, 0.90, [0.3, 0.0])  # memory inactive (lambda 0) and under its target
+    rec = calibrate_prices(b, make(b))
+    assert rec["prices"][1] == 0.0 and rec["realised_after"][1] == rec["realised_before"][1] < 0.90
+    assert rec["realised_after"][0] <= 0.40
+
+
+def test_inactive_constraint_over_budget_is_still_met():
+    make, _ = population(1)
+    b = controller(0.30, 0.90, [0.0, 0.0])  # nothing active, but FLOPs above target: never exceed it
+    rec = calibrate_prices(b, make(b))
+    assert rec["prices"][0] > 0 and 0.29 <= rec["realised_after"][0] <= 0.30
+
+
+def test_nothing_to_do_costs_one_evaluation_per_phase():
+    make, calls = population(2)
+    b = controller(0.95, 0.95, [0.0, 0.0])
+    rec = calibrate_prices(b, make(b))
+    assert rec["prices"] == [0.0, 0.0] and torch.equal(b.prices, torch.zeros(2, dtype=torch.float64))
+    assert len(calls) <= 3
