@@ -24,7 +24,7 @@ cost fraction is far beyond any policy's logit margins)."""
 
 
 def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[float]],
-                     bisection_steps: int = 14) -> dict[str, list[float]]:
+                     movable: tuple[bool, bool] = (True, True), bisection_steps: int = 14) -> dict[str, list[float]]:
     """Set `budget.prices` so the noise-free policy's realised fractions meet the targets.
 
     Resource r is *active* when its multiplier is positive at the end of training (the tied knob
@@ -33,7 +33,8 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
     non-negative price, i.e. it is lowered to its target if above it and left alone otherwise.
     Both prices bisect in lock-step (the FLOPs price moves attention and expert decisions, the
     memory price moves bit-widths). The final prices are the feasible side of each bracket, so the
-    realised fraction ends at or just below the target. Returns a record for the log.
+    realised fraction ends at or just below the target. `movable[r]` is False where no routed
+    decision prices resource r (e.g. uniform KV bits): its price stays 0. Returns a record for the log.
     """
     cfg = budget.config
     targets = budget.targets.tolist()
@@ -50,6 +51,8 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
     lo, hi = [0.0, 0.0], [0.0, 0.0]
     todo = []
     for r in range(2):
+        if not movable[r]:
+            continue
         if start[r] > targets[r]:
             todo.append(r)
             hi[r] = 1.0

@@ -197,7 +197,9 @@ def train(run: RunConfig, env, tables) -> int:
     else:
         calibration = None
         if run.triroute.budget.enabled and run.triroute.router.kind == "triroute":
-            calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1])
+            r = run.triroute.router
+            movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
+            calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
         results = evaluate(t.steps)
         if start < t.steps:
             save(t.steps)

@@ -63,3 +63,11 @@ def test_nothing_to_do_costs_one_evaluation_per_phase():
     rec = calibrate_prices(b, make(b))
     assert rec["prices"] == [0.0, 0.0] and torch.equal(b.prices, torch.zeros(2, dtype=torch.float64))
     assert len(calls) <= 3
+
+
+def test_a_resource_no_decision_prices_is_left_alone():
+    make, calls = population(0)
+    b = controller(0.40, 0.40, [0.3, 0.3])  # both above target and active, but memory cannot move
+    rec = calibrate_prices(b, make(b), movable=(True, False))
+    assert rec["prices"][1] == 0.0 and all(c[1] == 0.0 for c in calls)
+    assert 0.39 <= rec["realised_after"][0] <= 0.40
