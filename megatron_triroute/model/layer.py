@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer, ge
 from ..config import ATTN_MODES, TriRouteConfig
 from ..routing.controller import AxisDecision, RouterOutput, decision_features
 from ..routing.factory import build_controller
-from ..routing.cost import dense_cost, expected_cost, noise_free_cost
+from ..routing.cost import budget_fractions, dense_cost, expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
@@ -144,13 +144,10 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             aux = aux + out.extra_loss
         if not cfg.budget.enabled:
             return aux
-        cost = expected_cost(out, positions, cfg.model, cfg.router)
-        dense = dense_cost(positions, cfg.model)
-        B = cost.flops.shape[0]
-        frac = torch.stack([cost.flops.sum() / (dense.flops.sum() * B), cost.mem.sum() / (dense.mem.sum() * B)])
-        frac = frac / cfg.model.n_layers
-        lam = self.step_state.budget.multipliers().to(frac.dtype)
-        share = lam[0] * frac.sum() if cfg.budget.tied else (lam * frac).sum()
+        # This layer's share of C_r (Appendix A): its surrogate cost over the dense cost of all L layers.
+        # penalty() also subtracts lambda_r C*_r for each layer: a constant with no gradient.
+        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router)], positions, cfg.model)
+        share = self.step_state.budget.penalty(frac / cfg.model.n_layers)
         return aux + share.to(aux.dtype)
 
     @torch.no_grad()
