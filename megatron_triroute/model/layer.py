@@ -12,7 +12,9 @@ Tensor parallel: the controller is replicated and sees the same tokens on every 
 decisions are identical there. Each rank uses only its heads' decisions, so the decisions enter
 the model through `copy_to_tensor_model_parallel_region` (identity forward, all-reduce
 backward): the gradient reaching the controller is the sum of every rank's part, identical on
-all ranks. Auxiliary and budget losses are computed from the raw outputs on every rank alike
+all ranks. The expert route weights are the exception: the expert layer decodes every token on every
+rank (DeepSpeed all-gathers the expert outputs first), so their gradient is already whole and they
+enter without the all-reduce. Auxiliary and budget losses are computed from the raw outputs on every rank alike
 and are attached to the layer output with Megatron's MoEAuxLossAutoScaler, so layers on
 non-last pipeline stages still reach the backward pass.
 """
@@ -112,7 +114,10 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         if out.experts is None:
             ffn = self.mlp(h)
         else:
-            weight = tensor_parallel.copy_to_tensor_model_parallel_region(out.experts.weight)
+            # No copy_to_tensor_model_parallel_region here: DeepSpeed's MOELayer all-gathers the expert
+            # outputs over the tensor-parallel ranks before its weighted decode, so every rank already
+            # holds the full gradient of the route weights; an all-reduce would multiply it by tp.
+            weight = out.experts.weight
             flat = lambda t: t.transpose(0, 1).reshape(T * B, -1)  # (B, T, k) -> (T*B, k), token-major like h
             ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight), hard=hard).view(T, B, -1)
         x = x + ffn

@@ -1,5 +1,6 @@
 """The Slurm recipes drive the real CLI: array tasks as plain processes with Slurm's variables set,
-`sbatch` replaced by a recorder (no cluster needed), then the merge stage."""
+`sbatch` replaced by a recorder (no cluster needed), then the merge stage. The same recipe runs as a
+real job array with its real merge job in tests/slurm/test_prep_jobs.py."""
 
 from __future__ import annotations
 

@@ -40,3 +40,24 @@ def batch(cfg: TriRouteConfig, n: int = 2, seed: int = 0, offset: int = 0):
     T, V = cfg.model.seq_len, cfg.model.vocab_size
     tokens = torch.randint(0, V, (n, T + 1), generator=g)
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(), torch.arange(offset, offset + n)
+
+
+def decision_margin(cfg: TriRouteConfig, decisions, idx: torch.Tensor, step: int = 0) -> float:
+    """Smallest gap between an executed option and its runner-up over every decision of one forward.
+
+    `decisions` holds per layer (attn y, bits y, expert index, expert weight, attn logits, bits
+    logits, expert probs); the noise is recomputed from the step's key. A gap near zero means a
+    decision another layout could flip by rounding alone.
+    """
+    from megatron_triroute.routing.noise import NoiseKey
+
+    T = cfg.model.seq_len
+    gaps = []
+    for layer, (_, _, _, _, za, zb, probs) in enumerate(decisions):
+        key = NoiseKey(cfg.seed, step, layer, idx, torch.arange(T))
+        for z, axis in ((za, 0), (zb, 2)):
+            top2 = (z + key.gumbel(tuple(z.shape), axis)).topk(2, -1).values
+            gaps.append((top2[..., 0] - top2[..., 1]).min())
+        top = probs.sort(-1, descending=True).values
+        gaps.append((top[..., cfg.router.top_k - 1] - top[..., cfg.router.top_k]).min())
+    return min(g.item() for g in gaps)

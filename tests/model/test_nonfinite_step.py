@@ -43,3 +43,83 @@ def _worker(rank, world_size):
 @pytest.mark.distributed
 def test_nonfinite_loss_skips_the_step_entirely():
     run_distributed(_worker, 1)
+
+
+def _snapshot(model, engine):
+    state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    steps = [s["step"].clone() for s in engine.optimizer.state.values()]
+    return state, steps
+
+
+def _assert_untouched(model, engine, before, what):
+    from megatron_triroute.routing.running_stats import running_statistics
+
+    state, steps = before
+    after = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+    for name, value in state.items():
+        assert torch.equal(value, after[name]), (what, name)
+    assert [s["step"] for s in engine.optimizer.state.values()] == steps, what
+    assert model.router_statistics.sums.abs().sum() == 0 and model.budget._acc.abs().sum() == 0, what
+    assert all(stat.pending().abs().sum() == 0 for stat in running_statistics([model])), what
+
+
+def _same_on_every_rank(t: torch.Tensor) -> bool:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, t.contiguous())
+    return all(torch.equal(parts[0], p) for p in parts)
+
+
+def _two_rank_worker(rank, world_size):
+    """Data parallel 2 with expert parallel 2 (each rank holds its own experts, expert-data
+    parallel 1, so an expert gradient is never all-reduced): a NaN on rank 1 only, in the loss, in
+    one of its expert gradients, or in a dense gradient, makes both ranks skip the whole step."""
+    import megatron_triroute.training.engine as engine_mod
+    from megatron_triroute.training.engine import MicroBatch, TrainEngine
+
+    cfg = tiny_triroute()
+    model, groups = build(cfg, ep=2, seed=6)
+    assert (groups.dp, groups.ep, groups.edp) == (2, 2, 1)
+    engine = TrainEngine(model, groups, torch.optim.AdamW(model.parameters(), lr=1e-2), total_steps=10)
+    tokens, labels, idx = batch(cfg, n=2, seed=2 + rank, offset=2 * rank)
+    mbs = [MicroBatch(tokens, labels, torch.ones_like(tokens, dtype=torch.float), idx)]
+    assert not engine.train_step(mbs, 0).skipped  # one good step so every statistic has moved once
+    named = dict(model.named_parameters())
+    expert = [p for n, p in named.items() if getattr(p, "allreduce", True) is False]
+    dense = [named["decoder.layers.1.self_attention.linear_proj.weight"]]
+    assert expert
+
+    def nan_loss():
+        good = engine_mod._loss
+        if rank == 1:
+            engine_mod._loss = lambda out, mb: good(out * float("nan"), mb)
+        return lambda: setattr(engine_mod, "_loss", good)
+
+    def nan_grads(params):
+        def install():
+            handles = [p.register_hook(lambda g: g * float("nan")) for p in params] if rank == 1 else []
+            return lambda: [h.remove() for h in handles]
+        return install
+
+    for step, (what, inject) in enumerate(
+            (("loss", nan_loss), ("expert gradient", nan_grads(expert)), ("dense gradient", nan_grads(dense))), 1):
+        before = _snapshot(model, engine)
+        undo = inject()
+        try:
+            report = engine.train_step(mbs, step)
+        finally:
+            undo()
+        assert report.skipped, (what, rank, report)
+        assert _same_on_every_rank(torch.tensor([float(report.skipped)])), what
+        _assert_untouched(model, engine, before, f"{what} (rank {rank})")
+    report = engine.train_step(mbs, 4)  # and training goes on, on both ranks alike
+    assert not report.skipped and report.loss == report.loss
+    for name, p in named.items():
+        if getattr(p, "allreduce", True):
+            assert _same_on_every_rank(p.detach()), name
+
+
+@pytest.mark.distributed
+def test_nan_on_one_of_two_ranks_skips_the_step_on_both():
+    run_distributed(_two_rank_worker, 2, timeout=240)

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.model.harness import batch, build, tiny_triroute
+from tests.model.harness import batch, build, decision_margin, tiny_triroute
 
 
 def _capture(model):
@@ -56,28 +56,12 @@ def _gather(t, dim, tp, group):
     return torch.cat(parts, dim)
 
 
-def _margins(cfg, decisions, idx):
-    """Smallest gap between the executed option and the runner-up, over every decision."""
-    from megatron_triroute.routing.noise import NoiseKey
-
-    T = cfg.model.seq_len
-    gaps = []
-    for layer, (_, _, _, _, za, zb, probs) in enumerate(decisions):
-        key = NoiseKey(cfg.seed, 0, layer, idx, torch.arange(T))
-        for z, axis in ((za, 0), (zb, 2)):
-            top2 = (z + key.gumbel(tuple(z.shape), axis)).topk(2, -1).values
-            gaps.append((top2[..., 0] - top2[..., 1]).min())
-        top = probs.sort(-1, descending=True).values
-        gaps.append((top[..., cfg.router.top_k - 1] - top[..., cfg.router.top_k]).min())
-    return min(g.item() for g in gaps)
-
-
 def _worker(rank, world_size):
     cfg = tiny_triroute()
     loss2, logits2, grads2, dec2, replicated_equal = _run(cfg, tp=2)
     loss1, logits1, grads1, dec1, _ = _run(cfg, tp=1)
     _, _, idx = batch(cfg, n=2, seed=3)
-    margin = _margins(cfg, dec1, idx)
+    margin = decision_margin(cfg, dec1, idx)
     assert margin > 1e-4, f"near-tie decision ({margin}): pick another seed"
     for a, b in zip(dec1, dec2):
         for x, y in zip(a[:3], b[:3]):

@@ -9,6 +9,7 @@ from megatron_triroute.routing.controller import AxisDecision, RouterOutput
 from megatron_triroute.routing.cost import (budget_fractions, dense_cost, expected_cost, expert_count_surrogate,
                                            expert_width, hard_cost)
 from megatron_triroute.routing.gating import top_k_gating
+from megatron_triroute.routing.quant import pack_kv
 from megatron_triroute.routing.reference import hard_attention, hard_experts, swiglu
 
 
@@ -120,10 +121,19 @@ def test_hard_accounting_matches_independent_flop_count_and_bytes():
         hard_attention(q, k, v, modes, cfg.router.window)
     with FlopCounterMode(display=False) as expert_counter:
         hard_experts(x, routes.index.view(-1, 2), routes.weight.view(-1, 2), experts)
-    acc = hard_cost(modes, routes.index, torch.zeros(B, T, dtype=torch.long), torch.arange(T), cfg.model, cfg.router)
+    bit_option = torch.arange(B * T).view(B, T) % len(cfg.router.bits)  # every width, 2 to 16 bits
+    acc = hard_cost(modes, routes.index, bit_option, torch.arange(T), cfg.model, cfg.router)
     # The counter reports FLOPs = 2 x MACs.
     assert attn_counter.get_total_flops() == 2 * acc.attn_key_macs.sum().item()
     assert expert_counter.get_total_flops() == 2 * acc.expert_macs.sum().item()
+    # Bytes: each token's K and V of one layer, bit-packed at the width chosen for it (codes plus
+    # the per-group scale and zero point), occupy exactly the bits the accounting charges.
+    g = cfg.router.group_size_for(cfg.model)
+    shape = (1, cfg.model.n_kv_heads, cfg.model.d_head)
+    packed = torch.tensor([[8 * sum(pack_kv(torch.randn(shape), cfg.router.bits[int(bit_option[b, t])], g).nbytes
+                                    for _ in ("k", "v")) for t in range(T)] for b in range(B)], dtype=torch.float64)
+    assert torch.equal(acc.kv_bits, packed), (acc.kv_bits, packed)
+    assert set(bit_option.flatten().tolist()) == set(range(len(cfg.router.bits)))
 
 
 def test_all_skip_all_null_costs_no_attention_or_expert_work():

@@ -60,14 +60,34 @@ def test_signal_then_resume_is_bit_identical(reference, tiny_data, tmp_path):
 
 
 def test_killed_run_resumes_from_last_checkpoint_bit_identically(reference, tiny_data, tmp_path):
+    import re
+
+    from megatron_triroute.checkpoint.store import latest_valid_checkpoint
+
     run = tmp_path / "run"
     proc = launch(run, tiny_data, extra=COMMON)
     wait_for_steps(run, 6, proc)  # a checkpoint at step 4 exists
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
+    before_kill = step_lines(run)
+    newest = latest_valid_checkpoint(run / "checkpoints")
+    assert newest is not None and newest.step >= 4 and newest.step <= len(before_kill), (newest, before_kill)
+    assert before_kill == list(range(len(before_kill)))
     assert run_to_end(run, tiny_data, extra=COMMON) == 0, log_text(run)[-3000:]
+    resumed = [int(m) for m in re.findall(r"resumed from step (\d+)", log_text(run))]
+    assert resumed == [newest.step], resumed
+    # The second launch ran exactly the steps after its checkpoint: nothing before it again.
+    assert step_lines(run) == before_kill + list(range(newest.step, STEPS))
     ref, got = steps(reference), steps(run)
     assert [got[s]["loss"] for s in range(STEPS)] == [ref[s]["loss"] for s in range(STEPS)]
+
+
+def step_lines(run) -> list[int]:
+    """Every step record in write order (steps() keeps only the last record per step)."""
+    import json
+
+    path = run / "steps.jsonl"
+    return [json.loads(line)["step"] for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def test_corrupted_latest_checkpoint_falls_back_to_previous(reference, tiny_data, tmp_path):
