@@ -1,4 +1,4 @@
-"""`python -m megatron_triroute.train --recipe NAME [key=value ...] [--dry-run]`.
+"""`python -m megatron_triroute.train --recipe NAME [key=value ...] [--dry-run | --plan --nodes N ...]`.
 
 Launch with torchrun, deepspeed, srun or mpirun alike: rank, world size and rendezvous come from
 `distributed.launch_env.resolve_launch_env`. Stop signals are handled from the first line, before
@@ -23,6 +23,15 @@ def parse_args(argv=None):
     parser.add_argument("--dry-run", action="store_true",
                         help="validate the recipe against the world size, print layout and memory estimate, exit")
     parser.add_argument("--world-size", type=int, default=None, help="with --dry-run: the world size to validate for")
+    parser.add_argument("--plan", action="store_true",
+                        help="list the layouts (TP, PP, EP, micro-batch, recompute) that fit a cluster, pick one, exit")
+    parser.add_argument("--nodes", type=int, default=1, help="with --plan: nodes")
+    parser.add_argument("--gpus-per-node", type=int, default=8, help="with --plan: GPUs per node")
+    parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="with --plan: memory per GPU (GiB)")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="with --plan: dense bf16 peak per GPU")
+    parser.add_argument("--mfu", type=float, default=0.35, help="with --plan: model FLOPs utilisation assumed")
+    parser.add_argument("--overrides-only", action="store_true",
+                        help="with --plan: print only the picked layout's key=value overrides (for scripts)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=100")
     return parser.parse_args(argv)
 
@@ -45,6 +54,22 @@ def main(argv=None) -> int:
 
     env = resolve_launch_env()
     run = resolve_run(args)
+    if args.plan:
+        from megatron_triroute.training.planner import Cluster, format_plan, plan
+
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.mfu)
+        if run.train.bf16 is None:
+            run.train.bf16 = True  # a GPU cluster trains in bf16 (the CPU default is fp32)
+        candidates = plan(run, cluster)
+        if args.overrides_only:
+            if not candidates:
+                print(f"error: no layout of {args.recipe} fits {args.nodes} x {args.gpus_per_node} GPUs of "
+                      f"{args.gpu_memory_gib:g} GiB (see --plan without --overrides-only)", file=sys.stderr)
+                return 2
+            print(" ".join(candidates[0].overrides))
+        else:
+            print(format_plan(run, cluster, candidates))
+        return 0
     if args.dry_run:
         from megatron_triroute.training.dry_run import dry_run
 

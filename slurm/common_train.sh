@@ -13,10 +13,12 @@
 #   DATA        [unset: the recipe's data.path, data/<scale> in the repository]  a `data_prep build`
 #               output directory. Relative: to the submit directory.
 #   TRAIN_ARGS  [empty]  extra key=value overrides, split on white space ("train.steps=12 parallel.tensor=2")
-#   SCALE_ARGS  [per scale, see triroute_scale_args]  GPU-memory defaults of the paper scales, applied
+#   SCALE_ARGS  [the capacity planner's layout for the paper scales, see triroute_scale_args] applied
 #               before TRAIN_ARGS; set it empty to drop them.
+#   TRIROUTE_GPU_MEMORY_GIB [80]  TRIROUTE_PEAK_TFLOPS [989]  what the planner assumes per GPU
 #   TRIROUTE_PYTHON [$REPO/.venv/bin/python if present, else python3 on PATH]
 #   TRIROUTE_MAX_RESTARTS [3]  requeues per job after a checkpointed stop (exit 75)
+#   TRIROUTE_DRY_RUN [0]  1: print and dry-run the exact training command at the job's world size, train nothing
 # Nodes, tasks per node (= GPUs per node), GPUs and CPUs per task come from sbatch's own flags; the
 # step runs one task per allocated task slot, so `sbatch --nodes=1 --ntasks-per-node=2
 # --gpus-per-node=0 --cpus-per-task=1 slurm/train_1p3b.sh` runs two CPU ranks.
@@ -33,16 +35,20 @@ triroute_trap_early_stop() {
 }
 triroute_trap_early_stop
 
-# Overrides that fit the paper scales' recipes on 80 GB GPUs with one rank per GPU and no model
-# parallelism (from `python -m megatron_triroute.train --recipe SCALE --dry-run --world-size N`;
-# TriRoute's experts make the models larger than their dense names):
-#   160m (8 ranks):  none, ~45 GiB per rank at micro-batch 4
-#   410m (16 ranks): micro-batch 1, ~41 GiB per rank instead of ~122 GiB
-#   1p3b (64 ranks): full activation recomputation, ~58 GiB per rank instead of ~173 GiB
+# The layout of the paper scales (tensor, pipeline and expert parallel, micro-batch, recompute) is
+# picked by the capacity planner for the allocation the job got (`--plan`, see docs/slurm.md):
+# the fastest estimated step that fits TRIROUTE_GPU_MEMORY_GIB [80] per GPU, expert parallelism
+# inside a node. TRAIN_ARGS take part in the plan and still override its pick. Other recipes
+# (tiny, CPU runs) get no layout overrides.
+#   triroute_scale_args RECIPE NODES TASKS_PER_NODE [TRAIN_ARGS...]
 triroute_scale_args() {
-  case "$1" in
-    410m) echo "train.micro_batch_size=1" ;;
-    1p3b) echo "train.recompute=true" ;;
+  local recipe=$1 nodes=$2 per_node=$3
+  shift 3
+  case "${recipe%%-*}" in
+    160m|410m|1p3b)
+      "$TRIROUTE_PYTHON" -m megatron_triroute.train --recipe "$recipe" --plan --overrides-only \
+        --nodes "$nodes" --gpus-per-node "$per_node" --gpu-memory-gib "${TRIROUTE_GPU_MEMORY_GIB:-80}" \
+        --peak-tflops "${TRIROUTE_PEAK_TFLOPS:-989}" "$@" 2>/dev/null ;;
     *) echo "" ;;
   esac
 }
@@ -85,15 +91,30 @@ triroute_train_job() {
   if [ -z "${TRIROUTE_PYTHON:-}" ]; then
     if [ -x "$REPO/.venv/bin/python" ]; then TRIROUTE_PYTHON=$REPO/.venv/bin/python; else TRIROUTE_PYTHON=python3; fi
   fi
+  local nodes=${SLURM_JOB_NUM_NODES:-1}
+  local per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / nodes ))}
   # Word splitting without glob expansion.
-  read -r -a scale_args <<<"${SCALE_ARGS-$(triroute_scale_args "${RECIPE%%-*}")}"
   read -r -a extra <<<"${TRAIN_ARGS:-}"
+  if [ -z "${SCALE_ARGS+set}" ]; then
+    SCALE_ARGS=$(triroute_scale_args "$RECIPE" "$nodes" "$per_node" "${extra[@]}") || {
+      triroute_log "the capacity planner found no layout of $RECIPE for $nodes x $per_node GPUs (run --plan by hand)"
+      exit 2
+    }
+  fi
+  read -r -a scale_args <<<"$SCALE_ARGS"
   extra=("${scale_args[@]}" "${extra[@]}")
   if [ -n "${DATA:-}" ]; then
     case "$DATA" in /*) ;; *) DATA=$PWD/$DATA ;; esac
     extra+=("data.path=$DATA")
   fi
   extra+=("output_dir=$RUN_DIR")  # last: the log, the checkpoints and the outputs stay together
+  if [ "${TRIROUTE_DRY_RUN:-0}" = 1 ]; then
+    # Validate this job's exact command at its allocation's world size; train nothing.
+    echo "dry run: $TRIROUTE_PYTHON -m megatron_triroute.train --recipe $RECIPE --dry-run --world-size $((nodes * per_node)) ${extra[*]}"
+    cd "$REPO" && PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH} "$TRIROUTE_PYTHON" -m megatron_triroute.train \
+      --recipe "$RECIPE" --dry-run --world-size $((nodes * per_node)) "${extra[@]}"
+    exit $?
+  fi
 
   triroute_append_log "$RUN_DIR/job.log"
   triroute_slurm_env || exit 1
@@ -101,8 +122,6 @@ triroute_train_job() {
   export PYTHONPATH=$REPO${PYTHONPATH:+:$PYTHONPATH}
   cd "$REPO" || exit 1
 
-  local nodes=${SLURM_JOB_NUM_NODES:-1}
-  local per_node=${SLURM_NTASKS_PER_NODE:-$(( ${SLURM_NTASKS:-1} / nodes ))}
   local cpus=${SLURM_CPUS_PER_TASK:-1}
   local latest="$RUN_DIR/checkpoints/latest"
   triroute_log "recipe $RECIPE -> $RUN_DIR: $nodes node(s) x $per_node task(s), $cpus CPU(s) per task, GPUs per node ${SLURM_GPUS_PER_NODE:-none}"

@@ -53,7 +53,8 @@ class TrainConfig:
     log_interval: int = 10
     eval_interval: int = 200
     eval_batches: int = 8
-    """Validation micro-batches per evaluation (held-out set and each tail bucket)."""
+    """Validation micro-batches per evaluation (held-out set and each tail bucket): a total the
+    data-parallel ranks share, rounded up to a multiple of their number (reported at start)."""
     save_interval_steps: int = 1000
     save_interval_minutes: float = 30.0
     keep_last: int = 3
@@ -124,9 +125,6 @@ class RunConfig:
             if (dp * p.tensor) % p.expert:
                 _fail("parallel.expert", p.expert, f"does not divide data x tensor parallel = {dp * p.tensor}",
                       "choose an expert-parallel size that divides it")
-            if t.eval_batches < dp:
-                _fail("train.eval_batches", t.eval_batches, f"fewer than data_parallel={dp}: evaluation would score nothing",
-                      "use at least the data-parallel size")
             if t.global_batch_size % (t.micro_batch_size * dp):
                 _fail("train.global_batch_size", t.global_batch_size,
                       f"not divisible by micro_batch_size x data_parallel = {t.micro_batch_size} x {dp}",

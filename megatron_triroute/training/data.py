@@ -57,7 +57,7 @@ def padded_vocab(vocab: int, tensor_parallel: int, multiple: int = 128) -> int:
     return -(-vocab // step) * step
 
 
-def build_datasets(run: RunConfig, eod: int, vocab: int, barrier=None):
+def build_datasets(run: RunConfig, eod: int, vocab: int, barrier=None, data_parallel: int = 1):
     """(train, valid) GPTDatasets sized for the whole run. The index cache is built by the
     first rank before the others read it."""
     with warnings.catch_warnings():
@@ -79,7 +79,7 @@ def build_datasets(run: RunConfig, eod: int, vocab: int, barrier=None):
         reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
     )
     t = run.train
-    sizes = [t.steps * t.global_batch_size, t.eval_batches * t.micro_batch_size, None]
+    sizes = [t.steps * t.global_batch_size, evaluation_micro_batches(run, data_parallel) * t.micro_batch_size, None]
     import torch.distributed as dist
 
     first = not dist.is_initialized() or dist.get_rank() == 0
@@ -111,13 +111,31 @@ def _collate(dataset, index: torch.Tensor) -> MicroBatch:
     return MicroBatch(stack("tokens", torch.long), stack("labels", torch.long), stack("loss_mask", torch.float), index)
 
 
-def validation_batches(dataset, run: RunConfig) -> list[MicroBatch]:
+def evaluation_micro_batches(run: RunConfig, data_parallel: int) -> int:
+    """Micro-batches one evaluation scores: `train.eval_batches` is a total the data-parallel ranks
+    share, rounded up to a multiple of their number, since every rank must run the same number
+    (expert-parallel all-to-alls span the data-parallel ranks). Any world size can evaluate."""
+    return -(-run.train.eval_batches // data_parallel) * data_parallel
+
+
+def validation_batches(dataset, run: RunConfig, data_parallel: int = 1) -> list[MicroBatch]:
     mbs = run.train.micro_batch_size
-    n = min(run.train.eval_batches, len(dataset) // mbs)
+    n = min(evaluation_micro_batches(run, data_parallel), len(dataset) // mbs)
+    n -= n % data_parallel
     return [_collate(dataset, torch.arange(i * mbs, (i + 1) * mbs)) for i in range(n)]
 
 
-def bucket_batches(run: RunConfig, name: str, eod: int) -> list[MicroBatch]:
+def pad_to_ranks(batches: list[MicroBatch], data_parallel: int) -> list[MicroBatch]:
+    """Append copies of the last micro-batch with an all-zero loss mask (they score nothing) until
+    every data-parallel rank has the same number of micro-batches."""
+    out = list(batches)
+    while out and len(out) % data_parallel:
+        last = out[-1]
+        out.append(MicroBatch(last.tokens, last.labels, torch.zeros_like(last.loss_mask), last.sample_index))
+    return out
+
+
+def bucket_batches(run: RunConfig, name: str, eod: int, data_parallel: int = 1) -> list[MicroBatch]:
     """Windows of a tail bucket: tokens, next-token labels, and the bucket's own loss mask
     (scored tokens only). Empty when the bucket has no documents."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
@@ -129,7 +147,7 @@ def bucket_batches(run: RunConfig, name: str, eod: int) -> list[MicroBatch]:
     docs, masks = IndexedDataset(str(tokens_path)), IndexedDataset(str(mask_path))
     T, mbs = run.triroute.model.seq_len, run.train.micro_batch_size
     windows: list[tuple[np.ndarray, np.ndarray]] = []
-    limit = run.train.eval_batches * mbs
+    limit = evaluation_micro_batches(run, data_parallel) * mbs
     for i in range(len(docs)):
         tok, msk = np.asarray(docs[i], dtype=np.int64), np.asarray(masks[i], dtype=np.float32)
         for start in range(0, max(len(tok) - 1, 1), T):
@@ -151,4 +169,4 @@ def bucket_batches(run: RunConfig, name: str, eod: int) -> list[MicroBatch]:
         msk = torch.as_tensor(np.stack([w[1] for w in group]))
         batches.append(MicroBatch(tok[:, :-1].contiguous(), tok[:, 1:].contiguous(), msk[:, 1:].contiguous(),
                                   torch.arange(b, b + len(group))))
-    return batches
+    return pad_to_ranks(batches, data_parallel)

@@ -92,7 +92,7 @@ def train(run: RunConfig, env, tables) -> int:
     engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
                          bf16=run.train.dtype_name == "bf16")
     vocab = run.triroute.model.vocab_size
-    train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier)
+    train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier, data_parallel=groups.dp)
 
     ckpt_dir = str(out / "checkpoints")
     meta = load_run(ckpt_dir, model, optimizer, scheduler, groups)
@@ -108,8 +108,12 @@ def train(run: RunConfig, env, tables) -> int:
     last_save = time.time()
     nonfinite = 0
     stop = signals.torch_all_reduce_max()
-    valid_batches = data_mod.validation_batches(valid_ds, run)
-    bucket_batches = {name: data_mod.bucket_batches(run, name, tables.eod_id) for name in run.data.buckets}
+    valid_batches = data_mod.validation_batches(valid_ds, run, groups.dp)
+    bucket_batches = {name: data_mod.bucket_batches(run, name, tables.eod_id, groups.dp) for name in run.data.buckets}
+    if rank0:
+        log.info("evaluation: %d micro-batches of %d held-out sequences (train.eval_batches=%d, a total the %d "
+                 "data-parallel ranks share, rounded up to a multiple of them)", len(valid_batches),
+                 t.micro_batch_size, t.eval_batches, groups.dp)
 
     def save(next_step: int) -> None:
         save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
@@ -119,16 +123,17 @@ def train(run: RunConfig, env, tables) -> int:
         """The last trained global batches, as many micro-batches as evaluation uses: training
         data, so the held-out report stays held out."""
         n_micro = t.global_batch_size // t.micro_batch_size
-        steps_needed = min(t.steps, -(-t.eval_batches // n_micro))
-        return [mb for s in range(t.steps - steps_needed, t.steps)
-                for mb in data_mod.micro_batches(train_ds, s, run, 0, 1)]
+        wanted = data_mod.evaluation_micro_batches(run, groups.dp)
+        steps_needed = min(t.steps, -(-wanted // n_micro))
+        found = [mb for s in range(t.steps - steps_needed, t.steps) for mb in data_mod.micro_batches(train_ds, s, run, 0, 1)]
+        return found[:wanted]
 
     def evaluate(step: int) -> dict[str, float]:
         loss, realised = engine.evaluate(valid_batches)
         results = {"valid/ppl": math.exp(min(loss, 50.0)), "valid/realised_flops": realised[0],
                    "valid/realised_mem": realised[1]}
         for name, batches in bucket_batches.items():
-            if len(batches) >= groups.dp:
+            if batches:  # an empty bucket has nothing to score
                 results[f"valid/{name}_ppl"] = math.exp(min(engine.evaluate(batches)[0], 50.0))
         if rank0:
             log.info("eval step %d: %s", step, " | ".join(f"{k} {v:.2f}" for k, v in results.items()))

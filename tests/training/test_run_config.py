@@ -4,7 +4,8 @@ import pytest
 
 from megatron_triroute.config import ConfigError
 from megatron_triroute.training.config import RunConfig, apply_overrides
-from megatron_triroute.training.dry_run import dry_run, estimate_rank_memory
+from megatron_triroute.training.dry_run import dry_run
+from megatron_triroute.training.planner import estimate_rank_memory
 from megatron_triroute.training.recipes import dense_parameter_count, get_recipe
 
 

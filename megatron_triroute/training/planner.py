@@ -1,0 +1,197 @@
+"""Capacity planner: memory per rank of a layout, and the layouts that fit a cluster (ours).
+
+Memory per rank, from the config alone (`estimate_rank_memory`):
+- parameters on the most loaded rank: the pipeline stage holding the embedding and the output
+  layer (both, at pipeline 1), its layers' attention and dense FFN divided by tensor parallel, its
+  experts divided by expert parallel, the (replicated) controller;
+- model state: fp32 weights and gradients (4 + 4 bytes), the engine's flat gradient all-reduce
+  buffer when data parallel > 1 (4 bytes), the two AdamW moments (8 bytes) divided over the
+  data-parallel replicas by ZeRO-1 (experts over the expert-data-parallel ones); bf16 adds
+  nothing persistent (autocast over fp32 masters);
+- activations kept for backward by the relaxed routed path, per token and layer
+  `ACT_D * d + ACT_EXPERT * k * d_e + ACT_SCORES * H * T` values (attention and FFN parts divided
+  by tensor parallel), the output layer's `ACT_LOGITS * V` per token, one micro-batch per
+  pipeline stage in flight (1F1B keeps `pipeline` of them on the first stage); full recompute
+  keeps one layer's activations plus every layer's input; expert parallel adds the all-to-all
+  send and receive buffers (2 * k * d per token and layer).
+The activation coefficients were measured (peak resident memory above the idle process, fp32,
+CPU, local spec, three training steps) on seven small shapes spanning d 128-320, 2-6 layers,
+sequence 128-512, micro-batch 4-16, FFN 256-768, and checked on two more;
+`tests/training/test_planner.py` re-measures a shape none of them used and requires 15 %.
+
+Step time (`plan`): training FLOPs of a step (`metrics.training_flops_per_token` at the
+budget's FLOPs target) over the ranks' peak at a stated MFU, times the pipeline bubble
+(1 + (pp - 1) / micro-batches), times 4/3 under full recompute (one more forward), times
+1 + TP_COST (tp - 1) for tensor parallelism's all-reduces.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+
+from ..routing.cost import expert_width
+from .config import ConfigError, RunConfig
+from .metrics import training_flops_per_token
+
+ACT_D = 22.0
+"""d-wide values kept per token and layer (residual stream, norms, Q/K/V/O, the relaxed K/V writes)."""
+ACT_EXPERT = 6.0
+"""(k x expert width)-wide values per token and layer (SwiGLU intermediates of the selected experts)."""
+ACT_SCORES = 0.05
+"""Attention score values per token, head and key kept for backward (the fused softmax keeps few)."""
+ACT_LOGITS = 3.5
+"""Vocabulary-wide values per token at the output layer (logits, softmax and its gradient)."""
+CONSTANT_BYTES = 16 * 2**20
+"""Allocator and library buffers that do not scale with the model."""
+GIB = 2**30
+TP_COST = 0.08
+"""Step-time overhead per extra tensor-parallel rank (two activation all-reduces per layer on
+NVLink; an assumption of the estimate, not a measurement)."""
+
+
+def _layout(run: RunConfig, world_size: int) -> tuple[int, int, int, int, int]:
+    p = run.parallel
+    dp = world_size // (p.tensor * p.pipeline)
+    edp = max(1, dp * p.tensor // p.expert)
+    return p.tensor, p.pipeline, p.expert, dp, edp
+
+
+def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
+    """Memory of the most loaded rank (module docstring); GiB except `parameters_per_rank`."""
+    m, r, t = run.triroute.model, run.triroute.router, run.train
+    tp, pp, ep, dp, edp = _layout(run, world_size)
+    layers = m.n_layers // pp
+    attn = (m.d_model * (m.n_heads + 2 * m.n_kv_heads) * m.d_head + m.n_heads * m.d_head * m.d_model) / tp
+    routed_experts = r.expert_routing
+    if routed_experts:
+        expert = r.num_experts / ep * 3 * m.d_model * expert_width(m, r)
+        dense_ffn, k, d_e = 0.0, r.top_k, expert_width(m, r)
+    else:
+        expert, dense_ffn, k, d_e = 0.0, 3 * m.d_model * m.d_ff / tp, 1, m.d_ff
+    d_in = m.d_model + 3 + 4 + len(r.bits)
+    controller = d_in * r.d_router + r.d_router**2 + r.d_router * (m.n_heads * 3 + r.num_experts + 1 + len(r.bits))
+    embed_and_output = (2 if pp == 1 else 1) * m.vocab_size * m.d_model / tp
+    dense_params = layers * (attn + dense_ffn + controller + 2 * m.d_model) + embed_and_output
+    expert_params = layers * expert
+    params = dense_params + expert_params
+    grad_buffer = 4 if dp > 1 else 0
+    state = dense_params * (8 + grad_buffer + 8 / dp) + expert_params * (8 + grad_buffer + 8 / edp)
+
+    bytes_per = 2 if t.dtype_name == "bf16" else 4
+    tokens = t.micro_batch_size * m.seq_len
+    per_layer = (ACT_D * m.d_model + ACT_EXPERT * k * d_e) / tp + ACT_SCORES * (m.n_heads / tp) * m.seq_len
+    if ep > 1 and routed_experts:
+        per_layer += 2 * k * m.d_model  # all-to-all send and receive buffers
+    kept_layers = 1 if t.recompute else layers
+    layer_inputs = layers * m.d_model if t.recompute else 0
+    in_flight = pp  # 1F1B: the first stage holds `pp` micro-batches' activations
+    activations = tokens * bytes_per * in_flight * (kept_layers * per_layer + layer_inputs)
+    activations += tokens * 4 * ACT_LOGITS * m.vocab_size / tp  # fp32 loss path
+    total = state + activations + CONSTANT_BYTES
+    return {"parameters_per_rank": params, "model_state_gib": state / GIB, "activations_gib": activations / GIB,
+            "total_gib": total / GIB}
+
+
+@dataclasses.dataclass
+class Cluster:
+    nodes: int
+    gpus_per_node: int
+    gpu_memory_gib: float = 80.0
+    peak_tflops: float = 989.0
+    """Dense bf16 peak per GPU (H100 SXM: 989)."""
+    mfu: float = 0.35
+    """Model FLOPs utilisation assumed for the step-time estimate."""
+    memory_headroom: float = 0.9
+    """Fraction of GPU memory a layout may plan to use (the rest: CUDA context, fragmentation)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+
+@dataclasses.dataclass
+class Candidate:
+    tensor: int
+    pipeline: int
+    expert: int
+    micro_batch_size: int
+    recompute: bool
+    data_parallel: int
+    memory: dict[str, float]
+    step_seconds: float
+    days: float
+
+    @property
+    def overrides(self) -> list[str]:
+        """The key=value overrides that select this layout."""
+        return [f"parallel.tensor={self.tensor}", f"parallel.pipeline={self.pipeline}",
+                f"parallel.expert={self.expert}", f"train.micro_batch_size={self.micro_batch_size}",
+                f"train.recompute={str(self.recompute).lower()}"]
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def plan(run: RunConfig, cluster: Cluster) -> list[Candidate]:
+    """Every layout that validates and fits, fastest first (then least memory). Tensor and expert
+    parallelism stay inside a node (their all-reduces and all-to-alls want NVLink)."""
+    m, r, t = run.triroute.model, run.triroute.router, run.train
+    world = cluster.world_size
+    flops_fraction = run.triroute.budget.flops_target if run.triroute.budget.enabled else 1.0
+    step_flops = training_flops_per_token(run.triroute, flops_fraction) * t.global_batch_size * m.seq_len
+    experts = r.num_experts if r.expert_routing else 1
+    out = []
+    for tp in _divisors(m.n_kv_heads, cluster.gpus_per_node):
+        for pp in _divisors(m.n_layers, 8):
+            if world % (tp * pp):
+                continue
+            dp = world // (tp * pp)
+            for ep in _divisors(experts, cluster.gpus_per_node):
+                for mbs in (1, 2, 4, 8):
+                    for recompute in (False, True):
+                        cand = copy.deepcopy(run)
+                        p = cand.parallel
+                        p.tensor, p.pipeline, p.expert = tp, pp, ep
+                        cand.train.micro_batch_size, cand.train.recompute = mbs, recompute
+                        try:
+                            cand.validate(world)
+                        except ConfigError:
+                            continue
+                        mem = estimate_rank_memory(cand, world)
+                        if mem["total_gib"] > cluster.memory_headroom * cluster.gpu_memory_gib:
+                            continue
+                        n_micro = t.global_batch_size // (mbs * dp)
+                        seconds = step_flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
+                        seconds *= (1 + (pp - 1) / n_micro) * (4 / 3 if recompute else 1.0) * (1 + TP_COST * (tp - 1))
+                        out.append(Candidate(tp, pp, ep, mbs, recompute, dp, mem, seconds,
+                                             seconds * t.steps / 86400))
+    # Fastest first; among equals the most expert parallelism (the least expert state per rank),
+    # then the largest micro-batch (better kernel efficiency, which the MFU figure does not model),
+    # then the least memory.
+    out.sort(key=lambda c: (round(c.step_seconds, 6), -c.expert, -c.micro_batch_size, c.memory["total_gib"]))
+    return out
+
+
+def format_plan(run: RunConfig, cluster: Cluster, candidates: list[Candidate], top: int = 8) -> str:
+    m, t = run.triroute.model, run.train
+    tokens_per_step = t.global_batch_size * m.seq_len
+    lines = [f"recipe {run.name}: {t.steps:,} steps x {tokens_per_step:,} tokens = {t.steps * tokens_per_step / 1e9:.1f} B "
+             f"tokens; cluster {cluster.nodes} x {cluster.gpus_per_node} GPUs, {cluster.gpu_memory_gib:g} GiB, "
+             f"{cluster.peak_tflops:g} TFLOP/s peak at MFU {cluster.mfu:.0%}"]
+    if not candidates:
+        lines.append("no layout fits: add nodes, use GPUs with more memory, or lower train.global_batch_size")
+        return "\n".join(lines)
+    lines.append("   TP  PP  EP  DP  micro recompute | params/rank  state GiB  activ GiB  total GiB | step s   days")
+    for c in candidates[:top]:
+        mem = c.memory
+        lines.append(f"  {c.tensor:3d} {c.pipeline:3d} {c.expert:3d} {c.data_parallel:3d} {c.micro_batch_size:6d} "
+                     f"{str(c.recompute):>9} | {mem['parameters_per_rank'] / 1e6:9.1f}M {mem['model_state_gib']:10.1f} "
+                     f"{mem['activations_gib']:10.1f} {mem['total_gib']:10.1f} | {c.step_seconds:6.2f} {c.days:6.2f}")
+    best = candidates[0]
+    lines.append(f"pick: {' '.join(best.overrides)} -- the fastest estimated step that fits "
+                 f"({best.memory['total_gib']:.1f} of {cluster.gpu_memory_gib:g} GiB); expert parallelism "
+                 f"{best.expert} keeps 1/{best.expert} of the experts' weights and optimizer state per rank")
+    return "\n".join(lines)
