@@ -66,3 +66,36 @@ def test_redpajama_script_with_a_given_tokenizer(tmp_path, corpus_reference):
     result = summary(tmp_path / "out")
     assert result["documents"]["read"] == 3  # two parquet rows + the mislabelled gzip line
     assert result["tokenizer"]["trained"] is False
+
+
+def _array_shape(script: str) -> tuple[int, int]:
+    """(first task id, task count) of the script's own `#SBATCH --array=LO-HI[%LIMIT]`."""
+    import re
+
+    spec = re.search(r"^#SBATCH --array=(\d+)-(\d+)", (REPO / "slurm" / script).read_text(), flags=re.M)
+    lo, hi = int(spec.group(1)), int(spec.group(2))
+    return lo, hi - lo + 1
+
+
+@pytest.mark.parametrize("script,shards", [("prep_pile.sh", 30), ("prep_redpajama.sh", 10)])
+def test_prep_arrays_start_at_their_own_array_shape(script, shards, tmp_path):
+    """The default array (e.g. 30 tasks for the Pile's 30 train shards) partitions the shards exactly,
+    and its first, a middle and its last task run the real script with Slurm's array variables."""
+    from data_prep.inputs import task_range
+
+    lo, count = _array_shape(script)
+    covered = [i for t in range(count) for i in task_range(shards, t, count)]
+    assert covered == list(range(shards))  # every shard once, in order, whatever the task count
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    for i in range(shards):
+        (inputs / f"{i:02d}.jsonl").write_text(f'{{"text": "document {i} of the default-shape check."}}\n')
+    out = tmp_path / "out"
+    for task in sorted({0, count // 2, count - 1}):
+        env = {"INPUT_GLOB": str(inputs / "*.jsonl"), "OUT_DIR": str(out), "PREP_SUBMIT_MERGE": "0",
+               "SLURM_ARRAY_TASK_ID": str(lo + task), "SLURM_ARRAY_TASK_MIN": str(lo),
+               "SLURM_ARRAY_TASK_COUNT": str(count), "WORKERS": "1"}
+        result = _run(script, env, tmp_path)
+        assert f"shard task {task} of {count}" in result.stderr
+    parsed = sorted(p.name for p in (out / "work").rglob("*") if p.is_file())
+    assert parsed, "the tasks parsed nothing"
