@@ -79,10 +79,11 @@ class Overhead:
 @contextlib.contextmanager
 def single_process_parallel() -> Iterator[object]:
     """torch.distributed (gloo, world of one) and Megatron/DeepSpeed parallel state for building
-    a model in this process; both are torn down on exit if this call created them."""
+    a model in this process, inside the CPU shim; torn down on exit (torch.distributed only if this
+    call created it)."""
     import torch.distributed as dist
 
-    from .parallel import destroy_parallel, initialize_parallel
+    from .parallel import cpu_shim, destroy_parallel, initialize_parallel
 
     created = not dist.is_initialized()
     if created:
@@ -94,9 +95,12 @@ def single_process_parallel() -> Iterator[object]:
             os.environ.setdefault(name, value)
         dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        yield initialize_parallel(1, 1, 1)
+        with cpu_shim():  # the CPU workarounds for as long as the models built here run
+            try:
+                yield initialize_parallel(1, 1, 1)
+            finally:
+                destroy_parallel()
     finally:
-        destroy_parallel()
         if created:
             dist.destroy_process_group()
 
@@ -223,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     args = parser.parse_args(argv)
 
-    from .parallel import apply_cpu_workarounds
+    from .parallel import cpu_shim
     from .training.recipes import get_recipe
 
     try:  # configuration errors: one line and exit status 2, as the training CLI
@@ -236,8 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as err:  # ConfigError, or an unknown recipe
         print(f"error: {err}", file=sys.stderr)
         return 2
-    with library_logs_to_stderr():  # DeepSpeed logs to stdout; keep stdout for the report alone
-        apply_cpu_workarounds()  # before Megatron modules are imported by the builders
+    with library_logs_to_stderr(), cpu_shim():  # DeepSpeed logs to stdout; keep stdout for the report
         report = overhead_report(run, args.layers)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
     return 0

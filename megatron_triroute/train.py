@@ -90,9 +90,11 @@ def main(argv=None) -> int:
     run.triroute.model.vocab_size = vocab
     run.validate(env.world_size)
     export_torch_env(env)
+    from megatron_triroute.parallel import cpu_shim
     from megatron_triroute.training import trainer
 
-    return trainer.train(run, env, tables)
+    with cpu_shim():  # Megatron-Core / DeepSpeed CPU workarounds, for the whole run (no-op with CUDA)
+        return trainer.train(run, env, tables)
 
 
 def cli(argv=None) -> int:

@@ -6,6 +6,7 @@ into one call rather than spawn once per check.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -22,7 +23,7 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, shim: bool = True) -> None:
     import torch
     import torch.distributed as dist
 
@@ -36,7 +37,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
     )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        fn(rank, world_size, *args)
+        from megatron_triroute.parallel.cpu_compat import cpu_shim
+
+        with cpu_shim() if shim else contextlib.nullcontext():  # each rank's entry point (no-op with CUDA)
+            fn(rank, world_size, *args)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, including asserts
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)
@@ -45,11 +49,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
             dist.destroy_process_group()
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> None:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
+                    cpu_shim: bool = True) -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
     ``torch.distributed`` is initialised (gloo, localhost, a free port) before ``fn`` runs and
-    destroyed after. ``fn`` must be a module-level function (spawn pickles it by name). The first
+    destroyed after; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it). ``fn`` must be a module-level function (spawn pickles it by name). The first
     rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
     without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.
     """
@@ -62,7 +67,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     try:
         context = mp.start_processes(
             _worker,
-            args=(world_size, port, fn, args, errors),
+            args=(world_size, port, fn, args, errors, cpu_shim),
             nprocs=world_size,
             join=False,
             start_method="spawn",

@@ -1,17 +1,20 @@
-"""Workarounds that let Megatron-Core 0.16.1 and DeepSpeed 0.19.8 run on CPU with gloo.
+"""Workarounds that let Megatron-Core 0.16.1 and DeepSpeed 0.19.8 run on CPU with gloo, as one
+scoped, version-checked context manager.
 
 Both libraries are written for CUDA: they allocate on ``"cuda"`` by name, keep RNG states of the
-CUDA generator, assert CUDA tensor types and JIT-compile a CPU communication op. This module is
-the only place that knows; model code never does. Call :func:`apply_cpu_workarounds` once, early
-(before building models); it does nothing when CUDA is available and is safe to call repeatedly.
+CUDA generator and JIT-compile a CPU communication op. This module is the only place that knows;
+model code never does. Entry points (the trainer, the overhead report, the test harness's workers)
+run their work inside ``with cpu_shim():``. On a machine with CUDA it does nothing. On CPU it first
+checks the library versions it was written for (another version fails with a message naming both,
+since a patched function that moved would silently do the wrong thing), then applies each
+workaround, and on exit restores every replaced attribute. Nested uses apply once.
 
 Each workaround is one function whose comment gives the reason. They patch the libraries only:
 functions and methods (including the aliases other megatron/deepspeed modules imported), the
-``torch.cuda`` entry points Megatron calls unconditionally, and, in four Megatron modules that
+``torch.cuda`` entry points Megatron calls unconditionally, and, in three Megatron modules that
 hard-code ``device="cuda"``, the module's global ``torch``, replaced by a stand-in whose tensor
-factories allocate on the CPU. A name your own code imported from those modules *before* the call
-keeps the original, hence "call early". ``initialize_parallel`` calls it too. A version bump of
-either library should start by re-running ``tests/parallel/test_cpu_compat.py``.
+factories allocate on the CPU. ``initialize_parallel`` refuses to run on CPU outside the shim.
+A version bump of either library starts by re-running ``tests/parallel/test_cpu_compat.py``.
 """
 
 from __future__ import annotations
@@ -20,22 +23,65 @@ import contextlib
 import functools
 import importlib
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 
 _MARK = "__triroute_cpu_workaround__"
+SUPPORTED = {"megatron.core": "0.16.1", "deepspeed": "0.19.8"}
+"""The library versions these workarounds were written for and tested against."""
+
+_UNDO: list[tuple[Any, str, Any]] = []
+"""(owner, attribute, original) for every replacement of the active shim, in application order."""
+_DEPTH = 0
 
 
-def apply_cpu_workarounds() -> tuple[str, ...]:
-    """Apply every CPU workaround when ``not torch.cuda.is_available()``.
+class UnsupportedLibraryVersion(RuntimeError):
+    pass
 
-    Returns the names of the workarounds applied by this call: all of them the first time on a CPU
-    machine, none on a CUDA machine or on a second call.
+
+@contextlib.contextmanager
+def cpu_shim() -> Iterator[tuple[str, ...]]:
+    """Apply every CPU workaround for the duration of the block (nothing when CUDA is available).
+
+    Yields the names of the workarounds this call applied (none when CUDA is available or when an
+    enclosing shim already applied them). Restores every patched attribute on exit.
     """
+    global _DEPTH
     if torch.cuda.is_available():
-        return ()
-    return tuple(workaround.__name__ for workaround in _WORKAROUNDS if workaround())
+        yield ()
+        return
+    applied: tuple[str, ...] = ()
+    if _DEPTH == 0:
+        check_library_versions()
+        applied = tuple(workaround.__name__ for workaround in _WORKAROUNDS if workaround())
+    _DEPTH += 1
+    try:
+        yield applied
+    finally:
+        _DEPTH -= 1
+        if _DEPTH == 0:
+            while _UNDO:
+                owner, name, original = _UNDO.pop()
+                setattr(owner, name, original)
+
+
+def shim_active() -> bool:
+    """True inside `cpu_shim()` on a CPU-only machine, and always where CUDA is available."""
+    return torch.cuda.is_available() or _DEPTH > 0
+
+
+def check_library_versions() -> None:
+    """Fail clearly when Megatron-Core or DeepSpeed is not the version the workarounds were written for."""
+    found = {name: importlib.import_module(name).__version__ for name in SUPPORTED}
+    wrong = {name: v for name, v in found.items() if v != SUPPORTED[name]}
+    if wrong:
+        raise UnsupportedLibraryVersion(
+            "the CPU workarounds (megatron_triroute/parallel/cpu_compat.py) were written for "
+            + ", ".join(f"{n} {v}" for n, v in SUPPORTED.items()) + "; found "
+            + ", ".join(f"{n} {v}" for n, v in found.items())
+            + ". Fix: install the versions in constraints.txt, or check each workaround against the new "
+            "version with tests/parallel/test_cpu_compat.py and update SUPPORTED.")
 
 
 # --------------------------------------------------------------------------------------------
@@ -85,17 +131,6 @@ def pipeline_schedules_on_cpu() -> bool:
     return _allocate_on_cpu_in("megatron.core.pipeline_parallel.schedules")
 
 
-def grad_clipping_on_cpu() -> bool:
-    # Grad-norm and zero counting (and the local multi-tensor L2 norm used without apex/TE) allocate
-    # on `"cuda"`, and clipping asserts every grad is a `torch.cuda.FloatTensor`; CPU grads are not.
-    changed = _allocate_on_cpu_in("megatron.core.optimizer.clip_grads")
-    changed |= _allocate_on_cpu_in("megatron.core.utils")
-    changed |= _rebind(
-        "megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", lambda o: _clip_grad_by_total_norm_cpu
-    )
-    return changed
-
-
 # --------------------------------------------------------------------------------------------
 # DeepSpeed
 
@@ -120,7 +155,6 @@ _WORKAROUNDS: tuple[Callable[[], bool], ...] = (
     manual_seed_also_seeds_cpu,
     causal_masks_on_cpu,
     pipeline_schedules_on_cpu,
-    grad_clipping_on_cpu,
     deepspeed_skips_shm_allreduce_op,
     deepspeed_all_gather_into_flat_buffer,
 )
@@ -188,22 +222,6 @@ def _seed_cpu_after(original: Callable) -> Callable:
     return model_parallel_cuda_manual_seed
 
 
-def _clip_grad_by_total_norm_cpu(
-    parameters: list[torch.Tensor] | torch.Tensor,
-    max_norm: float,
-    total_norm: float,
-    use_decoupled_grad: bool = False,
-) -> None:
-    """Scale grads in place by ``max_norm / total_norm`` when that is below 1 (Megatron's contract)."""
-    if isinstance(parameters, torch.Tensor):
-        parameters = [parameters]
-    attr = "decoupled_grad" if use_decoupled_grad else "grad"
-    grads = [getattr(p, attr).detach() for p in parameters if getattr(p, attr, None) is not None]
-    clip_coeff = max_norm / (total_norm + 1.0e-6)
-    if clip_coeff < 1.0 and grads:
-        torch._foreach_mul_(grads, clip_coeff)
-
-
 def _no_shm_op() -> None:
     return None
 
@@ -259,18 +277,21 @@ def _allocate_on_cpu_in(module_name: str) -> bool:
     module = importlib.import_module(module_name)
     if isinstance(module.torch, _TorchAllocatingOnCpu):
         return False
+    _UNDO.append((module, "torch", module.torch))
     module.torch = _TorchAllocatingOnCpu(module.torch)
     return True
 
 
 # --------------------------------------------------------------------------------------------
-# Patching helpers (idempotent: a replacement carries a mark and is never wrapped twice)
+# Patching helpers (idempotent: a replacement carries a mark and is never wrapped twice; every
+# replacement is recorded in _UNDO so the shim's exit restores it)
 
 
 def _replace_attr(owner: Any, name: str, make: Callable[[Callable], Callable]) -> bool:
     original = getattr(owner, name)
     if getattr(original, _MARK, False):
         return False
+    _UNDO.append((owner, name, original))
     setattr(owner, name, _mark(make(original)))
     return True
 
@@ -285,8 +306,10 @@ def _rebind(module_name: str, name: str, make: Callable[[Callable], Callable]) -
     for other_name, other in list(sys.modules.items()):
         if other is None or not other_name.startswith(("megatron.", "deepspeed.")):
             continue
-        if getattr(other, name, None) is original:
+        if getattr(other, name, None) is original and other is not module:
+            _UNDO.append((other, name, original))
             setattr(other, name, replacement)
+    _UNDO.append((module, name, original))
     setattr(module, name, replacement)
     return True
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_triroute.parallel.cpu_compat import apply_cpu_workarounds
+from megatron_triroute.parallel.cpu_compat import shim_active
 
 ProcessGroup = Any  # torch.distributed.ProcessGroup (its stub type differs across torch versions)
 
@@ -119,8 +119,8 @@ def validate_layout(
 def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, expert_parallel: int = 1) -> ParallelGroups:
     """Build Megatron-Core's parallel state and DeepSpeed's expert groups; return them as one object.
 
-    Call after ``torch.distributed.init_process_group``. Applies :func:`apply_cpu_workarounds`
-    (a no-op when CUDA is available). Raises :class:`ParallelLayoutError` for an
+    Call after ``torch.distributed.init_process_group`` and, on a CPU-only machine, inside
+    :func:`megatron_triroute.parallel.cpu_shim` (DeepSpeed's comm setup needs it). Raises :class:`ParallelLayoutError` for an
     impossible layout and :class:`GroupMismatchError` when DeepSpeed's expert or expert-data rank
     lists differ from Megatron's. Undo with :func:`destroy_parallel`.
     """
@@ -132,7 +132,10 @@ def initialize_parallel(tensor_parallel: int = 1, pipeline_parallel: int = 1, ex
     world_size = dist.get_world_size()
     tp, pp, ep = tensor_parallel, pipeline_parallel, expert_parallel
     validate_layout(world_size, tp, pp, ep)
-    apply_cpu_workarounds()  # no-op with CUDA; on CPU DeepSpeed's comm setup below needs it
+    if not shim_active():
+        raise RuntimeError("on a machine without CUDA, call initialize_parallel() inside "
+                           "`with megatron_triroute.parallel.cpu_shim():` (Megatron-Core and DeepSpeed need its "
+                           "CPU workarounds for as long as they run)")
 
     parallel_state = importlib.import_module("megatron.core.parallel_state")
     if parallel_state.model_parallel_is_initialized():

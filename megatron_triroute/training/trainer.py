@@ -55,7 +55,7 @@ def train(run: RunConfig, env, tables) -> int:
     (vocabulary already padded to `run.triroute.model.vocab_size`). Returns the exit status."""
     from ..model.gpt import TriRouteGPTModel
     from ..model.spec import transformer_config
-    from ..parallel import apply_cpu_workarounds, initialize_parallel
+    from ..parallel import initialize_parallel
     from . import data as data_mod
     from .calibrate import RealisedTail, calibrate_prices
     from .engine import TrainEngine
@@ -68,7 +68,6 @@ def train(run: RunConfig, env, tables) -> int:
     dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30))
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
-    apply_cpu_workarounds()
     p = run.parallel
     groups = initialize_parallel(p.tensor, p.pipeline, p.expert)
     rank0 = groups.rank == 0

@@ -22,9 +22,8 @@ def build(cfg: TriRouteConfig, tp=1, pp=1, ep=1, seed=1234, recompute=False):
 
     from megatron_triroute.model.gpt import TriRouteGPTModel
     from megatron_triroute.model.spec import transformer_config
-    from megatron_triroute.parallel import apply_cpu_workarounds, initialize_parallel
+    from megatron_triroute.parallel import initialize_parallel
 
-    apply_cpu_workarounds()
     groups = initialize_parallel(tp, pp, ep)
     torch.manual_seed(seed)
     mcfg = transformer_config(cfg, tensor_parallel=tp, pipeline_parallel=pp, recompute=recompute)

@@ -22,7 +22,7 @@ def main(overrides: list[str]) -> None:
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron_triroute.model.gpt import TriRouteGPTModel
     from megatron_triroute.model.spec import transformer_config
-    from megatron_triroute.parallel import apply_cpu_workarounds, initialize_parallel
+    from megatron_triroute.parallel import cpu_shim, initialize_parallel
     from megatron_triroute.training.config import apply_overrides
     from megatron_triroute.training.data import MicroBatch
     from megatron_triroute.training.engine import TrainEngine
@@ -30,7 +30,8 @@ def main(overrides: list[str]) -> None:
     from megatron_triroute.training.recipes import get_recipe
     from megatron_triroute.training.trainer import build_optimizer
 
-    apply_cpu_workarounds()
+    shim = cpu_shim()
+    shim.__enter__()  # for the life of this probe process
     run = apply_overrides(get_recipe("tiny"), overrides).validate(1)
     groups = initialize_parallel(1, 1, 1)
     torch.manual_seed(0)
