@@ -28,10 +28,9 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import ATTN_MODES, FULL, LOCAL, SKIP, TriRouteConfig
 from ..routing.quant import fake_quantize, relaxed_kv_write
 
-SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
 
 
 @dataclass

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import ATTN_MODES, FULL, TriRouteConfig
 from .gating import ExpertRoutes, top_k_gating
 from .grad_balance import GradBalance
 from .gumbel import sample_gumbel, soft_gumbel_sample, straight_through
@@ -28,7 +28,6 @@ from .whitening import RunningWhitening
 
 AXES = ("attn", "experts", "bits")
 _AXIS_ID = {"attn": 0, "experts": 1, "bits": 2}
-FULL = ATTN_MODES.index("full")
 
 
 @dataclass
@@ -60,6 +59,11 @@ class RouterOutput:
     extra_loss: torch.Tensor | None = None
     """Router-family-specific auxiliary loss (e.g. MoD's causal predictor), added to the
     balancing losses by the layer."""
+
+
+def controller_input_width(d_model: int, n_bits_options: int) -> int:
+    """Width of the controller's input [Norm(x); psi]: the residual stream plus the side features."""
+    return d_model + STATIC_FEATURES + decision_feature_size(n_bits_options)
 
 
 class Trunk(nn.Module):
@@ -107,7 +111,7 @@ class TriRouteController(nn.Module):
         self.layer_number = layer_number
         self.n_heads = model.n_heads
         self.n_bits = len(router.bits) if router.bit_routing else 1
-        d_in = model.d_model + STATIC_FEATURES + decision_feature_size(len(router.bits))
+        d_in = controller_input_width(model.d_model, len(router.bits))
 
         sizes: dict[str, int] = {}
         self.attn_heads = 0  # H_a: logit groups of the attention head (0 = no attention head)

@@ -34,13 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTN_MODES, ConfigError, RouterConfig, TriRouteConfig
+from ..config import ATTN_MODES, FULL, SKIP, ConfigError, RouterConfig, TriRouteConfig
 from .controller import AxisDecision, RouterOutput, _constant_axis
 from .gating import NULL_EXPERT, ExpertRoutes
 from .noise import NoiseKey
 from .side_features import STATIC_FEATURES, decision_feature_size
 
-SKIP, FULL = ATTN_MODES.index("skip"), ATTN_MODES.index("full")
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import ATTN_MODES
+from ..config import ATTN_MODES, FULL, LOCAL, SKIP
 
-SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
