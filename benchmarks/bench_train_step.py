@@ -38,9 +38,8 @@ import torch  # noqa: E402
 
 from megatron_triroute.overhead import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
-from megatron_triroute.training.config import apply_overrides  # noqa: E402
 from megatron_triroute.training.engine import MicroBatch, TrainEngine  # noqa: E402
-from megatron_triroute.training.recipes import get_recipe  # noqa: E402
+from megatron_triroute.training.recipes import resolve  # noqa: E402
 
 
 def _micro_batch(cfg, n: int, seed: int) -> MicroBatch:
@@ -68,7 +67,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
-    run = apply_overrides(get_recipe(args.recipe), args.overrides)
+    run = resolve(args.recipe, args.overrides)
     configs = {run.system: run.triroute.validate(), "dense": system_config("dense", run.triroute)}
     times: dict[str, list[float]] = {name: [] for name in configs}
     cpu_times: dict[str, list[float]] = {name: [] for name in configs}

@@ -43,7 +43,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from .config import ConfigError, TriRouteConfig
-from .training.config import RunConfig, apply_overrides
+from .training.config import RunConfig
 
 FULL_BUILD_PARAMETERS = 50_000_000
 """Dense backbones up to this size are built with all their layers (ours: well under a GiB of
@@ -228,10 +228,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from .parallel import cpu_shim
-    from .training.recipes import get_recipe
+    from .training.recipes import resolve
 
     try:  # configuration errors: one line and exit status 2, as the training CLI
-        run = apply_overrides(get_recipe(args.recipe), args.overrides)
+        run = resolve(args.recipe, args.overrides)
         if args.seq_len is not None:
             run.triroute.model.seq_len = args.seq_len
         run.triroute.validate()

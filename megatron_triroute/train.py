@@ -37,12 +37,9 @@ def parse_args(argv=None):
 
 
 def resolve_run(args):
-    from megatron_triroute.training.config import apply_overrides
-    from megatron_triroute.training.recipes import get_recipe
+    from megatron_triroute.training.recipes import resolve
 
-    run = get_recipe(args.recipe)
-    apply_overrides(run, args.overrides)
-    return run
+    return resolve(args.recipe, args.overrides)
 
 
 def main(argv=None) -> int:

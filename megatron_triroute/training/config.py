@@ -148,6 +148,9 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
         if "=" not in item:
             raise ConfigError(f"override {item!r}: expected key=value, e.g. train.steps=100")
         key, raw = item.split("=", 1)
+        if key == "system":
+            raise ConfigError(f"override {item!r}: a system reconfigures the whole routing tree, so it is applied "
+                              "with the recipe. Fix: --recipe SCALE-SYSTEM (e.g. tiny-moe), or recipes.resolve().")
         target: Any = config
         parts = key.split(".")
         for part in parts[:-1]:

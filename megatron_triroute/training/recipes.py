@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 
 from ..config import TriRouteConfig
-from .config import DataConfig, OptimConfig, RunConfig, TrainConfig
+from .config import ConfigError, DataConfig, OptimConfig, RunConfig, TrainConfig
 
 SCALES = ("tiny", "160m", "410m", "1p3b")
 
@@ -98,3 +98,20 @@ def get_recipe(name: str) -> RunConfig:
         run.system = system
         run.triroute = system_config(system, run.triroute)
     return run
+
+
+def resolve(name: str, overrides: list[str]) -> RunConfig:
+    """The run a command line asks for, in one place: the recipe's scale, then its system (from
+    `SCALE-SYSTEM` or a `system=NAME` override, which reconfigures the routing exactly as the
+    recipe suffix does), then every other `key=value` override in order."""
+    from .config import apply_overrides
+
+    systems = [o.split("=", 1)[1] for o in overrides if o.split("=", 1)[0] == "system"]
+    if systems:
+        scale, _, named = name.partition("-")
+        if named and named != systems[-1]:
+            raise ConfigError(f"recipe {name!r} names system {named!r} but an override asks for system={systems[-1]!r}. "
+                              f"Fix: use one of them, e.g. --recipe {scale}-{systems[-1]}")
+        name = scale if systems[-1] == "triroute" else f"{scale}-{systems[-1]}"
+    run = get_recipe(name)
+    return apply_overrides(run, [o for o in overrides if o.split("=", 1)[0] != "system"])

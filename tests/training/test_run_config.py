@@ -82,3 +82,17 @@ def test_training_flops_per_token_hand_count():
     expected = 6 * (4 * (0.5 * budgeted + projections) + 4096 * 128)
     assert (m.d_model, m.n_layers, m.n_heads, m.n_kv_heads, m.d_ff, m.seq_len, m.vocab_size) == (128, 4, 4, 1, 384, 128, 4096)
     assert training_flops_per_token(run.triroute, 0.5) == expected
+
+
+def test_a_system_override_reconfigures_like_the_recipe_suffix():
+    from megatron_triroute.config import ConfigError
+    from megatron_triroute.training.recipes import resolve
+
+    by_override = resolve("tiny", ["system=moe", "train.steps=7"])
+    by_name = resolve("tiny-moe", ["train.steps=7"])
+    assert by_override.to_dict() == by_name.to_dict()  # the routing tree changed, not only the label
+    assert by_override.system == "moe" and by_override.triroute.router.null_expert is False
+    with pytest.raises(ConfigError, match="names system 'mod'"):
+        resolve("tiny-mod", ["system=moe"])
+    with pytest.raises(ConfigError, match="applied with the recipe"):
+        apply_overrides(get_recipe("tiny"), ["system=moe"])
