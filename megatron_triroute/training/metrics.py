@@ -10,6 +10,7 @@ Scalars (tag names are stable; tests read them back):
 
 from __future__ import annotations
 
+import json
 import logging
 import math
 import time
@@ -122,3 +123,45 @@ class TensorBoard:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class StepLogger:
+    """What one training step reports: a line in OUTPUT/steps.jsonl (every step, rank 0: what the
+    resume and preemption tests compare), and every `log_interval` steps (and the last) the progress
+    line with throughput and MFU, the TensorBoard scalars and the collapse warnings."""
+
+    def __init__(self, run, out_dir, rank0: bool, world_size: int, start_step: int, tb: "TensorBoard"):
+        self.run, self.out_dir, self.rank0, self.world_size, self.tb = run, out_dir, rank0, world_size, tb
+        t = run.train
+        self.progress = Progress(t.steps, start_step, t.global_batch_size * run.triroute.model.seq_len)
+
+    def step(self, step: int, report, lr: float) -> None:
+        run, t = self.run, self.run.train
+        if self.rank0:
+            with open(self.out_dir / "steps.jsonl", "a") as f:
+                f.write(json.dumps({"step": step, "loss": report.loss, "skipped": report.skipped,
+                                    "realised": report.realised, "lambdas": report.lambdas}) + "\n")
+        if not (not report.skipped and (step + 1) % t.log_interval == 0 or step + 1 == t.steps):
+            return
+        line, tokens_per_s = self.progress.line(step, report.loss, report.realised, report.lambdas, lr)
+        scalars, entropies = router_scalars(report.statistics, run.triroute)
+        scalars.update({
+            "train/lm_loss": report.loss, "train/lr": lr, "train/temperature": report.tau,
+            "train/tokens_per_s": tokens_per_s, "train/grad_norm": report.grad_norm,
+            "budget/realised_flops": report.realised[0], "budget/realised_mem": report.realised[1],
+            "budget/target_flops": run.triroute.budget.flops_target,
+            "budget/target_mem": run.triroute.budget.mem_target,
+        })
+        for i, lam in enumerate(report.lambdas):
+            scalars[f"budget/lambda_{['flops', 'mem'][i] if len(report.lambdas) == 2 else 'tied'}"] = lam
+        tflops = tokens_per_s * training_flops_per_token(run.triroute, report.realised[0]) / 1e12
+        scalars["train/tflops"] = tflops
+        line += f" | {tflops / self.world_size:.3f} TFLOP/s/rank"
+        if t.peak_tflops > 0:
+            scalars["train/mfu"] = tflops / (t.peak_tflops * self.world_size)
+            line += f" | MFU {scalars['train/mfu']:.1%}"
+        self.tb.scalars(scalars, step + 1)
+        if self.rank0:
+            log.info(line)
+            for warning in collapse_warnings(entropies, t.collapse_entropy):
+                log.warning("step %d: %s", step + 1, warning)

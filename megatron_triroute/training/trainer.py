@@ -59,7 +59,7 @@ def train(run: RunConfig, env, tables) -> int:
     from . import data as data_mod
     from .calibrate import RealisedTail, calibrate_prices
     from .engine import TrainEngine
-    from .metrics import Progress, TensorBoard, collapse_warnings, router_scalars, training_flops_per_token
+    from .metrics import StepLogger, TensorBoard
     from .run_state import load_run, save_run
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -102,8 +102,7 @@ def train(run: RunConfig, env, tables) -> int:
 
     tb = TensorBoard(str(out / "tensorboard") if rank0 else None)
     t = run.train
-    tokens_per_step = t.global_batch_size * run.triroute.model.seq_len
-    progress = Progress(t.steps, start, tokens_per_step)
+    step_log = StepLogger(run, out, rank0, groups.world_size, start, tb)
     last_save = time.time()
     nonfinite = 0
     stop = signals.torch_all_reduce_max()
@@ -156,34 +155,7 @@ def train(run: RunConfig, env, tables) -> int:
         else:
             nonfinite = 0
             tail.add(step, report.realised)
-        lr = scheduler.get_last_lr()[0]
-        if rank0:  # one line per step: what resume and preemption tests compare
-            with open(out / "steps.jsonl", "a") as f:
-                f.write(json.dumps({"step": step, "loss": report.loss, "skipped": report.skipped,
-                                    "realised": report.realised, "lambdas": report.lambdas}) + "\n")
-        if not report.skipped and (step + 1) % t.log_interval == 0 or step + 1 == t.steps:
-            line, tokens_per_s = progress.line(step, report.loss, report.realised, report.lambdas, lr)
-            scalars, entropies = router_scalars(report.statistics, run.triroute)
-            scalars.update({
-                "train/lm_loss": report.loss, "train/lr": lr, "train/temperature": report.tau,
-                "train/tokens_per_s": tokens_per_s, "train/grad_norm": report.grad_norm,
-                "budget/realised_flops": report.realised[0], "budget/realised_mem": report.realised[1],
-                "budget/target_flops": run.triroute.budget.flops_target,
-                "budget/target_mem": run.triroute.budget.mem_target,
-            })
-            for i, lam in enumerate(report.lambdas):
-                scalars[f"budget/lambda_{['flops', 'mem'][i] if len(report.lambdas) == 2 else 'tied'}"] = lam
-            tflops = tokens_per_s * training_flops_per_token(run.triroute, report.realised[0]) / 1e12
-            scalars["train/tflops"] = tflops
-            line += f" | {tflops / groups.world_size:.3f} TFLOP/s/rank"
-            if t.peak_tflops > 0:
-                scalars["train/mfu"] = tflops / (t.peak_tflops * groups.world_size)
-                line += f" | MFU {scalars['train/mfu']:.1%}"
-            tb.scalars(scalars, step + 1)
-            if rank0:
-                log.info(line)
-                for warning in collapse_warnings(entropies, t.collapse_entropy):
-                    log.warning("step %d: %s", step + 1, warning)
+        step_log.step(step, report, scheduler.get_last_lr()[0])
         if (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
             evaluate(step + 1)
         due = (step + 1) % t.save_interval_steps == 0 or time.time() - last_save > 60 * t.save_interval_minutes
