@@ -19,6 +19,7 @@ from ..routing.side_features import TokenTables, static_side_features
 from . import routing_rows
 from .layer import row_layout
 from .spec import get_triroute_block_spec
+from .routing_step import RoutingStep
 from .step_state import RouterStatistics, RoutingStepState
 
 
@@ -44,6 +45,7 @@ class TriRouteGPTModel(GPTModel):
         self.budget = BudgetController(triroute.budget)
         self.router_statistics = RouterStatistics(triroute)
         self.step_state = RoutingStepState(triroute, self.budget, self.router_statistics)
+        self.routing_step = RoutingStep(self)
         for layer in self.decoder.layers:
             layer.step_state = self.step_state
 

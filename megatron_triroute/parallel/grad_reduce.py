@@ -80,3 +80,40 @@ def _all_reduce_coalesced(grads: Iterable[torch.Tensor], group, scale: float) ->
             flat.mul_(scale)
         for grad, reduced in zip(bucket, _unflatten_dense_tensors(flat, bucket)):
             grad.copy_(reduced)
+
+
+def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
+    """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
+    replicated (non-TP) dense parameters count once, experts sum over the expert-parallel group,
+    and all of it sums over pipeline stages. Call after `reduce_gradients` (replicas agree)."""
+    parts = torch.zeros(3, dtype=torch.float64)  # [tp-sharded, replicated, expert]
+    for p in model.parameters():
+        if p.grad is None:
+            continue
+        sq = p.grad.detach().double().pow(2).sum()
+        if getattr(p, "allreduce", True) is False:
+            parts[2] += sq
+        elif getattr(p, "tensor_model_parallel", False):
+            parts[0] += sq
+        else:
+            parts[1] += sq
+    sharded = parts[0:1].clone()
+    if groups.tp > 1:
+        dist.all_reduce(sharded, group=groups.tp_group)
+    expert = parts[2:3].clone()
+    if groups.ep > 1:
+        dist.all_reduce(expert, group=groups.ep_group)
+    total = sharded + parts[1:2] + expert
+    if groups.pp > 1:
+        dist.all_reduce(total, group=groups.pp_group)
+    return total.sqrt().item()
+
+
+@torch.no_grad()
+def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
+    """Scale every gradient so the global norm `norm` is at most `max_norm` (0 = no clipping)."""
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(scale)

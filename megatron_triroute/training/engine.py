@@ -1,8 +1,9 @@
 """One optimizer step of a TriRoute model on any (TP, PP, EP, DP) layout.
 
-    set step/temperature -> Megatron's forward-backward schedule over the micro-batches
-    -> finite check (all ranks) -> gradient reduction (dense over DP, experts over EDP)
-    -> clip -> optimizer -> router statistics, budget multipliers (global batch, one reduction)
+    routing.begin -> Megatron's forward-backward schedule over the micro-batches
+    -> gradient reduction (dense over DP, experts over EDP) -> global norm (non-finite: skip,
+    routing.discard) -> clip -> optimizer -> routing.end (the model's routing bookkeeping,
+    model/routing_step.py)
 
 Optimizer engine (our choice): a replicated torch optimizer per model-parallel shard. Megatron's
 tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts; gradients
@@ -19,11 +20,6 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
-
-from ..routing.grad_balance import GradBalance
-from ..routing.gumbel import temperature_at
-from ..routing.running_stats import commit_running_statistics, discard_running_statistics
 
 
 @dataclass
@@ -67,46 +63,36 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], step: int) -> StepReport:
-        from ..parallel.grad_reduce import reduce_gradients
+        from ..parallel.grad_reduce import clip_gradients, global_grad_norm, reduce_gradients
 
-        model, router = self.model, self.model.triroute.router
-        tau = temperature_at(step, self.total_steps, router.tau_start, router.tau_end)
-        model.set_routing_step(step, tau)
+        model, routing = self.model, self.model.routing_step
+        tau = routing.begin(step, self.total_steps, len(micro_batches))
         model.train()
-        n_mb = len(micro_batches)
-        MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / n_mb))
         for p in model.parameters():
             p.grad = None
         with self._autocast():
             losses = self.forward_backward(
                 forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
-                num_microbatches=n_mb, seq_length=model.routing_seq_len,
+                num_microbatches=len(micro_batches), seq_length=model.routing_seq_len,
                 micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=False,
             )
         loss_sum, token_count = self._global_loss(losses)
         loss = loss_sum / max(token_count, 1.0)
         reduce_gradients(model, self.groups)
-        grad_norm = self._grad_norm()
+        grad_norm = global_grad_norm(model, self.groups)
         # Loss and norm are reduced over every rank, so all ranks agree to skip (a NaN or inf in any
         # gradient makes the global norm non-finite).
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            self._discard()
+            for p in model.parameters():
+                p.grad = None
+            routing.discard()
             return StepReport(step, float("nan"), True, float("nan"), tau)
-        self._clip(grad_norm)
+        clip_gradients(model, grad_norm, self.clip_grad)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()
-        # Each replica back-propagated its own mean loss; the global loss is their mean, so the
-        # squared gradient norms the balancing EMA sees are scaled by 1/dp^2 before summing.
-        for module in model.modules():
-            if isinstance(module, GradBalance):
-                module.pending().mul_(1.0 / self.groups.dp**2)
-        commit_running_statistics([model], self._reduce_dp)
-        realised = model.budget.step(self._reduce_dp_pp)
-        stats = model.router_statistics.sums.clone()
-        self._reduce_dp_pp(stats)
-        model.router_statistics.reset()
-        return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), model.budget.multipliers().tolist(), stats)
+        realised, lambdas, stats = routing.end(self.groups)
+        return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), lambdas, stats)
 
     @torch.no_grad()
     def evaluate(self, batches: list[MicroBatch]) -> tuple[float, list[float]]:
@@ -170,48 +156,6 @@ class TrainEngine:
             local += item["lm"].double()
         self._reduce_dp_pp(local)
         return local[0].item(), local[1].item()
-
-    def _discard(self) -> None:
-        for p in self.model.parameters():
-            p.grad = None
-        discard_running_statistics([self.model])
-        self.model.budget.discard()
-        self.model.router_statistics.reset()
-
-    def _grad_norm(self) -> float:
-        """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
-        replicated (non-TP) dense parameters count once, experts sum over the expert-parallel
-        group, and all of it sums over pipeline stages."""
-        g = self.groups
-        parts = torch.zeros(3, dtype=torch.float64)  # [tp-sharded, replicated, expert]
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            sq = p.grad.detach().double().pow(2).sum()
-            if getattr(p, "allreduce", True) is False:
-                parts[2] += sq
-            elif getattr(p, "tensor_model_parallel", False):
-                parts[0] += sq
-            else:
-                parts[1] += sq
-        sharded = parts[0:1].clone()
-        if g.tp > 1:
-            dist.all_reduce(sharded, group=g.tp_group)
-        expert = parts[2:3].clone()
-        if g.ep > 1:
-            dist.all_reduce(expert, group=g.ep_group)
-        total = sharded + parts[1:2] + expert
-        if g.pp > 1:
-            dist.all_reduce(total, group=g.pp_group)
-        return total.sqrt().item()
-
-    def _clip(self, norm: float) -> None:
-        """Scale every gradient so the global norm is at most `clip_grad`."""
-        if self.clip_grad > 0 and norm > self.clip_grad:
-            scale = self.clip_grad / (norm + 1e-6)
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(scale)
 
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model):
