@@ -18,6 +18,9 @@ MAY_CHANGE: dict[str, str] = {
     "output_dir": "output path",
     "data.path": "data path (the same prepared data set, moved)",
     "data.buckets": "evaluation sets",
+    # Caveat: the training set is sized steps x global batch; when a new step count needs more
+    # passes over the data, Megatron's index reshuffles the whole sample order, so the batches after
+    # the resume are not those an uninterrupted run of the new length would see (docs/infrastructure.md).
     "train.steps": "schedule length",
     "optim.warmup_steps": "schedule",
     "optim.min_lr_ratio": "schedule",
