@@ -13,15 +13,15 @@ Layout under `root`:
     .tmp-step_00000300/         a save in progress or one that died: never read, removed by the next save
 
 A save is committed only when `latest` names it. Every file is fsynced before the manifest is
-written; the directory is renamed into place and the parent fsynced before `latest` moves. A crash at
-any point therefore leaves `latest` on the previous checkpoint. Loading verifies sizes and sha256
+written; the directory is published (`durability.publish_dir`: re-saving an existing step swaps it
+with no window where neither the old nor the new directory exists) and the parent fsynced before
+`latest` moves. A crash at any point therefore leaves `latest` on the previous checkpoint. Loading verifies sizes and sha256
 of every file against the manifest and falls back, with a warning, to the newest older checkpoint
 that verifies.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +36,10 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from ..durability import (
+    ASIDE_MARK, check_file, describe_file, fsync_dir, fsync_file, publish_dir, recover_dir, resolve_dir, write_durably,
+    write_text_atomic,
+)
 from .tree import flatten_tree, unflatten_tree
 
 log = logging.getLogger(__name__)
@@ -48,6 +52,7 @@ META_FILE = "meta.json"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
+_ASIDE_DIR = re.compile(r"(step_\d{8,})" + re.escape(ASIDE_MARK))
 
 CRASH_ENV = "TRIROUTE_CHECKPOINT_CRASH_AT"
 """Test hook: set to a phase name ("after_shard", "before_rename", "before_latest") and every rank
@@ -127,21 +132,21 @@ def save_checkpoint(
         root.mkdir(parents=True, exist_ok=True)
         _remove_leftovers(root)
         tmp.mkdir()
-        _fsync_dir(root)
+        fsync_dir(root)
     sync()
 
     shard, skeleton_file = tmp / shard_file_name(rank), tmp / skeleton_file_name(rank)
     save_file(tensors, shard, metadata={"format": FORMAT_NAME, "step": str(step), "rank": str(rank)})
-    _fsync_file(shard)
+    fsync_file(shard)
     _crash_point("after_shard")
-    _write_durably(skeleton_file, skeleton_text)
+    write_durably(skeleton_file, skeleton_text.encode())
     written = [shard, skeleton_file]
     if rank == 0:
-        _write_durably(tmp / META_FILE, meta_text)
+        write_durably(tmp / META_FILE, meta_text.encode())
         written.append(tmp / META_FILE)
     # Each rank hashes its own files (hot in the page cache) so rank 0 does not read every shard.
-    _write_durably(tmp / _digest_file_name(rank), json.dumps({p.name: _describe(p) for p in written}))
-    _fsync_dir(tmp)
+    write_durably(tmp / _digest_file_name(rank), json.dumps({p.name: describe_file(p) for p in written}).encode())
+    fsync_dir(tmp)
     sync()
 
     final = root / step_dir_name(step)
@@ -171,16 +176,13 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int) -> N
         "created_unix": time.time(),
         "files": dict(sorted(files.items())),
     }
-    _write_durably(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1))
-    _fsync_dir(tmp)
+    write_durably(tmp / MANIFEST_FILE, json.dumps(manifest, indent=1).encode())
+    fsync_dir(tmp)
     _crash_point("before_rename")
-    if final.exists():  # re-saving a step (resumed from an older one): the new save wins
-        _discard(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
+    # Re-saving a step (resumed from an older one): the new save wins, swapped in with no window.
+    publish_dir(tmp, final)
     _crash_point("before_latest")
-    _write_durably(root / LATEST_FILE, final.name + "\n", atomic=True)
-    _fsync_dir(root)
+    write_text_atomic(root / LATEST_FILE, final.name + "\n")
 
 
 def _prune(root: Path, latest_step: int, keep_last: int) -> None:
@@ -202,10 +204,14 @@ def _discard(path: Path) -> None:
 
 def _remove_leftovers(root: Path) -> None:
     for entry in root.iterdir():
-        if entry.is_dir() and entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
+        aside = _ASIDE_DIR.fullmatch(entry.name)
+        if aside and entry.is_dir():  # a re-save that died between its renames: restore or drop the old
+            log.warning("repairing %s left by an interrupted re-save", entry)
+            recover_dir(root / aside.group(1))
+        elif entry.is_dir() and entry.name.startswith((TMP_PREFIX, TRASH_PREFIX)):
             log.warning("removing leftover %s from an interrupted save or prune", entry)
             shutil.rmtree(entry, ignore_errors=True)
-        elif entry.is_file() and entry.name.startswith(f".{LATEST_FILE}.tmp-"):
+        elif entry.is_file() and entry.name.startswith((f".{LATEST_FILE}.tmp-", f"{LATEST_FILE}.tmp-")):
             entry.unlink(missing_ok=True)
 
 
@@ -276,7 +282,7 @@ def latest_valid_checkpoint(root: str | os.PathLike) -> CheckpointInfo | None:
 
 def _select(root: Path, step: int | None) -> CheckpointInfo:
     if step is not None:
-        path = root / step_dir_name(step)
+        path = resolve_dir(root / step_dir_name(step)) or root / step_dir_name(step)
         problem, manifest = _verify(path, step)
         if problem is not None:
             raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
@@ -299,7 +305,7 @@ def _select(root: Path, step: int | None) -> CheckpointInfo:
 
     problems = []
     for candidate in candidates:
-        path = root / step_dir_name(candidate)
+        path = dirs.get(candidate, root / step_dir_name(candidate))
         problem, manifest = _verify(path, candidate)
         if problem is None:
             if problems:
@@ -338,14 +344,9 @@ def _verify(path: Path, step: int, *, hashes: bool = True) -> tuple[str | None, 
         if name not in files:
             return f"{MANIFEST_FILE} does not list {name}", {}
     for name, expected in files.items():
-        file = path / name
-        if not file.is_file():
-            return f"{name} is missing", {}
-        size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} is {size} bytes, manifest says {expected['bytes']} (truncated or overwritten)", {}
-        if hashes and _sha256(file) != expected["sha256"]:
-            return f"{name} sha256 does not match the manifest (corrupted)", {}
+        problem = check_file(path / name, expected, hashes=hashes)
+        if problem is not None:
+            return problem, {}
     return None, manifest
 
 
@@ -380,56 +381,18 @@ def _read_latest(root: Path) -> int | None:
 def _step_dirs(root: Path) -> dict[int, Path]:
     if not root.is_dir():
         return {}
-    found = {}
+    found, asides = {}, {}
     for entry in root.iterdir():
         match = _STEP_DIR.fullmatch(entry.name)
         if match and entry.is_dir():
             found[int(match.group(1))] = entry
-    return found
+        aside = _ASIDE_DIR.fullmatch(entry.name)
+        if aside and entry.is_dir():  # the old copy of a step whose re-save died between its renames
+            asides[int(aside.group(1)[len("step_"):])] = entry
+    return {**asides, **found}
 
 
-# ------------------------------------------------------------------------------------- durability
-
-
-def _write_durably(path: Path, text: str, *, atomic: bool = False) -> None:
-    """Writes and fsyncs `path`; with `atomic`, via a temporary file and os.replace, so readers see
-    the old content or the new, never a mix."""
-    target = path.with_name(f".{path.name}.tmp-{os.getpid()}") if atomic else path
-    with open(target, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    if atomic:
-        os.replace(target, path)
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_dir(path: Path) -> None:
-    """Makes renames and new entries in `path` durable (POSIX needs the directory itself fsynced)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _describe(path: Path) -> dict:
-    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+# ------------------------------------------------------------------------------------------ misc
 
 
 def _to_json(value: Any, *, what: str) -> str:

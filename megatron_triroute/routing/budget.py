@@ -31,7 +31,9 @@ class BudgetController(nn.Module):
     def __init__(self, config: BudgetConfig):
         super().__init__()
         self.config = config
-        self.register_buffer("targets", torch.tensor([config.flops_target, config.mem_target], dtype=torch.float64))
+        # Not saved: a resumed run takes its targets from its config (a resume may change them).
+        self.register_buffer("targets", torch.tensor([config.flops_target, config.mem_target], dtype=torch.float64),
+                             persistent=False)
         n = 1 if config.tied else 2
         self.register_buffer("lambdas", torch.full((n,), config.lambda_init, dtype=torch.float64))
         self.register_buffer("ema", torch.zeros(2, dtype=torch.float64))

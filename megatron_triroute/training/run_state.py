@@ -20,8 +20,12 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint import capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state, save_checkpoint
+from .resume_config import check_resume_config
 
 log = logging.getLogger(__name__)
+
+STALE_KEYS = ("budget.targets",)
+"""Model state keys older checkpoints hold that are no longer restored."""
 
 
 def coordinates(groups) -> list[int]:
@@ -49,12 +53,20 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
                     barrier=dist.barrier, keep_last=keep_last)
 
 
-def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
-    """Restore the newest valid checkpoint under `root`; returns its meta, or None if none."""
+def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None = None) -> dict | None:
+    """Restore the newest valid checkpoint under `root`; returns its meta, or None if none.
+
+    With `config` (the new run's `RunConfig.to_dict()`), first compares it with the checkpoint's:
+    changes a resume may make are logged (rank 0), any other is refused (see resume_config.py).
+    """
     info = latest_valid_checkpoint(root)
     if info is None:
         return None
     _, headers, meta = load_shards(root, ranks=[], step=info.step)
+    if config is not None:
+        for line in check_resume_config(meta["config"], config, source=str(info.path)):
+            if groups.rank == 0:
+                log.warning("resume changes %s", line)
     layout = meta["layout"]
     if (layout["tp"], layout["pp"], layout["ep"]) != (groups.tp, groups.pp, groups.ep):
         raise RuntimeError(
@@ -68,7 +80,10 @@ def load_run(root: str, model, optimizer, scheduler, groups) -> dict | None:
     source = groups.rank if same_layout else min(r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine)
     _, shards, _ = load_shards(root, ranks=[source], step=info.step)
     state = shards[source]
-    missing, unexpected = model.load_state_dict(state["model"], strict=False)
+    # Budget targets come from the config, never the checkpoint (a resume may change them);
+    # checkpoints written while they were a saved buffer still hold them.
+    model_state = {k: v for k, v in state["model"].items() if not k.endswith(STALE_KEYS)}
+    missing, unexpected = model.load_state_dict(model_state, strict=False)
     # Checkpoints written before the deployed-policy prices existed hold none: they load as zero.
     missing = [k for k in missing if not k.endswith(("_extra_state", "budget.prices"))]
     if missing or unexpected:

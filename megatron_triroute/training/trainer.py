@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..durability import write_text_atomic
 from . import signals
 from .config import RunConfig
 
@@ -74,7 +75,6 @@ def train(run: RunConfig, env, tables) -> int:
     out = Path(run.output_dir)
     if rank0:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "config.json").write_text(run.to_json())
         log.info("resolved config:\n%s", run.to_json())
 
     torch.manual_seed(run.triroute.seed)  # identical initialisation on every data-parallel replica
@@ -94,7 +94,9 @@ def train(run: RunConfig, env, tables) -> int:
     train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier, data_parallel=groups.dp)
 
     ckpt_dir = str(out / "checkpoints")
-    meta = load_run(ckpt_dir, model, optimizer, scheduler, groups)
+    meta = load_run(ckpt_dir, model, optimizer, scheduler, groups, config=run.to_dict())
+    if rank0:  # after the resume check: a refused config never replaces the run's config.json
+        write_text_atomic(out / "config.json", run.to_json())
     start = 0 if meta is None else int(meta["step"])
     model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:

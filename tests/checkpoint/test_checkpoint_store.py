@@ -262,3 +262,26 @@ def test_load_shards_single(tmp_path):
     step, shards, meta = load_shards(tmp_path)
     assert step == 4 and list(shards) == [0] and meta == {"m": 1}
     assert shards[0]["w"].equal(torch.ones(2))
+
+
+@pytest.mark.parametrize("step,expected", [("aside", 1), ("swapped", 2), ("discarding", 2)])
+def test_resave_killed_between_renames_never_loses_the_step(tmp_path, step, expected):
+    # Re-saving a committed step swaps directories; killed between any two of the publish's
+    # steps, the checkpoint `latest` names is still whole (old or new), never missing.
+    from megatron_triroute import durability
+
+    root = tmp_path / "ckpt"
+    save_checkpoint(root, 2, {"w": torch.full((1000,), 1.0), "n": 1}, {"step": 2})
+    environ = dict(os.environ, PYTHONPATH=str(REPO), **{durability.CRASH_ENV: step})
+    done = subprocess.run(
+        [sys.executable, "-c", CRASHING_SAVE, str(root), "2"], env=environ, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == durability.CRASH_EXIT_CODE, done.stdout + done.stderr
+    assert (root / "latest").read_text() == "step_00000002\n"
+    loaded_step, tree, _ = load_checkpoint(root)  # read-only: works before any repair
+    assert (loaded_step, tree["n"]) == (2, expected)
+    assert tree["w"].eq(float(expected)).all()
+
+    save_checkpoint(root, 3, {"w": torch.ones(1), "n": 3}, {"step": 3})  # the next save repairs
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_00000002", "step_00000003"]
+    assert load_checkpoint(root, step=2)[1]["n"] == expected
