@@ -131,17 +131,16 @@ def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -
     return {k: v for k, v in out.items() if v is not None}
 
 
-def load_model(path: str | Path, tables=None):
-    """An `InferenceModel` with the checkpoint's weights (strict: every engine tensor must be filled)."""
+def build_model(tree: dict, state: dict[str, torch.Tensor], eod_id: int):
+    """The `InferenceModel` of a loaded checkpoint (`eod_id` from the run's tokenizer tables)."""
     from ..routing.side_features import TokenTables
     from .model import InferenceModel
 
-    tree, state = load_inference_checkpoint(path)
     config = TriRouteConfig.from_dict(tree["triroute"]).validate()
-    eod = tables.eod_id if tables is not None else 0
-    model = InferenceModel(config, TokenTables(state["token_log_prob"], state["token_word_start"].bool(), eod))
+    tables = TokenTables(state["token_log_prob"], state["token_word_start"].bool(), eod_id)
+    model = InferenceModel(config, tables)
     load_state(model, state)
-    return model, tree
+    return model
 
 
 def load_state(model, state: dict[str, torch.Tensor]) -> None:
