@@ -1,7 +1,7 @@
 """Generate text from a training checkpoint with the hard-decision inference engine.
 
     python -m megatron_triroute.generate --checkpoint RUN/checkpoints --prompt "Once upon a time" \
-        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json]
+        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] [--data DIR]
 
 The tokenizer and token tables come from the run's recorded data directory (`data.path` in the
 checkpoint's config). Prints each prompt's continuation, the decode throughput, and the realised
@@ -29,6 +29,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--data", type=Path, help="the run's data directory, when its recorded data.path "
+                   "(relative to where the run started) does not resolve from here")
     p.add_argument("--page-size", type=int, default=16, help="KV-cache slots per page")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     args = p.parse_args(argv)
@@ -53,11 +55,11 @@ def main(argv=None) -> int:
 
     torch.set_grad_enabled(False)
     tree, state = load_inference_checkpoint(args.checkpoint)
-    data = Path(tree["data"]["path"])
+    data = args.data or Path(tree["data"]["path"])
     tables_file = data / "tokenizer" / "token_tables.safetensors"
     if not tables_file.exists():
         raise SystemExit(f"{tables_file} not found: the run's data.path={str(data)!r} is not reachable here. "
-                         "Fix: run generate where the run's data directory exists.")
+                         "Fix: run generate from where the run started, or pass --data DIR.")
     _, _, eod = load_token_tables(tables_file)
     sp = load_processor(tokenizer_path(data))
     model = build_model(tree, state, eod)
