@@ -21,6 +21,8 @@ from .audit import CostAudit
 from .kv_cache import PagedKVCache
 
 SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
+SCRATCH_ELEMENTS = 1 << 24
+"""Cap on the keys gathered per chunk for one head (rows x slots x d_h floats: 64 MiB in fp32)."""
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -110,6 +112,9 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     # --- reads: pool by pool, a chunk of pages at a time, merged online ------------------------
     if any(r is not None for r in reads):
         P = cache.page_size
+        # Bound the per-chunk scratch (rows x slots x d_h gathered keys) to SCRATCH_ELEMENTS.
+        rows = max(r.flat.numel() for r in reads if r is not None)
+        chunk_pages = max(1, min(chunk_pages, SCRATCH_ELEMENTS // (rows * P * d)))
         for option, pool in enumerate(cache.layers[layer].pools):
             table, counts = cache.page_table(layer, option, rids)
             for c0 in range(0, table.shape[1], chunk_pages):
