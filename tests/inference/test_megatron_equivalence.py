@@ -1,5 +1,6 @@
 """The engine's logits equal the Megatron model's eval-mode hard-execution forward (1e-4, fp32),
-with identical decisions, for TriRoute (zero and nonzero prices) and each of the six systems;
+with identical decisions, for TriRoute (zero and nonzero prices), each of the six systems and
+the token-level and layer-group attention variants;
 both as one prefill and decoded token by token. The weights go through the checkpoint name
 mapping (`inference.checkpoint.map_megatron_state`); controller biases and whitening statistics
 are perturbed so every attention mode, bit-width and expert (null included) occurs, and an EOD
@@ -107,6 +108,9 @@ def _checks(rank, world_size):
     tables = _tables(V, eod)
     # (system, prices, perturbation seed): the two TriRoute seeds between them write at every width.
     cases = [(s, None, 11) for s in SYSTEMS] + [("triroute", (25.0, 3.0), 10)]
+    # Two ablation variants whose attention decisions take other paths (one mode per token; a layer
+    # group's leader deciding for its followers, priced).
+    cases += [("token_attention", None, 11), ("layer_group_attention", (25.0, 3.0), 10)]
     coverage = {"mode": set(), "bits": set(), "null": False}
     for name, prices, seed in cases:
         cfg = system_config(name, base)
@@ -136,7 +140,7 @@ def _checks(rank, world_size):
                     coverage["bits"] |= {cfg.router.bits[o] for o in bits.unique().tolist()}
             err = (got - want).abs().max().item()
             assert err < 1e-4, (where, err)
-        if prices is not None:  # the prices changed some decision (else this case tests nothing new)
+        if prices is not None and name == "triroute":  # the prices changed some decision (else this case tests nothing new)
             model.budget.prices.zero_()
             _, unpriced = _megatron_forward(model, tokens)
             assert any(not torch.equal(a["mode"], b["mode"]) or not torch.equal(a["bits"], b["bits"])
