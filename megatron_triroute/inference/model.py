@@ -81,6 +81,8 @@ class InferenceLayer(nn.Module):
 
     def forward(self, x, out: RouterOutput, positions, valid, cache, rids, audit):
         r = self.config.router
+        if audit is not None:
+            audit.add(self.layer_number, "controller", int(valid.sum()) * self.controller_macs)
         mode = out.attn.y.argmax(-1)  # (B, n, H) executed read modes
         bit_option = out.bits.y.argmax(-1)  # (B, n)
         x = x + routed_attention(self.attn_norm(x), self.wq, self.wk, self.wv, self.wo, mode, bit_option,
@@ -108,7 +110,6 @@ class InferenceLayer(nn.Module):
                     routes += rows.numel()
         if audit is not None:
             audit.add(self.layer_number, "experts", routes * self.expert_macs)
-            audit.add(self.layer_number, "controller", int(ok.sum()) * self.controller_macs)
         return result.view(B, n, D)
 
 
