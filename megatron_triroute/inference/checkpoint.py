@@ -1,0 +1,152 @@
+"""Read a training checkpoint for inference: config tree + the engine's name -> tensor state dict.
+
+The directory is what `checkpoint/store.py` writes (safetensors shards, JSON skeletons and meta;
+every file verified against its manifest, nothing unpickled). Only the tensor/pipeline/expert
+layout 1/1/1 is read here (any data-parallel size: rank 0 holds the whole model). Megatron names
+map onto `InferenceModel`'s:
+
+    embedding.word_embeddings.weight                -> embed.weight
+    decoder.layers.L.self_attention.linear_qkv      -> layers.L.wq / wk / wv   (per KV group:
+                                                        [G query heads | k | v], d_h rows each)
+    decoder.layers.L.self_attention.linear_proj     -> layers.L.wo  (D, H, d_h)
+    decoder.layers.L.{input,pre_mlp}_layernorm      -> layers.L.{attn,ffn}_norm
+    decoder.layers.L.mlp.experts.moe.experts.deepspeed_experts.E.w{1,2,3} -> layers.L.experts.E.w{1,2,3}
+    decoder.layers.L.mlp.mlp.linear_fc1 / fc2       -> layers.L.ffn.w1, w3 (gate | up halves) / w2
+    decoder.layers.L.controller.*                   -> layers.L.controller.*  (whitening and
+                                                        gradient-balance running statistics included)
+    decoder.final_layernorm.norm.weight, output_layer.weight -> final_norm.weight, lm_head.weight
+    budget.prices                                   -> prices   (zero when absent)
+    token_log_prob, token_word_start                -> the same names
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from ..config import TriRouteConfig
+
+IGNORED = ("budget.targets", "budget.lambdas", "budget.ema", "budget.steps")
+"""Training-only buffers: the dual variables are not part of the deployed policy (the prices are)."""
+
+
+class InferenceCheckpointError(ValueError):
+    """The checkpoint cannot be served; the message names what is wrong and the fix."""
+
+
+def load_inference_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config tree as saved by the run, state dict in `InferenceModel` names) of the newest valid
+    checkpoint under `path` (a run's checkpoint root, or one `step_*` directory of it)."""
+    from ..checkpoint.store import CheckpointError, load_checkpoint
+
+    path = Path(path)
+    root, step = path, None
+    match = re.fullmatch(r"step_(\d{8,})", path.name)
+    if match:
+        root, step = path.parent, int(match.group(1))
+    try:
+        _, tree, meta = load_checkpoint(root, rank=0, step=step)
+    except CheckpointError as error:
+        raise InferenceCheckpointError(f"{path}: {error}") from error
+    layout = meta.get("layout", {})
+    shape = tuple(layout.get(k) for k in ("tp", "pp", "ep"))
+    if shape != (1, 1, 1):
+        raise InferenceCheckpointError(
+            f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
+            "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
+            "parallel.pipeline=parallel.expert=1).")
+    tree_config = meta["config"]
+    config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
+    return tree_config, map_megatron_state(tree["model"], config)
+
+
+def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -> dict[str, torch.Tensor]:
+    """Megatron/DeepSpeed names -> `InferenceModel` names (module docstring), checking that every
+    expected tensor is present exactly once with the right shape; refuses otherwise."""
+    m, r = config.model, config.router
+    state = {k: v for k, v in state.items() if not k.endswith("_extra_state")}
+    used: set[str] = set()
+    problems: list[str] = []
+
+    def take(name: str, shape: tuple[int, ...] | None = None) -> torch.Tensor | None:
+        if name not in state:
+            problems.append(f"missing {name}")
+            return None
+        used.add(name)
+        t = state[name]
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            problems.append(f"{name} has shape {tuple(t.shape)}, the config implies {tuple(shape)}")
+            return None
+        return t
+
+    D, H, Hkv, d, V = m.d_model, m.n_heads, m.n_kv_heads, m.d_head, m.vocab_size
+    G = H // Hkv
+    out: dict[str, torch.Tensor] = {}
+    out["embed.weight"] = take("embedding.word_embeddings.weight", (V, D))
+    out["final_norm.weight"] = take("decoder.final_layernorm.norm.weight", (D,))
+    out["lm_head.weight"] = take("output_layer.weight", (V, D))
+    out["token_log_prob"] = take("token_log_prob", (V,))
+    out["token_word_start"] = take("token_word_start", (V,))
+    out["prices"] = take("budget.prices", (2,)) if "budget.prices" in state else torch.zeros(2, dtype=torch.float64)
+    used.update(k for k in IGNORED if k in state)
+
+    from ..routing.cost import expert_width
+
+    for L in range(m.n_layers):
+        src, dst = f"decoder.layers.{L}.", f"layers.{L}."
+        qkv = take(src + "self_attention.linear_qkv.weight", ((H + 2 * Hkv) * d, D))
+        if qkv is not None:
+            grouped = qkv.view(Hkv, G + 2, d, D)  # Megatron's per-KV-group layout
+            out[dst + "wq"] = grouped[:, :G].reshape(H, d, D)
+            out[dst + "wk"] = grouped[:, G]
+            out[dst + "wv"] = grouped[:, G + 1]
+        proj = take(src + "self_attention.linear_proj.weight", (D, H * d))
+        if proj is not None:
+            out[dst + "wo"] = proj.view(D, H, d)
+        out[dst + "attn_norm.weight"] = take(src + "input_layernorm.weight", (D,))
+        out[dst + "ffn_norm.weight"] = take(src + "pre_mlp_layernorm.weight", (D,))
+        if r.expert_routing:
+            w = expert_width(m, r)
+            for e in range(r.num_experts):
+                base = f"{src}mlp.experts.moe.experts.deepspeed_experts.{e}."
+                for name, shape in (("w1", (w, D)), ("w3", (w, D)), ("w2", (D, w))):
+                    out[f"{dst}experts.{e}.{name}.weight"] = take(base + name + ".weight", shape)
+        else:
+            fc1 = take(src + "mlp.mlp.linear_fc1.weight", (2 * m.d_ff, D))
+            if fc1 is not None:
+                out[dst + "ffn.w1.weight"], out[dst + "ffn.w3.weight"] = fc1[: m.d_ff], fc1[m.d_ff :]
+            out[dst + "ffn.w2.weight"] = take(src + "mlp.mlp.linear_fc2.weight", (D, m.d_ff))
+        prefix = src + "controller."
+        for name in sorted(k for k in state if k.startswith(prefix)):
+            out[dst + "controller." + name[len(prefix):]] = take(name)
+    unexpected = sorted(set(state) - used)
+    if unexpected:
+        problems.append(f"unexpected tensors {unexpected[:6]}{' ...' if len(unexpected) > 6 else ''}")
+    if problems:
+        raise InferenceCheckpointError(
+            "checkpoint does not match the config it records: " + "; ".join(problems[:8])
+            + ". Fix: serve the checkpoint with the run config it was trained with.")
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def build_model(tree: dict, state: dict[str, torch.Tensor], eod_id: int):
+    """The `InferenceModel` of a loaded checkpoint (`eod_id` from the run's tokenizer tables)."""
+    from ..routing.side_features import TokenTables
+    from .model import InferenceModel
+
+    config = TriRouteConfig.from_dict(tree["triroute"]).validate()
+    tables = TokenTables(state["token_log_prob"], state["token_word_start"].bool(), eod_id)
+    model = InferenceModel(config, tables)
+    load_state(model, state)
+    return model
+
+
+def load_state(model, state: dict[str, torch.Tensor]) -> None:
+    """Strict load: a controller tensor the engine expects but the checkpoint lacks (or vice versa) is refused."""
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise InferenceCheckpointError(
+            f"checkpoint tensors do not match the engine's model: missing {missing[:6]}, unexpected {unexpected[:6]}. "
+            "Fix: serve the checkpoint with the run config it was trained with.")

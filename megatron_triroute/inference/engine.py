@@ -1,0 +1,130 @@
+"""Batched serving: requests join and finish independently; prefill and decode run batched.
+
+Each `step()` prefills the requests that joined since the last step (one padded batch) and
+decodes one token for every running request (one batch). A request ends after
+`max_new_tokens` tokens or at its stop token, and its cache pages go back to the free lists.
+Sampling is greedy (temperature 0), or temperature with optional top-p, from a per-request
+generator seeded with `seed + request id`, so a request's text does not depend on its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .audit import CostAudit
+from .model import InferenceModel
+from .side_state import SideState
+
+
+@dataclass
+class SamplingConfig:
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus: keep the smallest set of tokens whose probability reaches top_p."""
+    seed: int = 0
+
+    def validate(self) -> "SamplingConfig":
+        if self.temperature < 0:
+            raise ValueError(f"temperature={self.temperature}: must be >= 0 (0 = greedy)")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p={self.top_p}: must be in (0, 1]; use 1.0 to disable nucleus sampling")
+        return self
+
+
+def sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> int:
+    """One token id from logits (V,)."""
+    if sampling.temperature == 0.0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.double() / sampling.temperature, -1)
+    if sampling.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        before = sorted_probs.cumsum(0) - sorted_probs  # mass of the strictly more likely tokens
+        sorted_probs[before >= sampling.top_p] = 0.0
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt: list[int]
+    max_new_tokens: int
+    stop_token: int | None = None
+    generated: list[int] = field(default_factory=list)
+    state: SideState = field(default_factory=SideState)
+    logits: list[torch.Tensor] = field(default_factory=list)
+    """Logits each generated token was sampled from (kept when the engine records them)."""
+    prefilled: bool = False
+    done: bool = False
+
+
+class InferenceEngine:
+    def __init__(self, model: InferenceModel, sampling: SamplingConfig | None = None, page_size: int = 16,
+                 record_logits: bool = False):
+        self.model = model
+        self.sampling = (sampling or SamplingConfig()).validate()
+        self.cache = model.new_cache(page_size)
+        self.audit = CostAudit(model.config.model.n_layers)
+        self.record_logits = record_logits
+        self.requests: dict[int, Request] = {}
+        self._generators: dict[int, torch.Generator] = {}
+        self._next_id = 0
+
+    def add(self, prompt: list[int], max_new_tokens: int, stop_token: int | None = None) -> int:
+        if not prompt:
+            raise ValueError("empty prompt: a request needs at least one token")
+        V = self.model.config.model.vocab_size
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"prompt token ids must be in [0, {V}); got {min(prompt)}..{max(prompt)}")
+        rid = self._next_id
+        self._next_id += 1
+        self.requests[rid] = Request(rid, list(prompt), max_new_tokens, stop_token)
+        self.cache.add_request(rid)
+        self._generators[rid] = torch.Generator().manual_seed(self.sampling.seed + rid)
+        return rid
+
+    @property
+    def running(self) -> list[Request]:
+        return [r for r in self.requests.values() if not r.done]
+
+    def step(self) -> None:
+        """Prefill the new requests, then decode one token for the others (both batched)."""
+        fresh = [r for r in self.running if not r.prefilled]
+        if fresh:
+            n = max(len(r.prompt) for r in fresh)
+            tokens = torch.zeros(len(fresh), n, dtype=torch.long)
+            for b, r in enumerate(fresh):
+                tokens[b, : len(r.prompt)] = torch.tensor(r.prompt)
+            self._forward(fresh, tokens, torch.tensor([len(r.prompt) for r in fresh]))
+        decoding = [r for r in self.running if r.prefilled and r not in fresh]
+        if decoding:
+            tokens = torch.tensor([[r.generated[-1]] for r in decoding])
+            self._forward(decoding, tokens, torch.ones(len(decoding), dtype=torch.long))
+
+    def _forward(self, batch: list[Request], tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        logits, _ = self.model.step(tokens, lengths, [r.state for r in batch], self.cache, [r.rid for r in batch],
+                                    self.audit)
+        for r, row in zip(batch, logits):
+            r.prefilled = True
+            token = sample(row, self.sampling, self._generators[r.rid])
+            r.generated.append(token)
+            if self.record_logits:
+                r.logits.append(row)
+            if len(r.generated) >= r.max_new_tokens or token == r.stop_token:
+                self.finish(r.rid)
+
+    def finish(self, rid: int) -> None:
+        r = self.requests[rid]
+        if not r.done:
+            r.done = True
+            self.cache.free_request(rid)
+
+    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_token: int | None = None) -> list[Request]:
+        """Serve `prompts` together until every request ends."""
+        ids = [self.add(p, max_new_tokens, stop_token) for p in prompts]
+        while self.running:
+            self.step()
+        return [self.requests[i] for i in ids]
