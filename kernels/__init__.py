@@ -1,12 +1,34 @@
-"""Triton kernels for the TriRoute inference engine, importable as `triroute_kernels`.
+"""Kernels of the TriRoute inference engine, importable as `triroute_kernels`.
 
-Every kernel has a pure-PyTorch reference twin in `megatron_triroute` and one dispatch point.
-Triton is an optional GPU extra; on CPU the kernels run only under TRITON_INTERPRET=1.
+Two kernels over the paged, precision-segregated KV pools (`pool.PagePool`): quantise-and-pack
+K/V into page slots, and decode attention over one pool returning (out, lse) for a log-sum-exp
+merge across pools. Each has a vectorised pure-PyTorch twin (`torch_ops`, the CPU fast path) and
+a Triton kernel (`triton_ops`, CUDA, or CPU under TRITON_INTERPRET=1); `dispatch` is the one
+point that chooses. Triton is an optional GPU extra.
 """
 
-try:  # Triton is optional (GPU extra).
-    import triton  # noqa: F401
+from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
+from .pool import SUPPORTED_BITS, PagePool, allocate_kv_pools, allocate_pool
+from .torch_ops import (
+    decode_attention_pool_torch,
+    dequantize_slots,
+    merge_partials,
+    quantize_pack_into_torch,
+)
 
-    HAS_TRITON = True
-except ImportError:  # pragma: no cover - depends on the machine
-    HAS_TRITON = False
+HAS_TRITON = has_triton()
+
+__all__ = [
+    "HAS_TRITON",
+    "SUPPORTED_BITS",
+    "PagePool",
+    "allocate_kv_pools",
+    "allocate_pool",
+    "choose_backend",
+    "decode_attention_pool",
+    "decode_attention_pool_torch",
+    "dequantize_slots",
+    "merge_partials",
+    "quantize_pack_into",
+    "quantize_pack_into_torch",
+]

@@ -19,7 +19,7 @@ SKIP, LOCAL, FULL = range(len(ATTN_MODES))
 """Option indices of the attention read modes (the one definition every module uses)."""
 
 SUPPORTED_BITS = (2, 4, 8, 16)
-"""KV-cache bit-widths the bit head may choose (16 = native precision)."""
+"""KV-cache bit-widths the bit head may choose (16 = stored as float16, no quantisation metadata)."""
 
 
 class ConfigError(ValueError):

@@ -5,10 +5,12 @@ Asymmetric per-token group quantisation (KIVI-style):
     Q_b(k) = round((k - z) / s) * s + z,   s = (max(k) - min(k)) / (2^b - 1),   z = min(k),
 
 per group of `group_size` consecutive channels of one key/value head (groups never span
-heads), b = 16 meaning "store in native precision". Our choices: scale and zero are stored
-in float16 (2 + 2 bytes per group) and the fake-quantiser rounds them to float16 too, so the
-training-time values equal what the packed cache later dequantises; a constant group has
-s = 0 and dequantises to z exactly. The gradient is straight-through (identity w.r.t. k).
+heads), b = 16 meaning "store in the 16-bit cache format": Q_16(k) = float16(k), no scale or
+zero. Our choices: scale and zero are stored in float16 (2 + 2 bytes per group) and the
+fake-quantiser rounds them to float16 too, and at 16 bits it rounds the values themselves to
+float16, so at every width the training-time values equal what the inference cache stores and
+dequantises; a constant group has s = 0 and dequantises to z exactly. The gradient is
+straight-through (identity w.r.t. k).
 """
 
 from __future__ import annotations
@@ -63,9 +65,9 @@ def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tens
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
-    """Q_b(x) with a straight-through gradient; bits >= 16 returns x (native precision)."""
+    """Q_b(x) with a straight-through gradient; bits >= 16 rounds x to float16 (the stored format)."""
     if bits >= 16:
-        return x
+        return x.detach().half().to(x.dtype) + (x - x.detach())  # float16(x) forward, identity gradient
     codes, scale, zero = quantize_groups(x.detach(), bits, group_size)
     q = dequantize_groups(codes, scale, zero).to(x.dtype)
     return q + (x - x.detach())  # exactly q forward, identity gradient

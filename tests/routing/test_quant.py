@@ -12,8 +12,13 @@ def test_q_b_hand_computation():
     # 1 bit-equivalent levels of a shifted group: min -1, max 2, 2 bits -> s = 1, z = -1.
     y = torch.tensor([[[-1.0, -0.2, 0.49, 2.0]]])
     assert torch.equal(fake_quantize(y, 2, 4), torch.tensor([[[-1.0, 0.0, 0.0, 2.0]]]))
-    # 16 bits is native precision: unchanged.
-    assert torch.equal(fake_quantize(y, 16, 4), y)
+    # 16 bits is the float16 cache format: values round to float16, the gradient is the identity.
+    y16 = y.clone().requires_grad_(True)
+    q16 = fake_quantize(y16, 16, 4)
+    assert torch.equal(q16, y.half().float())
+    assert not torch.equal(q16, y)  # -0.2 and 0.49 are not float16 numbers
+    q16.sum().backward()
+    assert torch.equal(y16.grad, torch.ones_like(y))
 
 
 def test_constant_group_dequantises_exactly():
@@ -58,7 +63,7 @@ def test_packed_bytes_equal_accounted_bits_and_round_trip():
     for bits in (2, 4, 8, 16):
         pk, pv = pack_kv(k, bits, g), pack_kv(v, bits, g)
         assert (pk.nbytes + pv.nbytes) * 8 == n_tok * kv_bits_per_token(bits, h_kv * d_h, g)
-        expected = fake_quantize(k, bits, g) if bits < 16 else k.half().float()
+        expected = fake_quantize(k, bits, g)
         assert torch.equal(unpack_kv(pk), expected)
 
 

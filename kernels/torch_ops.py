@@ -1,0 +1,208 @@
+"""Pure-PyTorch twins of the two kernels: vectorised (no per-token loops), the CPU fast path.
+
+The arithmetic is written out here (not imported from `megatron_triroute.routing.quant`) so the
+package stands alone; tests/kernels check it is bit-identical to `quantize_groups` /
+`dequantize_groups` / `pack_kv`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .pool import PagePool, check_pool_shape
+
+def _check_write(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, slots: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(f"x must be [N, H_kv, d_h], got shape {tuple(x.shape)}")
+    if pool.bits != bits:
+        raise ValueError(f"bits={bits} but the pool stores {pool.bits}-bit values")
+    check_pool_shape(bits, x.shape[2], group_size)
+    if bits < 16 and pool.group_size != group_size:
+        raise ValueError(f"group_size={group_size} but the pool was laid out for {pool.group_size}")
+    if (x.shape[1], x.shape[2]) != (pool.num_kv_heads, pool.head_dim):
+        raise ValueError(f"x is [N, {x.shape[1]}, {x.shape[2]}] but the pool holds [H_kv={pool.num_kv_heads}, d_h={pool.head_dim}]")
+    if slots.dim() != 1 or slots.shape[0] != x.shape[0]:
+        raise ValueError(f"slots must be [N={x.shape[0]}], got shape {tuple(slots.shape)}")
+    n_slots = pool.num_pages * pool.page_size
+    if slots.numel() and (int(slots.min()) < 0 or int(slots.max()) >= n_slots):
+        raise ValueError(f"slots must lie in [0, {n_slots}) (num_pages * page_size), got [{int(slots.min())}, {int(slots.max())}]")
+
+
+def quantize_codes(x: torch.Tensor, bits: int, group_size: int):
+    """Unpacked int32 codes [..., d_h], float16 scale and zero [..., d_h // g] (quantize_groups' arithmetic)."""
+    *lead, d_h = x.shape
+    g = x.float().reshape(*lead, d_h // group_size, group_size)
+    lo = g.amin(-1, keepdim=True)
+    hi = g.amax(-1, keepdim=True)
+    levels = 2**bits - 1
+    scale = ((hi - lo) / levels).half()
+    zero = lo.half()
+    s = scale.float()
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    codes = torch.round((g - zero.float()) / safe).clamp_(0, levels)
+    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
+    return codes.to(torch.int32).reshape(*lead, d_h), scale.squeeze(-1), zero.squeeze(-1)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 codes [..., d_h] -> uint8 [..., d_h * bits // 8], code i of a byte at bit offset i * bits."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def _unpack_into(dst: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:
+    """Write the dequantised values of uint8 `codes` [..., d_h * bits // 8] (float16 `scale`, `zero`
+    [..., d_h // g]) into the float32 view `dst` [..., d_h] (any strides, last dim contiguous).
+
+    Same arithmetic as `dequantize_groups` (code * scale, then + zero, in float32), so bit-identical;
+    uint8 shifts and in-place ops keep it to a few passes over the data."""
+    per_byte = 8 // bits
+    mask = (1 << bits) - 1
+    split = dst.unflatten(-1, (codes.shape[-1], per_byte))
+    for j in range(per_byte):
+        split[..., j] = (codes >> (j * bits)) & mask if per_byte > 1 else codes
+    grouped = dst.unflatten(-1, (scale.shape[-1], -1))
+    grouped.mul_(scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+
+
+def unpack_dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., d_h * bits // 8] plus float16 [..., d_h // g] -> float32 [..., d_h] (dequantize_groups' arithmetic)."""
+    out = torch.empty(*codes.shape[:-1], codes.shape[-1] * 8 // bits, dtype=torch.float32, device=codes.device)
+    _unpack_into(out, codes, scale, zero, bits)
+    return out
+
+
+def quantize_pack_into_torch(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, slots: torch.Tensor) -> None:
+    """Quantise x [N, H_kv, d_h] at `bits` and write it into `pool` at flat slots (page * P + offset), in place."""
+    _check_write(x, bits, group_size, pool, slots)
+    idx = slots.to(device=pool.device, dtype=torch.long)
+    if bits >= 16:
+        flat = pool.values.view(-1, *pool.values.shape[2:])
+        flat.index_copy_(0, idx, x.detach().to(torch.float16))
+        return
+    codes, scale, zero = quantize_codes(x.detach(), bits, group_size)
+    for dst, src in ((pool.codes, pack_codes(codes, bits)), (pool.scale, scale), (pool.zero, zero)):
+        dst.view(-1, *dst.shape[2:]).index_copy_(0, idx, src)
+
+
+def dequantize_slots(pool: PagePool, pages: torch.Tensor) -> torch.Tensor:
+    """float32 [*pages.shape, P, H_kv, d_h]: the dequantised contents of the given page ids (all >= 0)."""
+    if pool.bits >= 16:
+        return pool.values[pages].float()
+    return unpack_dequantize(pool.codes[pages], pool.scale[pages], pool.zero[pages], pool.bits)
+
+
+def _check_read(q, k_pool, v_pool, bits, page_table, lo, hi) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [B, H_q, d_h], got shape {tuple(q.shape)}")
+    B, H_q, d_h = q.shape
+    for name, pool in (("k_pool", k_pool), ("v_pool", v_pool)):
+        if pool.bits != bits:
+            raise ValueError(f"bits={bits} but {name} stores {pool.bits}-bit values")
+        if pool.head_dim != d_h:
+            raise ValueError(f"q has d_h={d_h} but {name} holds d_h={pool.head_dim}")
+    H_kv = k_pool.num_kv_heads
+    if H_q % H_kv:
+        raise ValueError(f"H_q={H_q} must be a multiple of the pool's H_kv={H_kv} (GQA)")
+    if page_table.dim() != 2 or page_table.shape[0] != B:
+        raise ValueError(f"page_table must be [B={B}, max_pages], got shape {tuple(page_table.shape)}")
+    if tuple(lo.shape) != (B, H_q):
+        raise ValueError(f"lo must be [B={B}, H_q={H_q}], got shape {tuple(lo.shape)}")
+    if tuple(hi.shape) != (B,):
+        raise ValueError(f"hi must be [B={B}], got shape {tuple(hi.shape)}")
+    if page_table.numel() and int(page_table.max()) >= k_pool.num_pages:
+        raise ValueError(f"page_table holds page {int(page_table.max())} but the pool has {k_pool.num_pages} pages")
+
+
+def _gather_heads_major(pool: PagePool, pages: torch.Tensor) -> torch.Tensor:
+    """float32 [B, H_kv, C * P, d_h]: the dequantised contents of pages [B, C] (ids >= 0), laid out
+    head-major so the score and value products are plain batched matmuls."""
+    B, C = pages.shape
+    P, H_kv, d_h = pool.page_size, pool.num_kv_heads, pool.head_dim
+    out = torch.empty(B, H_kv, C, P, d_h, dtype=torch.float32, device=pool.device)
+    dst = out.permute(0, 2, 3, 1, 4)  # [B, C, P, H_kv, d_h] view
+    if pool.bits >= 16:
+        dst.copy_(pool.values[pages])
+    else:
+        _unpack_into(dst, pool.codes[pages], pool.scale[pages], pool.zero[pages], pool.bits)
+    return out.view(B, H_kv, C * P, d_h)
+
+
+CHUNK_ELEMENTS = 1 << 22
+"""Dequantised K (and V) elements gathered at once when `pages_per_chunk` is not given (16 MiB each)."""
+
+
+def decode_attention_pool_torch(
+    q: torch.Tensor,
+    k_pool: PagePool,
+    v_pool: PagePool,
+    bits: int,
+    group_size: int,
+    page_table: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    pages_per_chunk: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one query per request over the keys of one pool; returns (out [B, H_q, d_h], lse [B, H_q]).
+
+    (b, h) reads the slots of b's pages with lo[b, h] <= token_pos <= hi[b] from kv head
+    h // (H_q // H_kv); nothing read gives out = 0 and lse = -inf. Pages are gathered and
+    dequantised `pages_per_chunk` at a time (default: about CHUNK_ELEMENTS values per chunk) and
+    the chunks merged by log-sum-exp, so scratch memory is bounded by the chunk, not the context.
+    """
+    _check_read(q, k_pool, v_pool, bits, page_table, lo, hi)
+    B, H_q, d_h = q.shape
+    H_kv, P = k_pool.num_kv_heads, k_pool.page_size
+    G = H_q // H_kv
+    dev = k_pool.device
+    if pages_per_chunk is None:
+        pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, B * P * H_kv * d_h))
+    qg = q.float().to(dev).reshape(B, H_kv, G, d_h)
+    lo_g = lo.to(dev).reshape(B, H_kv, G, 1)
+    hi_g = hi.to(dev).reshape(B, 1, 1, 1)
+    m = torch.full((B, H_kv, G, 1), -math.inf, device=dev)
+    den = torch.zeros(B, H_kv, G, 1, device=dev)
+    acc = torch.zeros(B, H_kv, G, d_h, device=dev)
+    table = page_table.to(dev)
+    for start in range(0, table.shape[1], max(1, pages_per_chunk)):
+        chunk = table[:, start : start + pages_per_chunk]
+        present = chunk >= 0
+        if not bool(present.any()):
+            continue
+        pages = chunk.clamp(min=0).long()
+        pos = k_pool.token_pos[pages]  # [B, C, P]
+        pos = torch.where(present.unsqueeze(-1), pos, torch.full_like(pos, -1)).reshape(B, 1, 1, -1)
+        keep = (pos >= 0) & (pos >= lo_g) & (pos <= hi_g)  # [B, H_kv, G, L]
+        if not bool(keep.any()):
+            continue
+        k = _gather_heads_major(k_pool, pages)  # [B, H_kv, L, d_h]
+        s = torch.matmul(qg, k.transpose(-1, -2)).mul_(sm_scale).masked_fill_(~keep, -math.inf)
+        del k
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        p = s.sub_(m_safe).exp_()
+        alpha = torch.exp(m - m_safe)
+        den = den * alpha + p.sum(-1, keepdim=True)
+        acc = acc * alpha + torch.matmul(p, _gather_heads_major(v_pool, pages))
+        m = m_new
+    read = den > 0
+    safe_den = torch.where(read, den, torch.ones_like(den))
+    out = torch.where(read, acc / safe_den, torch.zeros_like(acc))
+    lse = torch.where(read, m + torch.log(safe_den), torch.full_like(m, -math.inf))
+    return out.reshape(B, H_q, d_h), lse.reshape(B, H_q)
+
+
+def merge_partials(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Log-sum-exp merge of per-pool partials: out = sum_p exp(lse_p - lse) out_p, lse = logsumexp_p lse_p."""
+    lse_all = torch.stack(lses)  # [n, B, H]
+    lse = torch.logsumexp(lse_all, dim=0)
+    finite = torch.isfinite(lse)
+    w = torch.exp(lse_all - torch.where(finite, lse, torch.zeros_like(lse)))
+    w = torch.where(finite, w, torch.zeros_like(w))
+    out = (w.unsqueeze(-1) * torch.stack(outs)).sum(0)
+    return out, lse

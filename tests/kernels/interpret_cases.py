@@ -1,0 +1,111 @@
+"""Triton kernels vs the torch twins on tiny shapes. Not collected directly (the file name has no
+test_ prefix): test_triton_interpret.py runs it in a subprocess with TRITON_INTERPRET=1 set before
+triton is imported, so the kernels execute on CPU."""
+
+import math
+import os
+
+import pytest
+import torch
+
+assert os.environ.get("TRITON_INTERPRET") == "1", "run through tests/kernels/test_triton_interpret.py"
+
+from megatron_triroute.routing.quant import dequantize_groups, quantize_groups  # noqa: E402
+from tests.kernels.scenario import fill_pools, naive_attention  # noqa: E402
+from triroute_kernels import (  # noqa: E402
+    allocate_pool,
+    decode_attention_pool,
+    decode_attention_pool_torch,
+    dequantize_slots,
+    merge_partials,
+    quantize_pack_into,
+    quantize_pack_into_torch,
+)
+from triroute_kernels.triton_ops import (  # noqa: E402
+    check_triton_layout,
+    decode_attention_pool_triton,
+    default_splits,
+    quantize_pack_into_triton,
+)
+
+H_KV, GQA, D, GS, P = 2, 2, 16, 8, 4
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8, 16])
+def test_triton_write_is_byte_identical_to_the_torch_twin(bits):
+    gen = torch.Generator().manual_seed(bits)
+    x = torch.randn(5, H_KV, D, generator=gen) * 3
+    x[1, 0, :GS] = 0.5  # constant group
+    # exact ties: group [0 .. levels] plus halves, so round-half-to-even is exercised
+    levels = 2 ** min(bits, 8) - 1
+    tie = torch.linspace(0, levels, GS)
+    tie[1:4] = torch.tensor([0.5, 1.5, 2.5])  # scale (levels - 0) / levels = 1: these codes are exact ties
+    x[2, 1, :GS] = tie
+    slots = torch.tensor([3, 0, 7, 5, 1])
+    a = allocate_pool(bits, 2, P, H_KV, D, GS)
+    b = allocate_pool(bits, 2, P, H_KV, D, GS)
+    quantize_pack_into(x, bits, GS, a, slots, backend="triton")
+    quantize_pack_into_torch(x, bits, GS, b, slots)
+    for ta, tb in zip(a.storage_tensors(), b.storage_tensors()):
+        assert torch.equal(ta, tb)
+    got = dequantize_slots(a, torch.arange(2)).reshape(-1, H_KV, D)[slots]
+    if bits == 16:
+        assert torch.equal(got, x.half().float())
+    else:
+        assert torch.equal(got, dequantize_groups(*quantize_groups(x, bits, GS)))
+
+
+@pytest.mark.parametrize("bits", [2, 8, 16])
+def test_triton_decode_attention_matches_torch_and_naive(bits):
+    gen = torch.Generator().manual_seed(20 + bits)
+    lengths = [list(range(9)), list(range(4)), [0]]
+    st = fill_pools(quantize_pack_into_triton, bits, lengths, H_KV, D, GS, P, gen)
+    q = torch.randn(3, H_KV * GQA, D, generator=gen)
+    hi = torch.tensor([8, 3, 0], dtype=torch.int32)
+    lo = torch.tensor([[0, 6, 9, 8], [2, 0, 0, 4], [0, 1, 0, 0]], dtype=torch.int32)
+    sm = 1 / math.sqrt(D)
+    out, lse = decode_attention_pool(q, st.k_pool, st.v_pool, bits, GS, st.page_table, lo, hi, sm, backend="triton")
+    t_out, t_lse = decode_attention_pool_torch(q, st.k_pool, st.v_pool, bits, GS, st.page_table, lo, hi, sm)
+    r_out, r_lse = naive_attention(q, [st], GS, lo, hi, sm)
+    for o, l in ((t_out, t_lse), (r_out, r_lse)):
+        assert torch.allclose(out, o, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isinf(lse), torch.isinf(l))
+        fin = torch.isfinite(l)
+        assert torch.allclose(lse[fin], l[fin], atol=1e-5, rtol=1e-5)
+    assert lse[0, 2] == -math.inf and not out[0, 2].any()  # skipped head
+    # split-K: the page list cut in parts read by separate programs, merged by log-sum-exp
+    s_out, s_lse = decode_attention_pool_triton(q, st.k_pool, st.v_pool, bits, GS, st.page_table, lo, hi, sm, num_splits=2)
+    assert torch.allclose(s_out, r_out, atol=1e-5, rtol=1e-5)
+    assert torch.equal(torch.isinf(s_lse), torch.isinf(r_lse))
+    assert torch.allclose(s_lse[fin], r_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+def test_triton_lse_merge_of_two_pools_equals_union():
+    gen = torch.Generator().manual_seed(5)
+    st4 = fill_pools(quantize_pack_into_triton, 4, [[0, 2, 3, 6, 7], [1]], H_KV, D, GS, P, gen)
+    st16 = fill_pools(quantize_pack_into_triton, 16, [[1, 4, 5], [0, 2]], H_KV, D, GS, P, gen)
+    q = torch.randn(2, H_KV * GQA, D, generator=gen)
+    hi = torch.tensor([7, 2], dtype=torch.int32)
+    lo = torch.tensor([[0, 3, 8, 7], [0, 2, 1, 3]], dtype=torch.int32)
+    parts = [decode_attention_pool(q, s.k_pool, s.v_pool, s.bits, GS, s.page_table, lo, hi, 0.3, backend="triton") for s in (st4, st16)]
+    out, lse = merge_partials([p[0] for p in parts], [p[1] for p in parts])
+    r_out, r_lse = naive_attention(q, [st4, st16], GS, lo, hi, 0.3)
+    assert torch.allclose(out, r_out, atol=1e-5, rtol=1e-5)
+    fin = torch.isfinite(r_lse)
+    assert torch.equal(fin, torch.isfinite(lse)) and torch.allclose(lse[fin], r_lse[fin], atol=1e-5)
+
+
+def test_triton_layout_limits_are_named():
+    with pytest.raises(ValueError, match="head_dim"):
+        check_triton_layout(4, 24, 8, 4)
+    with pytest.raises(ValueError, match="group_size"):
+        check_triton_layout(2, 16, 2, 4)
+    with pytest.raises(ValueError, match="page_size"):
+        check_triton_layout(8, 16, 8, 6)
+
+
+def test_default_splits_fill_the_device_but_keep_pages_per_split():
+    assert default_splits(rows=12, max_pages=4) == 1  # too few pages to split
+    assert default_splits(rows=1, max_pages=512) == 128  # 4 pages per split at most 512 programs
+    assert default_splits(rows=8 * 12, max_pages=512) == 5
+    assert default_splits(rows=4096, max_pages=512) == 1
