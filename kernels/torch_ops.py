@@ -11,6 +11,8 @@ import math
 
 import torch
 
+from megatron_triroute.routing.quant import quantize_groups
+
 from .pool import PagePool, check_pool_shape
 
 def _check_write(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, slots: torch.Tensor) -> None:
@@ -31,19 +33,11 @@ def _check_write(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, sl
 
 
 def quantize_codes(x: torch.Tensor, bits: int, group_size: int):
-    """Unpacked int32 codes [..., d_h], float16 scale and zero [..., d_h // g] (quantize_groups' arithmetic)."""
+    """Unpacked int32 codes [..., d_h], float16 scale and zero [..., d_h // g]: the training
+    quantiser's own arithmetic (routing.quant.quantize_groups), so the cache is bit-exact with it."""
     *lead, d_h = x.shape
-    g = x.float().reshape(*lead, d_h // group_size, group_size)
-    lo = g.amin(-1, keepdim=True)
-    hi = g.amax(-1, keepdim=True)
-    levels = 2**bits - 1
-    scale = ((hi - lo) / levels).half()
-    zero = lo.half()
-    s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((g - zero.float()) / safe).clamp_(0, levels)
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
-    return codes.to(torch.int32).reshape(*lead, d_h), scale.squeeze(-1), zero.squeeze(-1)
+    codes, scale, zero = quantize_groups(x, bits, group_size)
+    return codes.to(torch.int32).reshape(*lead, d_h), scale, zero
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
