@@ -10,7 +10,8 @@ chunks that overlap it.
 
 No untrusted pickle on load: torch DCP stores its `.metadata` pickled, so it is first read through
 a restricted unpickler that admits only the metadata classes below (anything else raises), and
-the common state is loaded by torch with `weights_only=True` (the torch >= 2.6 default).
+the common state is loaded by torch with `weights_only=True` (the torch >= 2.6 default). Only
+tensors are saved and requested: torch DCP would read pickled byte items with a full unpickle.
 """
 
 from __future__ import annotations
@@ -69,12 +70,17 @@ def coverage_problems(metadata, keys: list[str] | None = None) -> list[str]:
     stored chunks that do not cover its global shape exactly once."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
     problems = []
     entries = metadata.state_dict_metadata
     for key in sorted(entries if keys is None else keys):
         entry = entries.get(key)
         if entry is None:
             problems.append(f"tensor {key!r} is not in the checkpoint")
+            continue
+        if isinstance(entry, BytesStorageMetadata):
+            problems.append(f"{key!r} is a pickled object, which this code never loads")
             continue
         if not isinstance(entry, TensorStorageMetadata):
             continue
@@ -88,7 +94,12 @@ def coverage_problems(metadata, keys: list[str] | None = None) -> list[str]:
 
 
 def model_sharded_state_dict(model) -> dict:
-    return model.sharded_state_dict(prefix="model.")
+    """The model's tensors only. Megatron's `_extra_state` entries (ShardedObjects: Transformer
+    Engine FP8 scaling state, None with the local spec) are left out: torch DCP reads byte items
+    back with a full unpickle, which a checkpoint must never need."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {k: v for k, v in model.sharded_state_dict(prefix="model.").items() if not isinstance(v, ShardedObject)}
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
