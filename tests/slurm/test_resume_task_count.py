@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from .test_training_jobs import (  # noqa: F401 - fixtures are used by name
+from test_training_jobs import (  # noqa: F401 - fixtures are used by name
     STEPS,
     diagnostics,
     job_log,
