@@ -20,6 +20,7 @@ import io
 import logging
 import math
 import pickle
+import re
 from pathlib import Path
 from typing import Any
 
@@ -187,3 +188,39 @@ def save_model(directory: str | Path, model) -> None:
 
 def load_model(directory: str | Path, model) -> None:
     load_state(directory, model, None)
+
+
+_EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
+
+
+def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model in one process, without torch.distributed, under the names a
+    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
+    `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
+    layout wrote the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(directory)  # allow-listed first; dcp then reads the same bytes
+    problems = coverage_problems(metadata)
+    if problems:
+        raise CheckpointError(f"{directory} is incomplete: " + "; ".join(problems[:10]))
+    stacked = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(stacked, checkpoint_id=str(directory), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in stacked.items():
+        name = key[len("model."):]
+        expert = _EXPERT.fullmatch(name)
+        if expert:  # [layers, experts, ...]
+            for layer in range(tensor.shape[0]):
+                for e in range(tensor.shape[1]):
+                    out[f"decoder.layers.{layer}.{expert.group(1)}.deepspeed_experts.{e}.{expert.group(2)}"] = \
+                        tensor[layer, e].clone()
+        elif name.startswith("decoder.layers."):  # [layers, ...]
+            rest = name[len("decoder.layers."):]
+            for layer in range(tensor.shape[0]):
+                out[f"decoder.layers.{layer}.{rest}"] = tensor[layer].clone()
+        else:
+            out[name] = tensor
+    return out

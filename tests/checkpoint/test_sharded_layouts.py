@@ -54,6 +54,14 @@ def _worker(rank, world_size, root, layouts, missing_from=None):
         fresh = _eval_loss(model, groups, cfg)
         load_model(directory, model)
         got = _eval_loss(model, groups, cfg)
+        if not dst and rank == 0:  # one process, no torch.distributed: the whole 1/1/1 model
+            from megatron_triroute.checkpoint.sharded import full_model_state
+
+            full = full_model_state(directory)
+            mine = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
+            assert sorted(full) == sorted(mine), set(full) ^ set(mine)
+            for key, value in mine.items():
+                assert torch.equal(full[key], value), key
         destroy_parallel()
         assert abs(got - expected) < 1e-5, (src, dst, got, expected)
         assert abs(fresh - expected) > 1e-3, (src, dst)  # the check can fail
@@ -77,9 +85,9 @@ def _worker(rank, world_size, root, layouts, missing_from=None):
     destroy_parallel()
 
 
-LAYOUTS_2 = [
-    (dict(tp=2), dict(tp=1)), (dict(tp=1), dict(tp=2)), (dict(ep=2), dict(ep=1)), (dict(ep=1), dict(ep=2)),
-    (dict(pp=2), dict(pp=1)), (dict(tp=2, ep=2), dict(tp=1, ep=1)),
+LAYOUTS_2 = [  # a target of {} (1/1/1) also checks the one-process full reader
+    (dict(tp=2), dict()), (dict(tp=1), dict(tp=2)), (dict(ep=2), dict(ep=1)), (dict(ep=1), dict(ep=2)),
+    (dict(pp=2), dict()), (dict(tp=2, ep=2), dict()),
 ]
 
 
