@@ -23,6 +23,10 @@ BRACKET_STEPS = 12
 cost fraction is far beyond any policy's logit margins)."""
 
 
+REPAIR_STEPS = 8
+"""Attempts to restore feasibility after the lock-step bisection (see calibrate_prices)."""
+
+
 def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[float]],
                      movable: tuple[bool, bool] = (True, True), bisection_steps: int = 14) -> dict[str, list[float]]:
     """Set `budget.prices` so the noise-free policy's realised fractions meet the targets.
@@ -80,6 +84,16 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
                 hi[r] = mid[r]
     final = [hi[r] if r in todo else 0.0 for r in range(2)]
     end = measure(final)
+    # The two prices interact weakly (a layer's decisions feed the next layer's controller), so the
+    # FLOPs side found with one memory price can sit a hair above its target with the other: raise
+    # the offending price by growing steps until both are met.
+    for k in range(REPAIR_STEPS):
+        over = [r for r in todo if end[r] > targets[r]]
+        if not over:
+            break
+        for r in over:
+            final[r] += max(hi[r] - lo[r], 1e-3) * 2**k
+        end = measure(final)
     record = {"prices": final, "realised_before": start, "realised_after": end, "targets": targets,
               "active": active}
     log.info("budget calibration: prices %s | realised (flops, mem) %s -> %s | targets %s",
