@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from megatron_triroute.routing.quant import quantize_groups
+from megatron_triroute.routing.quant import pack_codes, quantize_groups
 
 from .pool import PagePool, check_pool_shape
 
@@ -38,14 +38,6 @@ def quantize_codes(x: torch.Tensor, bits: int, group_size: int):
     *lead, d_h = x.shape
     codes, scale, zero = quantize_groups(x, bits, group_size)
     return codes.to(torch.int32).reshape(*lead, d_h), scale, zero
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 codes [..., d_h] -> uint8 [..., d_h * bits // 8], code i of a byte at bit offset i * bits."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    grouped = codes.reshape(*codes.shape[:-1], codes.shape[-1] // per_byte, per_byte)
-    return (grouped << shifts).sum(-1).to(torch.uint8)
 
 
 def _unpack_into(dst: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> None:

@@ -21,23 +21,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..routing.quant import dequantize_groups, kv_bits_per_token, quantize_groups
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., d) integer codes in [0, 2^bits) -> (..., d * bits / 8) uint8, as `quant.pack_kv`."""
-    per_byte = 8 // bits
-    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (..., n) uint8 -> (..., n * 8 / bits) int32 codes."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2)
+from ..routing.quant import dequantize_groups, kv_bits_per_token, pack_codes, quantize_groups, unpack_codes
 
 
 class PagePool:

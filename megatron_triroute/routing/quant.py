@@ -85,6 +85,23 @@ def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int
     return out
 
 
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """(..., d) integer codes in [0, 2^bits) -> (..., d * bits / 8) uint8: 8 // bits codes per
+    byte, code i of a byte at bit offset i * bits (the cache's byte layout)."""
+    per_byte = 8 // bits
+    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, per_byte)
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
+    return (grouped << shifts).sum(-1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `pack_codes`: (..., n) uint8 -> (..., n * 8 / bits) int32 codes."""
+    per_byte = 8 // bits
+    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
+    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
+    return codes.flatten(-2)
+
+
 @dataclass
 class PackedKV:
     """One token-set's K or V at one bit-width, bit-packed into bytes (the cache layout)."""
@@ -110,24 +127,17 @@ def pack_kv(x: torch.Tensor, bits: int, group_size: int) -> PackedKV:
     if bits >= 16:
         return PackedKV(16, tuple(x.shape), x.detach().half().contiguous(), None, None)
     codes, scale, zero = quantize_groups(x, bits, group_size)
-    flat = codes.reshape(-1).to(torch.int32)
-    per_byte = 8 // bits
-    if flat.numel() % per_byte:
+    flat = codes.reshape(-1)
+    if flat.numel() % (8 // bits):
         raise ValueError(f"{flat.numel()} codes at {bits} bits do not fill whole bytes")
-    flat = flat.view(-1, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32) * bits
-    packed = (flat << shifts).sum(-1).to(torch.uint8)
-    return PackedKV(bits, tuple(x.shape), packed, scale, zero)
+    return PackedKV(bits, tuple(x.shape), pack_codes(flat, bits), scale, zero)
 
 
 def unpack_kv(p: PackedKV) -> torch.Tensor:
     """Dequantised float32 tensor of shape `p.shape`."""
     if p.bits >= 16:
         return p.codes.float()
-    per_byte = 8 // p.bits
-    shifts = torch.arange(per_byte, dtype=torch.int32) * p.bits
-    mask = (1 << p.bits) - 1
-    codes = (p.codes.to(torch.int32).unsqueeze(-1) >> shifts) & mask
+    codes = unpack_codes(p.codes, p.bits)
     *lead, d_h = p.shape
     g = d_h // p.scale.shape[-1]
     codes = codes.reshape(*lead, d_h // g, g)
