@@ -107,6 +107,14 @@ class Cluster:
     memory_headroom: float = 0.9
     """Fraction of GPU memory a layout may plan to use (the rest: CUDA context, fragmentation)."""
 
+    def __post_init__(self) -> None:
+        for name, ok, fix in (("nodes", self.nodes >= 1, "at least 1"), ("gpus_per_node", self.gpus_per_node >= 1, "at least 1"),
+                              ("gpu_memory_gib", self.gpu_memory_gib > 0, "the GPU's memory in GiB, e.g. 80"),
+                              ("peak_tflops", self.peak_tflops > 0, "the GPU's dense bf16 peak, e.g. 989"),
+                              ("mfu", 0 < self.mfu <= 1, "a fraction in (0, 1], e.g. 0.35")):
+            if not ok:
+                raise ConfigError(f"--{name.replace('_', '-')}={getattr(self, name)}: must be {fix}")
+
     @property
     def world_size(self) -> int:
         return self.nodes * self.gpus_per_node

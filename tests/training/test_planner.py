@@ -65,6 +65,12 @@ def test_plan_says_when_nothing_fits():
     cluster = Cluster(nodes=1, gpus_per_node=1, gpu_memory_gib=8)
     assert plan(run, cluster) == []
     assert "no layout fits" in format_plan(run, cluster, [])
+    from megatron_triroute.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"--mfu=1.5: must be a fraction"):
+        Cluster(nodes=1, gpus_per_node=8, mfu=1.5)
+    with pytest.raises(ConfigError, match=r"--nodes=0"):
+        Cluster(nodes=0, gpus_per_node=8)
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 16, 64, 128])
