@@ -2,6 +2,8 @@
 
     python benchmarks/bench_train_step.py [--recipe tiny] [key=value ...] [--micro-batch 8]
                                           [--warmup 2] [--repeats 7] [--json]
+                                          [--device auto|cpu|cuda] [--bf16] [--peak-tflops 989]
+                                          [--profile DIR] [--out FILE]
 
 Both models are built in this process from one recipe: TriRoute as the recipe configures it,
 Dense as `system_config("dense", <that config>)`, so they share the backbone (width, layers,
@@ -18,6 +20,13 @@ machine's load hits both alike) and the median is reported. Training runs the re
 head computes local and full attention, DeepSpeed dispatches with no drops), whose cost does not
 shrink with the realised fraction: the ratio is the training-time overhead, not an inference
 speed-up.
+
+On a GPU (`--device cuda`, the default where CUDA is available) the models live on the device,
+the process group is NCCL, each timed step ends with a device synchronise, and `--bf16` runs the
+trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at the dense cost
+(the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
+`--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
+operators by device time to `DIR/NAME_ops.txt`.
 """
 
 from __future__ import annotations
@@ -39,22 +48,45 @@ import torch  # noqa: E402
 from megatron_triroute.overhead import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 from megatron_triroute.training.engine import MicroBatch, TrainEngine  # noqa: E402
+from megatron_triroute.training.metrics import training_flops_per_token  # noqa: E402
 from megatron_triroute.training.recipes import resolve  # noqa: E402
 
 
-def _micro_batch(cfg, n: int, seed: int) -> MicroBatch:
+def _micro_batch(cfg, n: int, seed: int, device: torch.device) -> MicroBatch:
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, cfg.model.vocab_size, (n, cfg.model.seq_len + 1), generator=g)
-    return MicroBatch(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous(),
-                      torch.ones(n, cfg.model.seq_len), torch.arange(n))
+    return MicroBatch(tokens[:, :-1].contiguous().to(device), tokens[:, 1:].contiguous().to(device),
+                      torch.ones(n, cfg.model.seq_len, device=device), torch.arange(n, device=device))
 
 
-def _engine(cfg, groups, run):
-    model = build_model(cfg, groups, seed=run.data.seed)
+def _engine(cfg, groups, run, device: torch.device, bf16: bool):
+    model = build_model(cfg, groups, seed=run.data.seed).to(device)
     o = run.optim
     optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
                                   weight_decay=o.weight_decay)
-    return TrainEngine(model, groups, optimizer, total_steps=run.train.steps, clip_grad=o.clip_grad)
+    return TrainEngine(model, groups, optimizer, total_steps=run.train.steps, clip_grad=o.clip_grad, bf16=bf16)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None:
+    """Two steps of each model under torch.profiler; the top operators by (device or CPU) time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    out.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    for name, engine in engines.items():
+        with profile(activities=activities) as prof:
+            for step, mb in enumerate(data[:2]):
+                engine.train_step([mb], 10_000 + step)
+            _sync(device)
+        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        (out / f"{name}_ops.txt").write_text(table)
+        print(f"profile of {name}: {out / f'{name}_ops.txt'}")
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -65,20 +97,37 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                        help="auto: cuda where available, else cpu")
+    parser.add_argument("--bf16", action="store_true", help="bf16 autocast over fp32 parameters, as the trainer")
+    parser.add_argument("--peak-tflops", type=float, default=989.0,
+                        help="the device's dense bf16 peak for MFU (H100 SXM: 989)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
+    parser.add_argument("--profile", type=Path, default=None, help="write top-operator tables here")
     args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to torch")
+    device = torch.device(args.device)
 
     run = resolve(args.recipe, args.overrides)
     configs = {run.system: run.triroute.validate(), "dense": system_config("dense", run.triroute)}
     times: dict[str, list[float]] = {name: [] for name in configs}
     cpu_times: dict[str, list[float]] = {name: [] for name in configs}
     realised: list[float] = []
-    with library_logs_to_stderr(), single_process_parallel() as groups:  # applies the CPU workarounds
-        engines = {name: _engine(cfg, groups, run) for name, cfg in configs.items()}
-        data = [_micro_batch(configs["dense"], args.micro_batch, seed) for seed in range(args.warmup + args.repeats)]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    # on a CPU-only machine this applies the CPU workarounds; where CUDA is available it applies none
+    with library_logs_to_stderr(), single_process_parallel(backend) as groups:
+        engines = {name: _engine(cfg, groups, run, device, args.bf16) for name, cfg in configs.items()}
+        data = [_micro_batch(configs["dense"], args.micro_batch, seed, device)
+                for seed in range(args.warmup + args.repeats)]
         for step, mb in enumerate(data):
             for name, engine in engines.items():
+                _sync(device)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 report = engine.train_step([mb], step)
+                _sync(device)
                 elapsed, elapsed_cpu = time.perf_counter() - start, time.process_time() - start_cpu
                 if report.skipped:
                     raise RuntimeError(f"{name}: step {step} was skipped (non-finite loss or gradients)")
@@ -87,30 +136,43 @@ def main(argv: list[str] | None = None) -> dict:
                     cpu_times[name].append(elapsed_cpu)
                     if name == run.system:
                         realised.append(report.realised[0])
+        if device.type == "cuda":
+            peak_memory = torch.cuda.max_memory_allocated(device) / 2**30
+        if args.profile is not None:
+            _profile(engines, data, device, args.profile)
     system = run.system
     m = configs[system].model
     tokens = args.micro_batch * m.seq_len
     median = {name: statistics.median(t) for name, t in times.items()}
     median_cpu = {name: statistics.median(t) for name, t in cpu_times.items()}
+    model_flops = training_flops_per_token(configs["dense"], 1.0) * tokens  # dense cost, both models
+    tflops = {n: model_flops / s / 1e12 for n, s in median.items()}
     result = {
         "recipe": run.name, "system": system, "micro_batch": args.micro_batch, "seq_len": m.seq_len,
         "d_model": m.d_model, "n_layers": m.n_layers, "warmup": args.warmup, "repeats": args.repeats,
         "threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "bf16": args.bf16,
+        "peak_memory_gib": peak_memory if device.type == "cuda" else None,
+        "model_tflops": tflops, "mfu": {n: v / args.peak_tflops for n, v in tflops.items()},
         "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "median_s": median, "tokens_per_s": {n: tokens / s for n, s in median.items()},
         "median_cpu_s": median_cpu,
         "ratio": median[system] / median["dense"], "cpu_ratio": median_cpu[system] / median_cpu["dense"],
         "realised_flops_fraction": statistics.mean(realised),
     }
+    if args.out is not None:
+        args.out.write_text(json.dumps(result, indent=2))
     if args.json:
         print(json.dumps(result, indent=2))
     else:
         print(f"recipe {run.name}: d={m.d_model}, {m.n_layers} layers, seq {m.seq_len}, micro-batch "
               f"{args.micro_batch}; {args.repeats} timed steps each after {args.warmup} warm-up, "
-              f"{result['threads']} threads, load average {result['load_average']}")
+              f"{result['device']}{', bf16' if args.bf16 else ''}, {result['threads']} threads, "
+              f"load average {result['load_average']}")
         for name in configs:
             print(f"  {name:<10} median {1e3 * median[name]:9.1f} ms/step  "
                   f"{result['tokens_per_s'][name]:10.0f} tokens/s"
+                  f"  {tflops[name]:7.1f} model TFLOP/s (MFU {tflops[name] / args.peak_tflops:.1%})"
                   f"  (process CPU time {1e3 * median_cpu[name]:9.1f} ms/step)")
         print(f"  ratio {system}/dense: {result['ratio']:.2f} wall, {result['cpu_ratio']:.2f} CPU time;   "
               f"realised FLOPs fraction of {system}: {result['realised_flops_fraction']:.3f}")

@@ -77,10 +77,10 @@ class Overhead:
 
 # --- a process group of one ----------------------------------------------------------------------
 @contextlib.contextmanager
-def single_process_parallel() -> Iterator[object]:
-    """torch.distributed (gloo, world of one) and Megatron/DeepSpeed parallel state for building
-    a model in this process, inside the CPU shim; torn down on exit (torch.distributed only if this
-    call created it)."""
+def single_process_parallel(backend: str = "gloo") -> Iterator[object]:
+    """torch.distributed (`backend`, world of one: gloo for CPU tensors, nccl for CUDA ones) and
+    Megatron/DeepSpeed parallel state for building a model in this process, inside the CPU shim;
+    torn down on exit (torch.distributed only if this call created it)."""
     import torch.distributed as dist
 
     from .parallel import cpu_shim, destroy_parallel, initialize_parallel
@@ -93,7 +93,7 @@ def single_process_parallel() -> Iterator[object]:
         for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
                             ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(name, value)
-        dist.init_process_group("gloo", rank=0, world_size=1)
+        dist.init_process_group(backend, rank=0, world_size=1)
     try:
         with cpu_shim():  # the CPU workarounds for as long as the models built here run
             try:

@@ -23,7 +23,8 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, shim: bool = True) -> None:
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, shim: bool = True,
+            backend: str = "gloo") -> None:
     import torch
     import torch.distributed as dist
 
@@ -36,7 +37,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
         WORLD_SIZE=str(world_size),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world_size)
         from megatron_triroute.parallel.cpu_compat import cpu_shim
 
         with cpu_shim() if shim else contextlib.nullcontext():  # each rank's entry point (no-op with CUDA)
@@ -50,11 +53,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
-                    cpu_shim: bool = True) -> None:
+                    cpu_shim: bool = True, backend: str = "gloo") -> None:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
     ``torch.distributed`` is initialised (gloo, localhost, a free port) before ``fn`` runs and
-    destroyed after; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it). ``fn`` must be a module-level function (spawn pickles it by name). The first
+    destroyed after; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it).
+    ``backend="nccl"`` (GPU machines) gives rank r the CUDA device r. ``fn`` must be a module-level function (spawn pickles it by name). The first
     rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
     without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.
     """
@@ -67,7 +71,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     try:
         context = mp.start_processes(
             _worker,
-            args=(world_size, port, fn, args, errors, cpu_shim),
+            args=(world_size, port, fn, args, errors, cpu_shim, backend),
             nprocs=world_size,
             join=False,
             start_method="spawn",

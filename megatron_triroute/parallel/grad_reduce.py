@@ -10,6 +10,8 @@ import torch.distributed as dist
 from torch import nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from .devices import collective_device, module_device
+
 if TYPE_CHECKING:
     from megatron_triroute.parallel.groups import ParallelGroups
 
@@ -86,7 +88,7 @@ def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
     """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
     replicated (non-TP) dense parameters count once, experts sum over the expert-parallel group,
     and all of it sums over pipeline stages. Call after `reduce_gradients` (replicas agree)."""
-    parts = torch.zeros(3, dtype=torch.float64)  # [tp-sharded, replicated, expert]
+    parts = torch.zeros(3, dtype=torch.float64, device=module_device(model))  # [tp-sharded, replicated, expert]
     for p in model.parameters():
         if p.grad is None:
             continue
@@ -97,6 +99,7 @@ def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
             parts[0] += sq
         else:
             parts[1] += sq
+    parts = parts.to(collective_device())  # summed where the gradients live, reduced where the backend can
     sharded = parts[0:1].clone()
     if groups.tp > 1:
         dist.all_reduce(sharded, group=groups.tp_group)

@@ -43,11 +43,11 @@ def expert_width(model: ModelConfig, router: RouterConfig) -> int:
     return -(-width // 8) * 8
 
 
-def bit_costs(router: RouterConfig, model: ModelConfig) -> torch.Tensor:
-    """(|bits|,) bits per token and layer for each bit option, metadata included."""
+def bit_costs(router: RouterConfig, model: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
+    """(|bits|,) bits per token and layer for each bit option, metadata included, on `device`."""
     g = router.group_size_for(model)
     widths = router.bits if router.bit_routing else (router.uniform_bits,)
-    return torch.tensor([kv_bits_per_token(b, model.d_kv, g) for b in widths], dtype=torch.float64)
+    return torch.tensor([kv_bits_per_token(b, model.d_kv, g) for b in widths], dtype=torch.float64, device=device)
 
 
 @dataclass
@@ -78,7 +78,7 @@ def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig
     kappa = 2.0 * model.d_head * keys_read(pos, router.window)  # (B, T, 3)
     attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
     flops = attn + _expert_flops(out, model, router)
-    mem = (out.bits.y_cost.double() * bit_costs(router, model)).sum(-1)
+    mem = (out.bits.y_cost.double() * bit_costs(router, model, out.bits.y_cost.device)).sum(-1)
     return LayerCost(flops, mem)
 
 
@@ -120,7 +120,7 @@ def _expert_flops(out: RouterOutput, model: ModelConfig, router: RouterConfig) -
     kappa_dense = 3.0 * model.d_model * model.d_ff
     B, T = out.attn.y.shape[:2]
     if out.experts is None:
-        return torch.full((B, T), kappa_dense, dtype=torch.float64)
+        return torch.full((B, T), kappa_dense, dtype=torch.float64, device=out.attn.y.device)
     kappa_e = 3.0 * model.d_model * expert_width(model, router)
     return kappa_e * expert_count_surrogate(out.expert_logits, out.experts.index, router.null_expert)
 
@@ -160,12 +160,12 @@ def hard_cost(
     per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], 3).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
     attn = 2.0 * model.d_head * per_head.sum(-1)
     if expert_index is None:
-        runs = torch.ones(B, T, dtype=torch.float64)
+        runs = torch.ones(B, T, dtype=torch.float64, device=attn_modes.device)
         ffn = runs * 3.0 * model.d_model * model.d_ff
     else:
         runs = (expert_index >= 0).sum(-1).double()
         ffn = runs * 3.0 * model.d_model * expert_width(model, router)
-    mem = bit_costs(router, model)[bit_option]
+    mem = bit_costs(router, model, bit_option.device)[bit_option]
     return HardCost(attn, ffn, mem, runs)
 
 

@@ -82,10 +82,11 @@ class NoiseKey:
         n_rest = 1
         for s in rest:
             n_rest *= s
+        device = self.sample_index.device
         sample = self.sample_index.to(torch.int64).view(B, 1, 1)
-        pos = self.positions.to(torch.int64)
+        pos = self.positions.to(device, torch.int64)
         pos = pos.view(1, T, 1) if pos.dim() == 1 else pos.view(B, T, 1)
-        counter = torch.arange(n_rest, dtype=torch.int64).view(1, 1, n_rest)
+        counter = torch.arange(n_rest, dtype=torch.int64, device=device).view(1, 1, n_rest)
         u = uniform_from_keys(self.seed, self.step, self.layer, axis, sample, pos, counter, dtype=torch.float64)
         g = -torch.log(-torch.log(u))
         return g.to(dtype).view(*shape)

@@ -49,7 +49,7 @@ def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: R
     heads_per_decision = model.n_heads / attn_heads
     attn = heads_per_decision * 2.0 * model.d_head * keys_read(positions, router.window) / dense.flops.unsqueeze(-1)
     expert = 3.0 * model.d_model * expert_width(model, router) / dense.flops
-    bits = bit_costs(router, model) / (2.0 * model.d_kv * 16)
+    bits = bit_costs(router, model, positions.device) / (2.0 * model.d_kv * 16)
     return attn, expert, bits
 
 

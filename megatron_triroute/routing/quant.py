@@ -46,10 +46,16 @@ def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
 def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
     """Integer codes (uint8, unpacked), float16 scale and zero per group of x (..., H_kv, d_h)."""
     g = _groups(x.float(), group_size)
-    lo = g.amin(-1, keepdim=True)
-    hi = g.amax(-1, keepdim=True)
+    return _quantize_grouped(g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), bits)
+
+
+def _quantize_grouped(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
+    """`quantize_groups` on grouped fp32 values whose per-group min and max are given."""
     levels = 2**bits - 1
-    scale = ((hi - lo) / levels).half()
+    # A tensor divisor, not a Python number: CUDA turns division by a scalar into multiplication
+    # by its reciprocal, which differs in the last bit from the CPU's and the Triton kernel's
+    # correctly rounded quotient (and the difference survives the float16 rounding).
+    scale = ((hi - lo) / torch.full_like(hi, float(levels))).half()
     zero = lo.half()
     s = scale.float()
     safe = torch.where(s > 0, s, torch.ones_like(s))
@@ -78,10 +84,32 @@ def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int
 
     x: (B, T, H_kv, d_h); bit_weights: (B, T, |bits|) straight-through one-hots, so the forward
     value is the chosen Q_b(x) and the bit head receives dL/dy[b] = <dL/dx_written, Q_b(x)>.
+    The gradient w.r.t. x is the identity (the y_ST sum to exactly 1 in the forward), written once
+    as `x - x.detach()`; the Q_b(x) are computed without autograd, sharing each group's min and max
+    across the widths (the same values `fake_quantize` gives, bit for bit).
     """
-    out = torch.zeros_like(x)
-    for i, b in enumerate(bits):
-        out = out + bit_weights[..., i, None, None].to(x.dtype) * fake_quantize(x, b, group_size)
+    with torch.no_grad():
+        values = quantized_values(x, bits, group_size)
+    weights = bit_weights.to(x.dtype)
+    out = x - x.detach()
+    for i, q in enumerate(values):
+        out = out + weights[..., i, None, None] * q
+    return out
+
+
+@torch.no_grad()
+def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> list[torch.Tensor]:
+    """[Q_b(x) for b in bits] in x's dtype and shape, equal to `fake_quantize(x, b, group_size)`."""
+    out: list[torch.Tensor] = []
+    grouped = lo = hi = None
+    for b in bits:
+        if b >= 16:
+            out.append(x.half().to(x.dtype))
+            continue
+        if grouped is None:
+            grouped = _groups(x.float(), group_size)
+            lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+        out.append(dequantize_groups(*_quantize_grouped(grouped, lo, hi, b)).to(x.dtype).view_as(x))
     return out
 
 

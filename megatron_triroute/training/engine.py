@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from ..parallel.devices import collective_device, module_device
+
 
 @dataclass
 class MicroBatch:
@@ -32,6 +34,13 @@ class MicroBatch:
     """(B, T) float: 1 where the target is scored."""
     sample_index: torch.Tensor
     """(B,) int64 global sample index (the routing noise key)."""
+
+    def to(self, device: torch.device) -> "MicroBatch":
+        """This micro-batch on `device` (itself when already there)."""
+        if self.tokens.device == device:
+            return self
+        return MicroBatch(*(t.to(device, non_blocking=True) for t in
+                            (self.tokens, self.labels, self.loss_mask, self.sample_index)))
 
 
 @dataclass
@@ -105,7 +114,7 @@ class TrainEngine:
         model, g = self.model, self.groups
         usable = len(batches) - len(batches) % g.dp
         mine = batches[g.dp_rank : usable : g.dp]
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2, dtype=torch.float64, device=collective_device())
         stats = model.router_statistics
         saved = stats.sums.clone()
         stats.reset()
@@ -123,7 +132,7 @@ class TrainEngine:
                 model.train()
                 model.step_state.record_eval = False
             for item in losses:
-                local += item["lm"].double()
+                local += item["lm"].double().to(local.device)
         self._reduce_dp_pp(local)
         sums = stats.sums.clone()
         stats.sums.copy_(saved)
@@ -151,16 +160,17 @@ class TrainEngine:
 
     def _global_loss(self, losses: list[dict]) -> tuple[float, float]:
         """Sum of scored-token losses and their count over the global batch (every rank)."""
-        local = torch.zeros(2, dtype=torch.float64)
+        local = torch.zeros(2, dtype=torch.float64, device=collective_device())
         for item in losses:  # only the last pipeline stage returns losses
-            local += item["lm"].double()
+            local += item["lm"].double().to(local.device)
         self._reduce_dp_pp(local)
         return local[0].item(), local[1].item()
 
 
 def _forward_step(data_iterator: Iterator[MicroBatch], model):
-    """Megatron schedule callback: run one micro-batch, return its loss function."""
-    mb = next(data_iterator)
+    """Megatron schedule callback: run one micro-batch (moved to the model's device), return its
+    loss function."""
+    mb = next(data_iterator).to(module_device(model))
     output = model(mb.tokens, mb.sample_index, labels=mb.labels)
     return output, lambda out: _loss(out, mb)
 

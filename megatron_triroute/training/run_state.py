@@ -35,7 +35,7 @@ def coordinates(groups) -> list[int]:
 def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_dict: dict, consumed: int,
              keep_last: int) -> None:
     """Collective: every rank writes its shard; `step` is the next step to run."""
-    coords = torch.tensor(coordinates(groups), dtype=torch.long)
+    coords = torch.tensor(coordinates(groups), dtype=torch.long, device=collective_device())
     everyone = [torch.zeros_like(coords) for _ in range(groups.world_size)]
     dist.all_gather(everyone, coords)
     state = {
@@ -47,7 +47,7 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
     meta = {
         "step": step, "consumed_samples": consumed, "config": config_dict,
         "layout": {"world_size": groups.world_size, "tp": groups.tp, "pp": groups.pp, "ep": groups.ep, "dp": groups.dp},
-        "coordinates": [c.tolist() for c in everyone],
+        "coordinates": [c.cpu().tolist() for c in everyone],
     }
     save_checkpoint(root, step, state, meta, rank=groups.rank, world_size=groups.world_size,
                     barrier=dist.barrier, keep_last=keep_last)

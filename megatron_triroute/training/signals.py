@@ -69,8 +69,9 @@ def torch_all_reduce_max(group: object = None) -> Callable[[int], int]:
     import torch
     import torch.distributed as dist
 
-    # NCCL reduces only CUDA tensors; gloo only CPU ones.
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else "cpu"
+    from ..parallel.devices import collective_device
+
+    device = collective_device(group)
 
     def reduce(value: int) -> int:
         flag = torch.tensor([value], dtype=torch.int32, device=device)

@@ -72,3 +72,34 @@ def test_bits_per_token_hand_values():
     assert kv_bits_per_token(2, 16, 4) == 2 * 16 * 2 + 8 * 32
     assert kv_bits_per_token(8, 16, 4) == 2 * 16 * 8 + 8 * 32
     assert kv_bits_per_token(16, 16, 4) == 2 * 16 * 16
+
+
+def test_relaxed_write_equals_the_per_width_sum_bit_for_bit():
+    """The shared-range, no-autograd write gives exactly sum_b y_ST[b] * fake_quantize(x, b): the
+    same forward bits and the same gradients to x and to the bit weights."""
+    from megatron_triroute.routing.gumbel import st_gumbel_softmax
+
+    torch.manual_seed(3)
+    bits = (2, 4, 8, 16)
+    x = (torch.randn(2, 5, 2, 8) * 3).requires_grad_()
+    logits = torch.randn(2, 5, len(bits), requires_grad=True)
+    upstream = torch.randn(2, 5, 2, 8)
+
+    def reference(x, y):
+        out = torch.zeros_like(x)
+        for i, b in enumerate(bits):
+            out = out + y[..., i, None, None] * fake_quantize(x, b, 4)
+        return out
+
+    results = []
+    for write in (relaxed_kv_write, lambda x, y, *_: reference(x, y)):
+        x.grad = logits.grad = None
+        y = st_gumbel_softmax(logits, 1.0, noise=torch.zeros_like(logits))
+        out = write(x, y, bits, 4)
+        (out * upstream).sum().backward()
+        results.append((out.detach(), x.grad.clone(), logits.grad.clone()))
+    (out_new, gx_new, gl_new), (out_ref, gx_ref, gl_ref) = results
+    assert torch.equal(out_new, out_ref)
+    assert torch.equal(gx_new, gx_ref) and torch.equal(gx_new, upstream)
+    torch.testing.assert_close(gl_new, gl_ref, rtol=1e-6, atol=1e-6)
+    assert gl_new.abs().sum() > 0

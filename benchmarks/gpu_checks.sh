@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Every check that needs a GPU, in one command (docs/gpu.md records what it measured):
+#   1. the gpu-marked tests (Triton kernels, the CUDA path against the CPU path; the Transformer
+#      Engine spec where TE is installed);
+#   2. benchmarks/bench_train_step.py at the 160m shape, bf16, micro-batches of 4 and 16 sequences:
+#      Dense vs TriRoute step time, tokens/s, model TFLOP/s and MFU, and a profile of two steps of each;
+#   3. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
+#      for the 160m recipe, TriRoute and Dense, on an already-built dataset.
+#
+#   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
+#
+# OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
+# MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_ops.txt of the last, and per training
+# run train-NAME.log (its last line holds the run's summary). Runs write their checkpoints under
+# ${GPU_RUNS:-/tmp/gpu-runs}. Each stage has its own time limit; a failing stage does not stop the
+# next, and the exit status is the number of stages that failed.
+set -uo pipefail
+OUT=${1:?usage: bash benchmarks/gpu_checks.sh OUTDIR [DATA] [STEPS]}
+DATA=${2:-data/tiny}
+STEPS=${3:-20}
+cd "$(dirname "$0")/.."
+mkdir -p "$OUT/profile"
+export TRIROUTE_PYTHON=${TRIROUTE_PYTHON:-$(command -v python3)} PYTHONUNBUFFERED=1
+PY=$TRIROUTE_PYTHON
+RUNS=${GPU_RUNS:-/tmp/gpu-runs}
+FAILS=$(mktemp)
+stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count failures
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name ($(date +%T), limit ${limit}s)"
+  local t0=$SECONDS
+  timeout "$limit" "$@"
+  local rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0))s"
+  [ "$rc" -eq 0 ] || echo "$name" >> "$FAILS"
+}
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c 'import torch, triton, megatron.core, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)' 2>&1 | tail -1
+  stage gpu-tests 200 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu.py tests/model/test_te_spec.py tests/gpu
+  for mb in ${MICRO_BATCHES:-4 16}; do  # the last one is profiled
+    stage "bench-train-step-mb$mb" 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch "$mb" \
+      --bf16 --warmup 3 --repeats 10 --profile "$OUT/profile" --out "$OUT/bench-mb$mb.json"
+  done
+  for recipe in 160m 160m-dense; do
+    rm -rf "$RUNS/$recipe"
+    stage "train-$recipe" 100 bash launchers/local.sh --recipe "$recipe" data.path="$DATA" output_dir="$RUNS/$recipe" \
+      train.steps="$STEPS" train.global_batch_size=16 train.micro_batch_size=4 optim.warmup_steps=5 \
+      train.eval_interval="$STEPS" train.eval_batches=8 train.log_interval=5 train.peak_tflops=989 > "$OUT/train-$recipe.log" 2>&1
+    grep -E "INFO (step|eval|budget|finished)" "$OUT/train-$recipe.log" | tail -4
+  done
+} 2>&1 | tee "$OUT/checks.log"
+echo "stages failed: $(wc -l < "$FAILS") $(tr '\n' ' ' < "$FAILS")"
+exit "$(wc -l < "$FAILS")"
