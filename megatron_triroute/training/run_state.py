@@ -19,6 +19,7 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..parallel.devices import collective_device
 from ..checkpoint import capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state, save_checkpoint
 from .resume_config import check_resume_config
 

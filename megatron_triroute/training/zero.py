@@ -113,6 +113,17 @@ class ShardedAdamW:
                            "match this model")
         for (name, p) in self._owned:
             if name in merged:
-                self.optimizer.state[p] = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in merged[name].items()}
+                self.optimizer.state[p] = {k: _state_value(p, k, v) for k, v in merged[name].items()}
         for group, saved in zip(self.optimizer.param_groups, state_dicts[0]["param_groups"]):
             group.update({k: v for k, v in saved.items() if k in group})
+
+
+def _state_value(p: torch.Tensor, key: str, value):
+    """A loaded optimizer state value placed as torch's own `load_state_dict` places it: Adam's
+    `step` counter stays on the CPU, every other tensor moves to its parameter's device (states
+    are loaded to the CPU; a GPU run needs them beside the parameters)."""
+    if not torch.is_tensor(value):
+        return value
+    if key == "step":
+        return value.clone()
+    return value.to(p.device, copy=True)
