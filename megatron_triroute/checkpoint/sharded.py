@@ -28,6 +28,9 @@ import torch
 
 from .store import CheckpointError
 
+GLOBAL_FORMAT = "global-tensors-v1"
+"""meta["checkpoint_format"] of layout-independent checkpoints; earlier per-rank ones have no such key."""
+
 log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"

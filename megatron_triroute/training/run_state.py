@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from ..parallel.devices import collective_device
 from ..checkpoint import capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state, save_checkpoint
+from ..checkpoint.sharded import GLOBAL_FORMAT
 from .resume_config import check_resume_config
 
 log = logging.getLogger(__name__)
@@ -30,9 +31,8 @@ log = logging.getLogger(__name__)
 STALE_KEYS = ("budget.targets",)
 """Model state keys older checkpoints hold that are no longer restored."""
 
-GLOBAL_FORMAT = "global-tensors-v1"
-"""meta["checkpoint_format"] of layout-independent checkpoints; older ones have no such key and
-are read by `_load_per_rank` (same tensor/pipeline/expert layout only)."""
+# meta["checkpoint_format"] == GLOBAL_FORMAT (checkpoint/sharded.py): layout-independent; older
+# checkpoints have no such key and are read by `_load_per_rank` (same tensor/pipeline/expert layout only).
 
 
 def coordinates(groups) -> list[int]:
