@@ -117,9 +117,12 @@ def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool 
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    by_param = {id(v.data): v for v in nested_values(model_sharded) if isinstance(v, ShardedTensor)}
+    # A factory (e.g. the SwiGLU fc1 weight, stored as its gate and up halves so any tensor-parallel
+    # size can slice each) describes its moments too: the same build and merge over the moment.
+    described = (ShardedTensor, ShardedTensorFactory)
+    by_param = {id(v.data): v for v in nested_values(model_sharded) if isinstance(v, described)}
     out = {}
     for name, param in optimizer.owned_named_parameters():
         sh = by_param.get(id(param))
@@ -165,7 +168,7 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     with_optimizer = optimizer is not None and adam_step is not None
     if with_optimizer:
         sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer, empty=True))
-    wanted = sorted({v.key for v in nested_values(sharded) if isinstance(v, ShardedTensor)})
+    wanted = sorted({v.key for v in nested_values(_built(sharded)) if isinstance(v, ShardedTensor)})
     problems = coverage_problems(read_metadata(directory), wanted)
     if problems:
         raise CheckpointError(f"{directory} cannot be loaded into this model: " + "; ".join(problems[:10]) +
@@ -183,6 +186,17 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
                 "step": torch.tensor(float(adam_step), dtype=torch.float32),
                 **{m: loaded[f"optimizer.{m}.{name}"] for m in MOMENTS},
             }
+
+
+def _built(sharded: dict) -> dict:
+    """`sharded` with every factory replaced by the ShardedTensors it builds (the stored keys)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def build(v):
+        return v.build() if isinstance(v, ShardedTensorFactory) else v
+
+    return dict_list_map_inplace(build, dict(sharded))
 
 
 def save_model(directory: str | Path, model) -> None:
