@@ -72,9 +72,7 @@ def read_metadata(directory: str | Path):
 def coverage_problems(metadata, keys: list[str] | None = None) -> list[str]:
     """What is missing: for each (or each named) tensor, a key absent from the checkpoint, or
     stored chunks that do not cover its global shape exactly once."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
     problems = []
     entries = metadata.state_dict_metadata
