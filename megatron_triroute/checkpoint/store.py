@@ -49,6 +49,7 @@ FORMAT_VERSION = 1
 LATEST_FILE = "latest"
 MANIFEST_FILE = "manifest.json"
 META_FILE = "meta.json"
+EXTRA_DIR = "sharded"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
@@ -104,6 +105,7 @@ def save_checkpoint(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     keep_last: int | None = None,
+    write_extra: Callable[[Path], None] | None = None,
 ) -> Path:
     """Writes this rank's tree as one shard and, on rank 0, commits the checkpoint. Collective:
     every rank calls it with the same step; `barrier` must block until all ranks reach it (e.g.
@@ -113,6 +115,10 @@ def save_checkpoint(
     `meta` (JSON) is taken from rank 0. `keep_last=K` then keeps the K newest checkpoints at or below
     this step, never the one `latest` names, and removes any newer ones (an abandoned timeline left
     behind when a run resumed from an older checkpoint).
+
+    `write_extra(directory)`, called collectively on every rank before the shards are written,
+    may add files under `directory/EXTRA_DIR` (e.g. a Megatron sharded checkpoint); rank 0 then
+    fsyncs and checksums them into the manifest like every other file.
     """
     if world_size > 1 and barrier is None:
         raise ValueError(f"save_checkpoint with world_size={world_size} needs a barrier callable")
@@ -135,6 +141,9 @@ def save_checkpoint(
         fsync_dir(root)
     sync()
 
+    if write_extra is not None:
+        write_extra(tmp / EXTRA_DIR)
+        sync()
     shard, skeleton_file = tmp / shard_file_name(rank), tmp / skeleton_file_name(rank)
     save_file(tensors, shard, metadata={"format": FORMAT_NAME, "step": str(step), "rank": str(rank)})
     fsync_file(shard)
@@ -144,8 +153,15 @@ def save_checkpoint(
     if rank == 0:
         write_durably(tmp / META_FILE, meta_text.encode())
         written.append(tmp / META_FILE)
+        if (tmp / EXTRA_DIR).is_dir():
+            extra = sorted(f for f in (tmp / EXTRA_DIR).rglob("*") if f.is_file())
+            for file in extra:
+                fsync_file(file)
+            fsync_dir(tmp / EXTRA_DIR)
+            written += extra
     # Each rank hashes its own files (hot in the page cache) so rank 0 does not read every shard.
-    write_durably(tmp / _digest_file_name(rank), json.dumps({p.name: describe_file(p) for p in written}).encode())
+    write_durably(tmp / _digest_file_name(rank),
+                  json.dumps({p.relative_to(tmp).as_posix(): describe_file(p) for p in written}).encode())
     fsync_dir(tmp)
     sync()
 

@@ -200,6 +200,7 @@ class TriRouteExperts(nn.Module):
             )
         self.num_experts = num_experts
         self.num_local_experts = num_experts // ep
+        self.ep_rank = ep_rank
         self.top_k = top_k
         self.ep_group_name = groups.ep_group_name if groups is not None else "ep_size_1"
 
@@ -215,6 +216,26 @@ class TriRouteExperts(nn.Module):
     def experts(self) -> nn.ModuleList:
         """This rank's experts, local index order (global index ``ep_rank * E_local + i``)."""
         return self.moe.experts.deepspeed_experts
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron dist-checkpointing view: each weight (w1 gate, w3 up, w2 down) is one global
+        tensor `[..., num_experts, out, in]` keyed without the local index, this rank's experts at
+        their global ids `ep_rank * E_local + i`, so any expert-parallel size can load it. Experts
+        are replicated over the expert-data-parallel ranks; the first of them writes."""
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        edp_rank = parallel_state.get_expert_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
+        axis = len(sharded_offsets)
+        out = {}
+        for i, expert in enumerate(self.experts):
+            global_id = self.ep_rank * self.num_local_experts + i
+            for name, tensor in expert.state_dict(prefix="", keep_vars=True).items():
+                key = f"{prefix}moe.experts.{name}"
+                out[f"{prefix}moe.experts.deepspeed_experts.{i}.{name}"] = ShardedTensor.from_rank_offsets(
+                    key, tensor, *sharded_offsets, (axis, global_id, self.num_experts),
+                    replica_id=(0, 0, edp_rank), prepend_axis_num=axis + 1)
+        return out
 
     def forward(
         self, hidden: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor

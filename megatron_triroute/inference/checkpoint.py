@@ -1,8 +1,9 @@
 """Read a training checkpoint for inference: config tree + the engine's name -> tensor state dict.
 
 The directory is what `checkpoint/store.py` writes (safetensors shards, JSON skeletons and meta;
-every file verified against its manifest, nothing unpickled). Only the tensor/pipeline/expert
-layout 1/1/1 is read here (any data-parallel size: rank 0 holds the whole model). Megatron names
+every file verified against its manifest, nothing unpickled). A layout-independent checkpoint is
+read whole in this process whatever tensor/pipeline/expert layout wrote it (`checkpoint.sharded.
+full_model_state`); the earlier per-rank format only at layout 1/1/1. Megatron names
 map onto `InferenceModel`'s:
 
     embedding.word_embeddings.weight                -> embed.weight
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..checkpoint.sharded import GLOBAL_FORMAT
 from ..config import TriRouteConfig
 
 IGNORED = ("budget.targets", "budget.lambdas", "budget.ema", "budget.steps")
@@ -47,9 +49,21 @@ def load_inference_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.T
     if match:
         root, step = path.parent, int(match.group(1))
     try:
-        _, tree, meta = load_checkpoint(root, rank=0, step=step)
+        step, tree, meta = load_checkpoint(root, rank=0, step=step)
     except CheckpointError as error:
         raise InferenceCheckpointError(f"{path}: {error}") from error
+    tree_config = meta["config"]
+    if meta.get("checkpoint_format") == GLOBAL_FORMAT:  # layout-independent: whatever layout wrote it
+        from ..checkpoint.sharded import full_model_state
+        from ..checkpoint.store import step_dir_name
+        from ..durability import resolve_dir
+
+        config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
+        try:
+            state = full_model_state(resolve_dir(root / step_dir_name(step)) / "sharded")
+        except CheckpointError as error:
+            raise InferenceCheckpointError(f"{path}: {error}") from error
+        return tree_config, map_megatron_state(state, config)
     layout = meta.get("layout", {})
     shape = tuple(layout.get(k) for k in ("tp", "pp", "ep"))
     if shape != (1, 1, 1):
@@ -57,7 +71,6 @@ def load_inference_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.T
             f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
             "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
             "parallel.pipeline=parallel.expert=1).")
-    tree_config = meta["config"]
     config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
     return tree_config, map_megatron_state(tree["model"], config)
 

@@ -49,6 +49,24 @@ class TriRouteGPTModel(GPTModel):
         for layer in self.decoder.layers:
             layer.step_state = self.step_state
 
+    _STAGE_PARTS = ("decoder.", "embedding.", "output_layer.")
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """Megatron's global description of every tensor (layers by global number, tensor-parallel
+        slices, experts by global id). The model-level tensors (token tables, budget multipliers)
+        are the same on every rank: global rank 0 writes them."""
+        from dataclasses import replace
+
+        import torch.distributed as dist
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+        out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        for key, value in out.items():
+            if isinstance(value, ShardedTensor) and not key[len(prefix):].startswith(self._STAGE_PARTS):
+                out[key] = replace(value, replica_id=(0, 0, rank))
+        return out
+
     @property
     def routing_seq_len(self) -> int:
         """Rows of the tensor passed between pipeline stages: tokens + routing rows."""

@@ -1,15 +1,17 @@
-"""Saving and restoring everything a run needs to continue exactly.
+"""Saving and restoring everything a run needs to continue exactly, on any parallel layout.
 
-Per rank: model (parameters and buffers: router running statistics, budget multipliers and
-their EMA), optimizer, LR scheduler, RNG states. Shared (rank 0's meta): the resolved config,
-the next step, consumed samples, and every rank's (tp, pp, ep, dp) coordinates.
+Global tensors (Megatron-Core dist_checkpointing, `sharded/` in the checkpoint directory): the
+model's parameters and buffers (router running statistics, budget multipliers and their EMA), each
+with its global identity, and the ZeRO-1 AdamW moments, which follow their parameter's slice (see
+`checkpoint/sharded.py`). A run resumed at another tensor/pipeline/expert/data-parallel size reads
+its own slices of them. Per rank: LR scheduler, optimizer options, RNG states. Shared (rank 0's
+meta): the resolved config, the next step, consumed samples, the AdamW step, the layout and every
+rank's (tp, pp, ep, dp) coordinates.
 
-Resuming on a different data-parallel size (same tensor/pipeline/expert layout): parameters are
-replicated over data-parallel ranks (experts over expert-data-parallel ranks), so each new rank
-loads the model from the lowest old rank with the same (tp, pp, ep) coordinates; the optimizer
-state is sharded by parameter (ZeRO-1), so each rank gathers the states of the parameters it now
-owns from all old ranks with those coordinates. The global batch sequence does not depend on the data-parallel size (see
-`data.py`), so the run continues the same sequence of batches.
+The global batch sequence depends only on the step (see `data.py`) and the routing noise only on
+global coordinates (sample index, global layer), so a run continues the same batches and noise
+whatever layout it resumes on. Checkpoints written before this format are read by
+`_load_per_rank` (same tensor/pipeline/expert layout, any data-parallel size).
 """
 
 from __future__ import annotations
@@ -21,12 +23,16 @@ import torch.distributed as dist
 
 from ..parallel.devices import collective_device
 from ..checkpoint import capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state, save_checkpoint
+from ..checkpoint.sharded import GLOBAL_FORMAT
 from .resume_config import check_resume_config
 
 log = logging.getLogger(__name__)
 
 STALE_KEYS = ("budget.targets",)
 """Model state keys older checkpoints hold that are no longer restored."""
+
+# meta["checkpoint_format"] == GLOBAL_FORMAT (checkpoint/sharded.py): layout-independent; older
+# checkpoints have no such key and are read by `_load_per_rank` (same tensor/pipeline/expert layout only).
 
 
 def coordinates(groups) -> list[int]:
@@ -35,23 +41,28 @@ def coordinates(groups) -> list[int]:
 
 def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_dict: dict, consumed: int,
              keep_last: int) -> None:
-    """Collective: every rank writes its shard; `step` is the next step to run."""
+    """Collective: the model and the ZeRO-1 moments as global tensors (Megatron dist_checkpointing,
+    under `sharded/`), and per rank the scheduler, optimizer options and RNG states; `step` is the
+    next step to run."""
+    from ..checkpoint.sharded import save_state
+
     coords = torch.tensor(coordinates(groups), dtype=torch.long, device=collective_device())
     everyone = [torch.zeros_like(coords) for _ in range(groups.world_size)]
     dist.all_gather(everyone, coords)
     state = {
-        "model": {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)},
-        "optimizer": optimizer.state_dict(),
+        "optimizer_groups": [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups],
         "scheduler": scheduler.state_dict(),
         "rng": capture_rng_state(),
     }
     meta = {
         "step": step, "consumed_samples": consumed, "config": config_dict,
+        "checkpoint_format": GLOBAL_FORMAT, "adam_step": optimizer.adam_step(),
         "layout": {"world_size": groups.world_size, "tp": groups.tp, "pp": groups.pp, "ep": groups.ep, "dp": groups.dp},
         "coordinates": [c.cpu().tolist() for c in everyone],
     }
     save_checkpoint(root, step, state, meta, rank=groups.rank, world_size=groups.world_size,
-                    barrier=dist.barrier, keep_last=keep_last)
+                    barrier=dist.barrier, keep_last=keep_last,
+                    write_extra=lambda directory: save_state(directory, model, optimizer))
 
 
 def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None = None) -> dict | None:
@@ -68,12 +79,47 @@ def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None
         for line in check_resume_config(meta["config"], config, source=str(info.path)):
             if groups.rank == 0:
                 log.warning("resume changes %s", line)
+    if meta.get("checkpoint_format") == GLOBAL_FORMAT:
+        _load_global(root, info, meta, model, optimizer, scheduler, groups)
+    else:
+        _load_per_rank(root, info, meta, model, optimizer, scheduler, groups)
+    return meta
+
+
+def _load_global(root: str, info, meta: dict, model, optimizer, scheduler, groups) -> None:
+    """Any layout: every rank reads its slices of the global tensors; the scheduler and optimizer
+    options are the same on every old rank; RNG states come from the same old rank where it
+    exists (the routing noise is keyed by global coordinates, not by these generators)."""
+    from pathlib import Path
+
+    from ..checkpoint.sharded import load_state
+    from ..checkpoint.store import EXTRA_DIR
+
+    layout = meta["layout"]
+    source = groups.rank if groups.rank < layout["world_size"] else 0
+    _, shards, _ = load_shards(root, ranks=[source], step=info.step)
+    state = shards[source]
+    load_state(Path(info.path) / EXTRA_DIR, model, optimizer, adam_step=meta.get("adam_step"))
+    for group, saved in zip(optimizer.param_groups, state["optimizer_groups"]):
+        group.update({k: v for k, v in saved.items() if k in group})
+    scheduler.load_state_dict(state["scheduler"])
+    restore_rng_state(state["rng"])
+    old = (layout["tp"], layout["pp"], layout["ep"], layout["dp"])
+    new = (groups.tp, groups.pp, groups.ep, groups.dp)
+    if old != new and groups.rank == 0:
+        log.warning("resumed %s written at tensor/pipeline/expert/data-parallel %s on %s (data-parallel %d -> %d)",
+                    info.path, old, new, layout["dp"], groups.dp)
+
+
+def _load_per_rank(root: str, info, meta: dict, model, optimizer, scheduler, groups) -> None:
+    """Checkpoints written before the global-tensor format: per-rank model and optimizer shards."""
     layout = meta["layout"]
     if (layout["tp"], layout["pp"], layout["ep"]) != (groups.tp, groups.pp, groups.ep):
         raise RuntimeError(
             f"checkpoint {info.path} has tensor/pipeline/expert layout {(layout['tp'], layout['pp'], layout['ep'])}, "
-            f"this run has {(groups.tp, groups.pp, groups.ep)}. Fix: resume with the same parallel.tensor, "
-            "parallel.pipeline and parallel.expert (only the data-parallel size may change).")
+            f"this run has {(groups.tp, groups.pp, groups.ep)}, and it predates layout-independent checkpoints. "
+            "Fix: resume with the same parallel.tensor, parallel.pipeline and parallel.expert (only the "
+            "data-parallel size may change); its next checkpoint then resumes on any layout.")
     mine = coordinates(groups)[:3]
     same_layout = layout["world_size"] == groups.world_size and meta["coordinates"][groups.rank] == coordinates(groups)
     # Same layout: every rank reads its own shard (its ZeRO share, its RNG). Otherwise the model
@@ -101,4 +147,3 @@ def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None
     if layout["world_size"] != groups.world_size:
         log.warning("resumed %s written by %d ranks on %d ranks (data-parallel %d -> %d); rank %d took rank %d's shard",
                     info.path, layout["world_size"], groups.world_size, layout["dp"], groups.dp, groups.rank, source)
-    return meta

@@ -100,6 +100,16 @@ class ShardedAdamW:
     def owned_names(self) -> list[str]:
         return [n for n, _ in self._owned]
 
+    def owned_named_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self._owned)
+
+    def adam_step(self) -> int | None:
+        """The AdamW step count (the same for every parameter), None before the first step."""
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                return int(state["step"])
+        return None
+
     def load_state_dict(self, state_dicts: Iterable[dict]) -> None:
         """Restore from one or more saved (name-keyed) states: each owned parameter's state is
         taken from whichever of them holds it. Group options come from the first."""

@@ -46,7 +46,13 @@ def test_loader_refuses_other_layouts_and_missing_tensors(trained, tmp_path):
     from megatron_triroute.checkpoint.store import latest_valid_checkpoint, load_checkpoint, save_checkpoint
     from megatron_triroute.inference.checkpoint import InferenceCheckpointError, load_inference_checkpoint
 
+    from megatron_triroute.checkpoint.sharded import full_model_state
+
     step, tree, meta = load_checkpoint(trained)
+    # The run wrote a layout-independent checkpoint; rebuild the earlier per-rank format from it.
+    whole = full_model_state(latest_valid_checkpoint(trained).path / "sharded")
+    meta = {k: v for k, v in meta.items() if k != "checkpoint_format"}
+    tree = {"model": whole}
     bad_layout = dict(meta, layout=dict(meta["layout"], tp=2))
     save_checkpoint(tmp_path / "tp2", step, {"model": tree["model"]}, bad_layout)
     with pytest.raises(InferenceCheckpointError, match=r"tensor/pipeline/expert parallel \(2, 1, 1\)"):

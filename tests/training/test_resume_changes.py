@@ -24,9 +24,19 @@ def first_run(tiny_data, tmp_path_factory):
 
 
 def as_written_before_targets_were_config_only(run):
-    """Re-save the final checkpoint with the budget targets in the model state, as older code did."""
+    """Re-save the final checkpoint with the budget targets in the model state, as older code did.
+    Layout-independent checkpoints keep the model under `sharded/` and never hold the targets
+    (checked here); the per-rank format that did is resumed with its targets in
+    tests/training/test_resume_legacy.py."""
+    from megatron_triroute.checkpoint.sharded import read_metadata
+    from megatron_triroute.checkpoint.store import EXTRA_DIR
+
     root = run / "checkpoints"
     step, shards, meta = load_shards(root)
+    if "model" not in shards[0]:
+        keys = read_metadata(root / f"step_{step:08d}" / EXTRA_DIR).state_dict_metadata
+        assert "model.budget.lambdas" in keys and not any(k.endswith("budget.targets") for k in keys)
+        return step
     shards[0]["model"]["budget.targets"] = torch.tensor([0.5, 0.4], dtype=torch.float64)
     save_checkpoint(root, step, shards[0], meta)
     return step

@@ -1,0 +1,241 @@
+"""Layout-independent model checkpoints through Megatron-Core's `dist_checkpointing` (torch_dist).
+
+Every tensor is saved with its global identity, as Megatron's layers describe themselves in
+`sharded_state_dict()`: the global key, global shape and the slice this rank holds (tensor-parallel
+partition dimension, layers stacked by global layer number under pipeline parallelism, the QKV
+weight in Megatron's per-KV-group order so tensor-parallel slices are whole groups). Our DeepSpeed
+experts describe themselves by global expert id (see `TriRouteExperts.sharded_state_dict`). Any
+(TP, PP, EP, DP) layout then loads by slicing: Megatron reads, for each local tensor, the stored
+chunks that overlap it.
+
+No untrusted pickle on load: torch DCP stores its `.metadata` pickled, so it is first read through
+a restricted unpickler that admits only the metadata classes below (anything else raises), and
+the common state is loaded by torch with `weights_only=True` (the torch >= 2.6 default). Only
+tensors are saved and requested: torch DCP would read pickled byte items with a full unpickle.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import math
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .store import CheckpointError
+
+GLOBAL_FORMAT = "global-tensors-v1"
+"""meta["checkpoint_format"] of layout-independent checkpoints; earlier per-rank ones have no such key."""
+
+log = logging.getLogger(__name__)
+
+METADATA_FILE = ".metadata"
+
+_ALLOWED_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed.checkpoint.planner", "LoadItemType"), ("torch.serialization", "_get_layout"),
+    ("torch.distributed.checkpoint.planner", "WriteItemType"), ("torch.distributed.checkpoint.planner", "SavePlan"),
+    ("torch.distributed.checkpoint.planner", "WriteItem"), ("torch.distributed.checkpoint.planner", "TensorWriteData"),
+    ("torch", "Size"), ("torch", "float32"), ("torch", "float64"), ("torch", "float16"), ("torch", "bfloat16"),
+    ("torch", "int64"), ("torch", "int32"), ("torch", "int16"), ("torch", "int8"), ("torch", "uint8"),
+    ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
+    ("torch", "channels_last"), ("torch", "channels_last_3d"), ("torch", "sparse_coo"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"), ("enum", "Enum"),
+}
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED_GLOBALS:
+            raise CheckpointError(
+                f"checkpoint metadata refers to {module}.{name}, which is not on the allow-list of "
+                "torch DCP metadata classes: refusing to unpickle it")
+        return super().find_class(module, name)
+
+
+def read_metadata(directory: str | Path):
+    """torch DCP metadata of a sharded checkpoint, through the restricted unpickler."""
+    path = Path(directory) / METADATA_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing: not a complete sharded checkpoint")
+    return _RestrictedUnpickler(io.BytesIO(path.read_bytes())).load()
+
+
+def coverage_problems(metadata, keys: list[str] | None = None) -> list[str]:
+    """What is missing: for each (or each named) tensor, a key absent from the checkpoint, or
+    stored chunks that do not cover its global shape exactly once."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
+
+    problems = []
+    entries = metadata.state_dict_metadata
+    for key in sorted(entries if keys is None else keys):
+        entry = entries.get(key)
+        if entry is None:
+            problems.append(f"tensor {key!r} is not in the checkpoint")
+            continue
+        if isinstance(entry, BytesStorageMetadata):
+            problems.append(f"{key!r} is a pickled object, which this code never loads")
+            continue
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        total = math.prod(entry.size)
+        stored = sum(math.prod(c.sizes) for c in entry.chunks)
+        if stored != total:
+            offsets = sorted(tuple(c.offsets) for c in entry.chunks)
+            problems.append(f"tensor {key!r} of global shape {tuple(entry.size)} has {stored} of {total} "
+                            f"elements stored (chunks at offsets {offsets})")
+    return problems
+
+
+def model_sharded_state_dict(model) -> dict:
+    """The model's tensors only. Megatron's `_extra_state` entries (ShardedObjects: Transformer
+    Engine FP8 scaling state, None with the local spec) are left out: torch DCP reads byte items
+    back with a full unpickle, which a checkpoint must never need."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {k: v for k, v in model.sharded_state_dict(prefix="model.").items() if not isinstance(v, ShardedObject)}
+
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool = False) -> dict:
+    """ZeRO-1 moments as global tensors: each owned parameter's AdamW moments follow that
+    parameter's slice (same global shape and offsets, key `optimizer.<moment>.<param key>`). Its
+    owner is the only data-parallel replica that holds them, so it is the main replica (the
+    data-parallel component of the replica id is 0). `empty=True` gives load targets."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    # A factory (e.g. the SwiGLU fc1 weight, stored as its gate and up halves so any tensor-parallel
+    # size can slice each) describes its moments too: the same build and merge over the moment.
+    described = (ShardedTensor, ShardedTensorFactory)
+    by_param = {id(v.data): v for v in nested_values(model_sharded) if isinstance(v, described)}
+    out = {}
+    for name, param in optimizer.owned_named_parameters():
+        sh = by_param.get(id(param))
+        if sh is None:
+            raise CheckpointError(f"parameter {name} has no sharded description in the model")
+        state = optimizer.optimizer.state.get(param, {})
+        replica = tuple(sh.replica_id)[:-1] + (0,) if isinstance(sh.replica_id, tuple) else 0
+        for moment in MOMENTS:
+            data = torch.empty_like(param.detach()) if empty else state[moment]
+            out[f"optimizer.{moment}.{name}"] = replace(sh, key=f"optimizer.{moment}.{sh.key}", data=data,
+                                                        replica_id=replica)
+    return out
+
+
+def save_state(directory: str | Path, model, optimizer) -> None:
+    """Collective: the model's and the ZeRO-1 moments' global tensors, each stored once."""
+    from megatron.core import dist_checkpointing
+
+    model_sharded = model_sharded_state_dict(model)
+    sharded = dict(model_sharded)
+    if optimizer is not None and optimizer_initialized(optimizer):
+        sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer))
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save(sharded, str(directory), sharded_strategy=("torch_dist", 1),
+                            validate_access_integrity=True)
+
+
+def optimizer_initialized(optimizer) -> bool:
+    """Whether this rank's owned parameters have AdamW moments (from the first step on)."""
+    return any(optimizer.optimizer.state.get(p) for _, p in optimizer.owned_named_parameters())
+
+
+def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int | None = None) -> None:
+    """Collective: fills this rank's slices of the model (and, with `optimizer` and the saved AdamW
+    `adam_step`, its owned moments) from a checkpoint written at any layout. Refuses, naming them,
+    tensors the checkpoint lacks or covers only partly."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    model_sharded = model_sharded_state_dict(model)
+    sharded = dict(model_sharded)
+    with_optimizer = optimizer is not None and adam_step is not None
+    if with_optimizer:
+        sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer, empty=True))
+    wanted = sorted({v.key for v in nested_values(_built(sharded)) if isinstance(v, ShardedTensor)})
+    problems = coverage_problems(read_metadata(directory), wanted)
+    if problems:
+        raise CheckpointError(f"{directory} cannot be loaded into this model: " + "; ".join(problems[:10]) +
+                              (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "") +
+                              ". Fix: resume from a complete checkpoint written with this model's config.")
+    loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
+    state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing = [k for k in missing if not k.endswith("_extra_state")]
+    if missing or unexpected:
+        raise CheckpointError(f"{directory}: model keys missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if with_optimizer:
+        for name, param in optimizer.owned_named_parameters():
+            optimizer.optimizer.state[param] = {
+                "step": torch.tensor(float(adam_step), dtype=torch.float32),
+                **{m: loaded[f"optimizer.{m}.{name}"] for m in MOMENTS},
+            }
+
+
+def _built(sharded: dict) -> dict:
+    """`sharded` with every factory replaced by the ShardedTensors it builds (the stored keys)."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensorFactory
+
+    def build(v):
+        return v.build() if isinstance(v, ShardedTensorFactory) else v
+
+    return dict_list_map_inplace(build, dict(sharded))
+
+
+def save_model(directory: str | Path, model) -> None:
+    save_state(directory, model, None)
+
+
+def load_model(directory: str | Path, model) -> None:
+    load_state(directory, model, None)
+
+
+_EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
+
+
+def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+    """The whole model in one process, without torch.distributed, under the names a
+    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
+    `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
+    layout wrote the checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    metadata = read_metadata(directory)  # allow-listed first; dcp then reads the same bytes
+    problems = coverage_problems(metadata)
+    if problems:
+        raise CheckpointError(f"{directory} is incomplete: " + "; ".join(problems[:10]))
+    stacked = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    dcp.load(stacked, checkpoint_id=str(directory), no_dist=True)
+    out: dict[str, torch.Tensor] = {}
+    for key, tensor in stacked.items():
+        name = key[len("model."):]
+        expert = _EXPERT.fullmatch(name)
+        if expert:  # [layers, experts, ...]
+            for layer in range(tensor.shape[0]):
+                for e in range(tensor.shape[1]):
+                    out[f"decoder.layers.{layer}.{expert.group(1)}.deepspeed_experts.{e}.{expert.group(2)}"] = \
+                        tensor[layer, e].clone()
+        elif name.startswith("decoder.layers."):  # [layers, ...]
+            rest = name[len("decoder.layers."):]
+            for layer in range(tensor.shape[0]):
+                out[f"decoder.layers.{layer}.{rest}"] = tensor[layer].clone()
+        else:
+            out[name] = tensor
+    return out
