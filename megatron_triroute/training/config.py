@@ -58,6 +58,9 @@ class TrainConfig:
     save_interval_steps: int = 1000
     save_interval_minutes: float = 30.0
     keep_last: int = 3
+    exit_interval: int = 0
+    """Checkpoint and exit (status 0) after the first step that is a multiple of this, before the
+    end of the schedule (Megatron's --exit-interval); 0: off. A resume continues the same schedule."""
     max_nonfinite_steps: int = 5
     """Abort after this many consecutive non-finite steps (each is skipped)."""
     peak_tflops: float = 0.0

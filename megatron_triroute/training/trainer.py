@@ -162,7 +162,8 @@ def train(run: RunConfig, env, tables) -> int:
             evaluate(step + 1)
         due = (step + 1) % t.save_interval_steps == 0 or time.time() - last_save > 60 * t.save_interval_minutes
         stopping = signals.stop_agreed(stop)
-        if stopping or (due and step + 1 < t.steps):
+        exiting = t.exit_interval > 0 and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps
+        if stopping or exiting or (due and step + 1 < t.steps):
             save(step + 1)
             last_save = time.time()
             tb.flush()
@@ -171,6 +172,11 @@ def train(run: RunConfig, env, tables) -> int:
                 log.warning("stop signal: checkpointed at step %d, exiting with %d for requeue",
                             step + 1, signals.EXIT_REQUEUE)
             status = signals.EXIT_REQUEUE
+            break
+        if exiting:
+            if rank0:
+                log.info("train.exit_interval=%d: checkpointed at step %d, exiting; resume continues the schedule",
+                         t.exit_interval, step + 1)
             break
     else:
         calibration = None
