@@ -101,6 +101,10 @@ def train(run: RunConfig, env, tables) -> int:
     model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:
         log.info("resumed from step %d (%d samples consumed)", start, meta["consumed_samples"])
+        if start >= run.train.steps:
+            log.warning("the checkpoint is at step %d and train.steps=%d: no step to train; the prices are "
+                        "calibrated and the model evaluated again, nothing is saved. Fix: raise train.steps to "
+                        "continue training.", start, run.train.steps)
 
     tb = TensorBoard(str(out / "tensorboard") if rank0 else None)
     t = run.train
