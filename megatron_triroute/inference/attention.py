@@ -35,14 +35,23 @@ SCRATCH_ELEMENTS = 1 << 24
 """Cap on the keys gathered per chunk for one head (rows x slots x d_h floats: 64 MiB in fp32)."""
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding (Megatron's non-interleaved form): x (N, heads, d), positions (N,)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (N, 1, d), of the rotary embedding (Megatron's non-interleaved form) at positions (N,)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
     freqs = positions.to(torch.float32).view(-1, 1) * inv_freq.view(1, -1)  # (N, d/2)
     emb = torch.cat([freqs, freqs], -1).unsqueeze(1)  # (N, 1, d)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, d) rotated by tables (N, 1, d) from `rope_tables`."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * emb.cos().to(x.dtype) + torch.cat([-x2, x1], -1) * emb.sin().to(x.dtype)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (Megatron's non-interleaved form): x (N, heads, d), positions (N,)."""
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], base))
 
 
 class _HeadReads:
@@ -50,10 +59,13 @@ class _HeadReads:
 
     def __init__(self, flat: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, t: torch.Tensor, start: torch.Tensor):
         self.flat, self.q, self.batch, self.t, self.start = flat, q, batch, t, start
-        R, d = q.shape
-        self.m = torch.full((R,), float("-inf"), device=q.device)
-        self.l = torch.zeros(R, device=q.device)
-        self.acc = torch.zeros(R, d, device=q.device)
+        self.m = self.l = self.acc = None  # allocated by the first chunk update (the prompt-chunk path)
+
+    def _begin(self) -> None:
+        R, d = self.q.shape
+        self.m = torch.full((R,), float("-inf"), device=self.q.device)
+        self.l = torch.zeros(R, device=self.q.device)
+        self.acc = torch.zeros(R, d, device=self.q.device)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, slot_ok: torch.Tensor) -> int:
         """Merge one chunk: k, v (B, N, d), pos (B, N), slot_ok (B, N). Returns keys read."""
@@ -61,6 +73,8 @@ class _HeadReads:
         rows = mask.any(1).nonzero().flatten()  # rows whose window meets this chunk
         if rows.numel() == 0:
             return 0
+        if self.m is None:
+            self._begin()
         mask = mask[rows]
         b = self.batch[rows]
         d = self.q.shape[1]
@@ -100,7 +114,8 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
 
     # --- writes: every token, at its chosen width ---------------------------------------------
     x = flat_h[tokens]
-    k = rope(torch.einsum("nD,hdD->nhd", x, wk), pos_flat[tokens])
+    cos, sin = rope_tables(pos_flat, d)  # once per call: shared by K and every head's Q
+    k = apply_rope(torch.einsum("nD,hdD->nhd", x, wk), cos[tokens], sin[tokens])
     v = torch.einsum("nD,hdD->nhd", x, wv)
     written = cache.bytes_written
     cache.write(layer, rids, batch_of[tokens], bit_option.flatten()[tokens], pos_flat[tokens], k, v)
@@ -119,7 +134,7 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
             continue
         t = pos_flat[flat]
         start = torch.where(modes[flat, head] == LOCAL, (t - window).clamp_min(0), torch.zeros_like(t))
-        q = rope((flat_h[flat] @ wq[head].T).unsqueeze(1), t).squeeze(1)  # (R, d)
+        q = apply_rope((flat_h[flat] @ wq[head].T).unsqueeze(1), cos[flat], sin[flat]).squeeze(1)  # (R, d)
         reads.append(_HeadReads(flat, q, batch_of[flat], t, start))
         if audit is not None:
             audit.add(layer, "q_proj", flat.numel() * d * D)
