@@ -1,8 +1,7 @@
 """Decode throughput and KV memory: Dense vs the routed systems, same backbone, same prompts.
 
     python benchmarks/bench_decode.py [--checkpoint runs/tiny/checkpoints] [--data DIR] [--shape 160m]
-        [--contexts 512 2048 8192] [--batches 1 8] [--steps 3] [--repeats 3] [--audit-steps 2] [--threads 1]
-        [--json] [--quick]
+        [--contexts 512 2048 8192] [--batches 1 8] [--steps 2] [--repeats 3] [--threads 1] [--json] [--quick]
 
 Systems (float32 compute, one fixed thread count, decode only):
 - **Dense**: the best plain PyTorch decoder, not our engine forced dense: per layer a contiguous
@@ -24,8 +23,8 @@ Two backbones:
 The prompt's K/V are written straight into each cache (random values at widths drawn from the
 mix, float16 for Dense) instead of running a prefill, and each request's routing state is set as a
 one-document prefill would leave it; only decode steps (one token per request) are timed: after one
-warm-up step, `--repeats` runs of `--steps` steps, median tokens/s. Then `--audit-steps` more steps
-run with the engine's cost audit on (its counting is kept out of the timed runs): `macs_per_token` is every executed multiply-accumulate (Q/K/V/O
+warm-up step, `--repeats` runs of `--steps` steps, median tokens/s. The engine's cost audit counts the
+timed steps themselves (its counters run inside them, as they do when serving), so: `macs_per_token` is every executed multiply-accumulate (Q/K/V/O
 projections, attention reads, experts, controller, LM head) per decoded token; Dense's are counted
 from what its decoder executes, in the same units. `limit` = Dense MACs / system MACs (the speed-up a
 perfect implementation would reach), `efficiency` = speed-up / limit, `kv_bytes_ratio` = cache bytes
@@ -244,16 +243,15 @@ def fill_cache(model, context: int, batch: int, bit_probs, seed: int):
     return cache, rids, states, last
 
 
-def time_decode(step, tokens: torch.Tensor, steps: int, repeats: int) -> tuple[list[float], torch.Tensor]:
-    """tokens/s of `repeats` runs of `steps` decode steps (after one warm-up step), and the last tokens."""
-    tokens = step(tokens)
+def time_decode(step, tokens: torch.Tensor, steps: int, repeats: int) -> list[float]:
+    """tokens/s of `repeats` runs of `steps` decode steps (the caller has run a warm-up step)."""
     rates = []
     for _ in range(repeats):
         start = time.perf_counter()
         for _ in range(steps):
             tokens = step(tokens)
         rates.append(steps * tokens.shape[0] / (time.perf_counter() - start))
-    return rates, tokens
+    return rates
 
 
 def audit_macs(audit) -> int:
@@ -293,8 +291,8 @@ def ffn_weight_read_ratio(steps: list[tuple[torch.Tensor, list[RouterOutput]]], 
     return statistics.mean(ratios)
 
 
-def run_routed(model, batch: int, context: int, steps: int, repeats: int, audit_steps: int, bit_probs) -> dict:
-    """Time decode of `model` on a synthetically filled cache, then audit `audit_steps` more steps."""
+def run_routed(model, batch: int, context: int, steps: int, repeats: int, bit_probs) -> dict:
+    """Time decode of `model` on a synthetically filled cache; the audit counts the timed steps."""
     from megatron_triroute.inference.audit import CostAudit
 
     cache, rids, states, last = fill_cache(model, context, batch, bit_probs, seed=7)
@@ -302,17 +300,18 @@ def run_routed(model, batch: int, context: int, steps: int, repeats: int, audit_
     ones = torch.ones(batch, dtype=torch.long)
     record: list = []
 
-    def step(tokens, audit=None):
+    audit = None
+
+    def step(tokens):
         positions = torch.tensor([s.length for s in states]).view(batch, 1)
         logits, outs = model.step(tokens.view(batch, 1), ones, states, cache, rids, audit)
         if audit is not None:
             record.append((positions, outs))
         return logits.argmax(-1)
 
-    rates, tokens = time_decode(step, last, steps, repeats)
+    tokens = step(last)  # warm-up, not counted
     audit = CostAudit(model.config.model.n_layers)
-    for _ in range(audit_steps):
-        tokens = step(tokens, audit)
+    rates = time_decode(step, tokens, steps, repeats)
     return {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
             "macs_per_token": audit_macs(audit) / audit.tokens, "kv_bytes_per_token": kv,
             "cost_audit_rel_err": cost_audit_error(audit, record, model.config),
@@ -320,19 +319,19 @@ def run_routed(model, batch: int, context: int, steps: int, repeats: int, audit_
             "decode_mix": measure_mix([outs for _, outs in record], len(model.config.router.bits))}
 
 
-def run_dense(m: ModelConfig, batch: int, context: int, steps: int, repeats: int, audit_steps: int) -> dict:
+def run_dense(m: ModelConfig, batch: int, context: int, steps: int, repeats: int) -> dict:
     dec = DenseDecoder(m, batch, context + steps * repeats + 2)
     dec.fill(context)
-    start = dec.t + 1 + steps * repeats  # position the routed systems' first audited step has
-    rates, _ = time_decode(lambda tok: dec.step(tok).argmax(-1), torch.zeros(batch, dtype=torch.long), steps, repeats)
-    macs = statistics.mean(dec.macs_per_token(start + i) for i in range(audit_steps))
+    tokens = dec.step(torch.zeros(batch, dtype=torch.long)).argmax(-1)  # warm-up
+    start = dec.t  # position of the first timed step
+    rates = time_decode(lambda tok: dec.step(tok).argmax(-1), tokens, steps, repeats)
+    macs = statistics.mean(dec.macs_per_token(start + i) for i in range(steps * repeats))
     return {"tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates, "macs_per_token": macs,
             "kv_bytes_per_token": 2 * m.n_layers * m.n_kv_heads * m.d_head * 2}
 
 
 # --- driver -------------------------------------------------------------------------------------
-def bench(label: str, base: TriRouteConfig, mix: dict, contexts, batches, steps, repeats, audit_steps, trained=None,
-          log=print):
+def bench(label: str, base: TriRouteConfig, mix: dict, contexts, batches, steps, repeats, trained=None, log=print):
     """Rows `ctx{C}_b{B}` -> {system: figures} for every context and batch size."""
     models = {name: build_routed(system_config(name, base), mix) for name in ROUTED}
     if trained is not None:
@@ -341,11 +340,11 @@ def bench(label: str, base: TriRouteConfig, mix: dict, contexts, batches, steps,
     for context in contexts:
         for batch in batches:
             key = f"ctx{context}_b{batch}"
-            dense = run_dense(base.model, batch, context, steps, repeats, audit_steps)
+            dense = run_dense(base.model, batch, context, steps, repeats)
             rows[key] = {"dense": dense}
             log(f"[{label}] {key} {'dense':12s} {dense['tokens_per_s']:9.2f} tok/s")
             for name, model in models.items():
-                r = run_routed(model, batch, context, steps, repeats, audit_steps, mix["bits"])
+                r = run_routed(model, batch, context, steps, repeats, mix["bits"])
                 r["speedup_vs_dense"] = r["tokens_per_s"] / dense["tokens_per_s"]
                 r["limit"] = dense["macs_per_token"] / r["macs_per_token"]
                 r["efficiency"] = r["speedup_vs_dense"] / r["limit"]
@@ -407,15 +406,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--shape", default="160m", help="recipe whose backbone is benchmarked SYNTHETICALLY ('' = none)")
     p.add_argument("--contexts", type=int, nargs="+", default=[512, 2048, 8192])
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--steps", type=int, default=3, help="decode steps per timed run")
+    p.add_argument("--steps", type=int, default=2, help="decode steps per timed run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs; the median is reported")
-    p.add_argument("--audit-steps", type=int, default=2, help="decode steps counted by the cost audit after the timed runs")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--quick", action="store_true", help="tiny shapes and contexts: seconds, for tests")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     a = p.parse_args(argv)
     if a.quick:
-        a.shape, a.contexts, a.batches, a.steps, a.repeats, a.audit_steps = "tiny", [32, 96], [1, 8], 2, 1, 2
+        a.shape, a.contexts, a.batches, a.steps, a.repeats = "tiny", [32, 96], [1, 8], 2, 1
     return a
 
 
@@ -425,8 +423,7 @@ def main(argv=None) -> dict:
     torch.set_grad_enabled(False)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else (lambda s: print(s, flush=True))
     result = {"threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
-              "contexts": a.contexts, "batches": a.batches, "steps": a.steps, "repeats": a.repeats,
-              "audit_steps": a.audit_steps, "targets": TARGETS}
+              "contexts": a.contexts, "batches": a.batches, "steps": a.steps, "repeats": a.repeats, "targets": TARGETS}
     mix = dict(DEFAULT_MIX)
     if a.checkpoint:
         model, processor = load_checkpoint_model(a.checkpoint, a.data)
@@ -434,7 +431,7 @@ def main(argv=None) -> dict:
         result["checkpoint_mix"] = mix
         log(f"checkpoint decision mix (prefill of real code): {json.dumps(mix)}")
         result["checkpoint"] = bench("checkpoint", model.config, mix, a.contexts, a.batches, a.steps, a.repeats,
-                                     a.audit_steps, model, log)
+                                     model, log)
     if a.shape:
         from megatron_triroute.training.recipes import get_recipe
 
@@ -442,8 +439,7 @@ def main(argv=None) -> dict:
         result["synthetic_shape"] = a.shape
         result["synthetic_mix"] = mix
         log(f"{a.shape} shape is SYNTHETIC: random weights, controllers replaced by a fixed decision mix")
-        rows = bench(f"{a.shape} SYNTHETIC", base, mix, a.contexts, a.batches, a.steps, a.repeats, a.audit_steps,
-                     None, log)
+        rows = bench(f"{a.shape} SYNTHETIC", base, mix, a.contexts, a.batches, a.steps, a.repeats, None, log)
         result["synthetic"] = rows
         result |= headline(rows, a.contexts, a.batches)
         log(f"headline ({a.shape} SYNTHETIC, TriRoute, context {result['headline_context']}): "

@@ -73,9 +73,9 @@ def test_macs_and_kv_bytes_match_hand_counts(bench):
         cfg = system_config("kvquant", get_recipe("tiny").triroute.validate())
         m, r = cfg.model, cfg.router
         model = bench.build_routed(cfg, bench.DEFAULT_MIX)
-        context, steps, repeats, audit_steps = 20, 1, 1, 2
-        got = bench.run_routed(model, 2, context, steps, repeats, audit_steps, bench.DEFAULT_MIX["bits"])
-        dense = bench.run_dense(m, 2, context, steps, repeats, audit_steps)
+        context, steps, repeats = 20, 2, 1
+        got = bench.run_routed(model, 2, context, steps, repeats, bench.DEFAULT_MIX["bits"])
+        dense = bench.run_dense(m, 2, context, steps, repeats)
         controller = sum(layer.controller_macs for layer in model.layers)
         assert got["macs_per_token"] == pytest.approx(dense["macs_per_token"] + controller)
         assert got["kv_bytes_per_token"] * 8 == m.n_layers * kv_bits_per_token(r.uniform_bits, m.d_kv, r.group_size_for(m))
