@@ -142,7 +142,7 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     # --- reads: pool by pool, merged by log-sum-exp ------------------------------------------------
     if any(r is not None for r in reads):
         if n == 1:
-            _decode_reads(reads, tokens, pos_flat, modes, cache, layer, rids, window, d, G, audit)
+            _decode_reads(reads, tokens, pos_flat, modes, cache, layer, rids, window, d, audit)
         else:
             _chunk_reads(reads, cache, layer, rids, d, G, chunk_pages, audit)
 
@@ -179,7 +179,7 @@ def _chunk_reads(reads: list[_HeadReads | None], cache: PagedKVCache, layer: int
 
 
 def _decode_reads(reads: list[_HeadReads | None], tokens: torch.Tensor, pos_flat: torch.Tensor, modes: torch.Tensor,
-                  cache: PagedKVCache, layer: int, rids: list[int], window: int, d: int, G: int,
+                  cache: PagedKVCache, layer: int, rids: list[int], window: int, d: int,
                   audit: CostAudit | None) -> None:
     """One token per request: every pool read by the kernels' decode attention, all heads at once
     (a skipping head gets the empty range lo = t + 1), partials merged by log-sum-exp; each head's
