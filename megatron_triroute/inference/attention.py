@@ -3,11 +3,19 @@
 Every valid token first writes its K/V to the pool of its chosen width (skip is a read
 decision). Then per query head h, only the (token, h) pairs whose mode is not `skip` get a
 query projection, read keys and an output projection: `local` reads keys at positions
-max(0, t - w)..t, `full` 0..t. Each precision pool is read separately, a bounded chunk of pages at
-a time, and the partial results are merged by an online softmax (running max, sum and weighted
-V: the log-sum-exp merge), so scratch memory is O(chunk), not O(context). Heads of one KV group
-may take different modes. Work is vectorised over the batch and the reading tokens; the Python
-loops run over pools, page chunks and heads, never over tokens.
+max(0, t - w)..t, `full` 0..t. Each precision pool is read separately and the partial results
+are merged by their log-sum-exp, so scratch memory is O(chunk), not O(context). Heads of one KV
+group may take different modes.
+
+Two read paths, both over the `triroute_kernels` pools:
+- decode (one new token per request): `triroute_kernels.decode_attention_pool` per pool (the
+  torch twin on CPU, the Triton kernel on CUDA), a skipping head given an empty key range, and
+  `merge_partials` across pools;
+- prompt chunks (several tokens of a request): each chunk of pages is dequantised once by the
+  kernels' dequantiser and every head's reading rows whose window meets it update a running
+  (max, sum, weighted V).
+Work is vectorised over the batch and the reading tokens; the Python loops run over pools, page
+chunks and heads, never over tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from triroute_kernels import decode_attention_pool, merge_partials
 
 from ..config import ATTN_MODES
 from .audit import CostAudit
@@ -25,14 +35,23 @@ SCRATCH_ELEMENTS = 1 << 24
 """Cap on the keys gathered per chunk for one head (rows x slots x d_h floats: 64 MiB in fp32)."""
 
 
-def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary embedding (Megatron's non-interleaved form): x (N, heads, d), positions (N,)."""
-    d = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (N, 1, d), of the rotary embedding (Megatron's non-interleaved form) at positions (N,)."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
     freqs = positions.to(torch.float32).view(-1, 1) * inv_freq.view(1, -1)  # (N, d/2)
     emb = torch.cat([freqs, freqs], -1).unsqueeze(1)  # (N, 1, d)
+    return emb.cos(), emb.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (N, heads, d) rotated by tables (N, 1, d) from `rope_tables`."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * emb.cos().to(x.dtype) + torch.cat([-x2, x1], -1) * emb.sin().to(x.dtype)
+    return x * cos.to(x.dtype) + torch.cat([-x2, x1], -1) * sin.to(x.dtype)
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary embedding (Megatron's non-interleaved form): x (N, heads, d), positions (N,)."""
+    return apply_rope(x, *rope_tables(positions, x.shape[-1], base))
 
 
 class _HeadReads:
@@ -40,10 +59,13 @@ class _HeadReads:
 
     def __init__(self, flat: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, t: torch.Tensor, start: torch.Tensor):
         self.flat, self.q, self.batch, self.t, self.start = flat, q, batch, t, start
-        R, d = q.shape
-        self.m = torch.full((R,), float("-inf"))
-        self.l = torch.zeros(R)
-        self.acc = torch.zeros(R, d)
+        self.m = self.l = self.acc = None  # allocated by the first chunk update (the prompt-chunk path)
+
+    def _begin(self) -> None:
+        R, d = self.q.shape
+        self.m = torch.full((R,), float("-inf"), device=self.q.device)
+        self.l = torch.zeros(R, device=self.q.device)
+        self.acc = torch.zeros(R, d, device=self.q.device)
 
     def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, slot_ok: torch.Tensor) -> int:
         """Merge one chunk: k, v (B, N, d), pos (B, N), slot_ok (B, N). Returns keys read."""
@@ -51,6 +73,8 @@ class _HeadReads:
         rows = mask.any(1).nonzero().flatten()  # rows whose window meets this chunk
         if rows.numel() == 0:
             return 0
+        if self.m is None:
+            self._begin()
         mask = mask[rows]
         b = self.batch[rows]
         d = self.q.shape[1]
@@ -64,7 +88,12 @@ class _HeadReads:
         self.m[rows] = m_new
         return int(mask.sum())
 
+    result: torch.Tensor | None = None
+    """The context when a kernel computed it whole (the decode path)."""
+
     def context(self) -> torch.Tensor:
+        if self.result is not None:
+            return self.result
         return self.acc / self.l[:, None]
 
 
@@ -80,12 +109,13 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     G = H // n_kv
     flat_h = h.reshape(B * n, D)
     tokens = valid.flatten().nonzero().flatten()  # (N,) valid flat indices, request-major then position
-    batch_of = torch.arange(B).repeat_interleave(n)
+    batch_of = torch.arange(B, device=h.device).repeat_interleave(n)
     pos_flat = positions.flatten()
 
     # --- writes: every token, at its chosen width ---------------------------------------------
     x = flat_h[tokens]
-    k = rope(torch.einsum("nD,hdD->nhd", x, wk), pos_flat[tokens])
+    cos, sin = rope_tables(pos_flat, d)  # once per call: shared by K and every head's Q
+    k = apply_rope(torch.einsum("nD,hdD->nhd", x, wk), cos[tokens], sin[tokens])
     v = torch.einsum("nD,hdD->nhd", x, wv)
     written = cache.bytes_written
     cache.write(layer, rids, batch_of[tokens], bit_option.flatten()[tokens], pos_flat[tokens], k, v)
@@ -104,37 +134,89 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
             continue
         t = pos_flat[flat]
         start = torch.where(modes[flat, head] == LOCAL, (t - window).clamp_min(0), torch.zeros_like(t))
-        q = rope((flat_h[flat] @ wq[head].T).unsqueeze(1), t).squeeze(1)  # (R, d)
+        q = apply_rope((flat_h[flat] @ wq[head].T).unsqueeze(1), cos[flat], sin[flat]).squeeze(1)  # (R, d)
         reads.append(_HeadReads(flat, q, batch_of[flat], t, start))
         if audit is not None:
             audit.add(layer, "q_proj", flat.numel() * d * D)
 
-    # --- reads: pool by pool, a chunk of pages at a time, merged online ------------------------
+    # --- reads: pool by pool, merged by log-sum-exp ------------------------------------------------
     if any(r is not None for r in reads):
-        P = cache.page_size
-        # Bound the per-chunk scratch (rows x slots x d_h gathered keys) to SCRATCH_ELEMENTS.
-        rows = max(r.flat.numel() for r in reads if r is not None)
-        chunk_pages = max(1, min(chunk_pages, SCRATCH_ELEMENTS // (rows * P * d)))
-        for option, pool in enumerate(cache.layers[layer].pools):
-            table, counts = cache.page_table(layer, option, rids)
-            for c0 in range(0, table.shape[1], chunk_pages):
-                pages = table[:, c0 : c0 + chunk_pages]  # (B, C)
-                K, V, pos = pool.read(pages)  # (B, C, P, H_kv, d), (B, C, P)
-                K, V, pos = K.flatten(1, 2), V.flatten(1, 2), pos.flatten(1, 2)
-                slot_ok = (c0 * P + torch.arange(pos.shape[1])).view(1, -1) < counts.view(-1, 1)
-                if audit is not None:
-                    audit.add(layer, "bytes_read", int(slot_ok.sum()) * pool.slot_bytes)
-                for head, r in enumerate(reads):
-                    if r is not None:
-                        keys = r.update(K[:, :, head // G], V[:, :, head // G], pos, slot_ok)
-                        if audit is not None:
-                            audit.add(layer, "attn", 2 * d * keys)
+        if n == 1:
+            _decode_reads(reads, tokens, pos_flat, modes, cache, layer, rids, window, d, audit)
+        else:
+            _chunk_reads(reads, cache, layer, rids, d, G, chunk_pages, audit)
 
     # --- output projection of the reading pairs only --------------------------------------------
-    out = torch.zeros(B * n, D, dtype=h.dtype)
+    out = torch.zeros(B * n, D, dtype=h.dtype, device=h.device)
     for head, r in enumerate(reads):
         if r is not None:
             out.index_add_(0, r.flat, r.context() @ wo[:, head].T)
             if audit is not None:
                 audit.add(layer, "o_proj", r.flat.numel() * d * D)
     return out.view(B, n, D)
+
+
+def _chunk_reads(reads: list[_HeadReads | None], cache: PagedKVCache, layer: int, rids: list[int], d: int, G: int,
+                 chunk_pages: int, audit: CostAudit | None) -> None:
+    """Prompt chunks: each pool a chunk of pages at a time, dequantised once for every head's rows."""
+    P = cache.page_size
+    # Bound the per-chunk scratch (rows x slots x d_h gathered keys) to SCRATCH_ELEMENTS.
+    rows = max(r.flat.numel() for r in reads if r is not None)
+    chunk_pages = max(1, min(chunk_pages, SCRATCH_ELEMENTS // (rows * P * d)))
+    for option, pool in enumerate(cache.layers[layer].pools):
+        table, counts = cache.page_table(layer, option, rids)
+        for c0 in range(0, table.shape[1], chunk_pages):
+            K, V, pos = pool.read(table[:, c0 : c0 + chunk_pages])  # (B, C, P, H_kv, d), (B, C, P)
+            K, V, pos = K.flatten(1, 2), V.flatten(1, 2), pos.flatten(1, 2)
+            slot_ok = (c0 * P + torch.arange(pos.shape[1], device=pos.device)).view(1, -1) < counts.view(-1, 1)
+            if audit is not None:
+                audit.add(layer, "bytes_read", int(slot_ok.sum()) * pool.slot_bytes)
+            for head, r in enumerate(reads):
+                if r is not None:
+                    keys = r.update(K[:, :, head // G], V[:, :, head // G], pos, slot_ok)
+                    if audit is not None:
+                        audit.add(layer, "attn", 2 * d * keys)
+
+
+def _decode_reads(reads: list[_HeadReads | None], tokens: torch.Tensor, pos_flat: torch.Tensor, modes: torch.Tensor,
+                  cache: PagedKVCache, layer: int, rids: list[int], window: int, d: int,
+                  audit: CostAudit | None) -> None:
+    """One token per request: every pool read by the kernels' decode attention, all heads at once
+    (a skipping head gets the empty range lo = t + 1), partials merged by log-sum-exp; each head's
+    context is stored as its `_HeadReads` result."""
+    H = len(reads)
+    t = pos_flat[tokens]  # (N,) the token's position; request b = flat index b (n == 1)
+    mode = modes[tokens]  # (N, H)
+    tt = t.view(-1, 1).expand_as(mode)
+    lo = torch.where(mode == FULL, torch.zeros_like(tt),
+                     torch.where(mode == LOCAL, (tt - window).clamp_min(0), tt + 1))
+    q = torch.zeros(tokens.numel(), H, d, device=t.device)
+    rank = torch.full((len(rids),), -1, dtype=torch.long, device=t.device)
+    rank[tokens] = torch.arange(tokens.numel(), device=t.device)
+    for head, r in enumerate(reads):
+        if r is not None:
+            q[rank[r.flat], head] = r.q
+    rows_rids = [rids[int(b)] for b in tokens.tolist()]
+    outs, lses = [], []
+    for option, pool in enumerate(cache.layers[layer].pools):
+        table, counts = cache.page_table(layer, option, rows_rids)
+        if table.shape[1] == 0:
+            continue
+        out, lse = decode_attention_pool(q, pool.k, pool.v, pool.bits, cache.group_size, table, lo, t,
+                                         1.0 / math.sqrt(d))
+        outs.append(out)
+        lses.append(lse)
+        if audit is not None:
+            audit.add(layer, "bytes_read", int(counts.sum()) * pool.slot_bytes)
+            audit.add(layer, "attn", 2 * d * _keys_read(pool.token_pos, table, lo, t))
+    context = merge_partials(outs, lses)[0]  # (N, H, d)
+    for head, r in enumerate(reads):
+        if r is not None:
+            r.result = context[rank[r.flat], head]
+
+
+def _keys_read(token_pos: torch.Tensor, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> int:
+    """Keys a (row, head) range [lo, hi] meets in the pages of `table` (absent pages -1), summed."""
+    pos = torch.where(table.unsqueeze(-1) >= 0, token_pos[table.clamp(min=0)], -1).flatten(1)  # (N, L)
+    inside = (pos >= 0) & (pos <= hi.view(-1, 1))
+    return int((inside.unsqueeze(1) & (pos.unsqueeze(1) >= lo.unsqueeze(-1))).sum())

@@ -36,6 +36,7 @@ class SamplingConfig:
 
 def sample(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None = None) -> int:
     """One token id from logits (V,)."""
+    logits = logits.cpu()  # the per-request generators live on the CPU
     if sampling.temperature == 0.0:
         return int(logits.argmax())
     probs = torch.softmax(logits.double() / sampling.temperature, -1)
@@ -107,7 +108,7 @@ class InferenceEngine:
     def _forward(self, batch: list[Request], tokens: torch.Tensor, lengths: torch.Tensor) -> None:
         logits, _ = self.model.step(tokens, lengths, [r.state for r in batch], self.cache, [r.rid for r in batch],
                                     self.audit)
-        for r, row in zip(batch, logits):
+        for r, row in zip(batch, logits.cpu()):  # one transfer per step
             r.prefilled = True
             token = sample(row, self.sampling, self._generators[r.rid])
             r.generated.append(token)

@@ -1,18 +1,19 @@
 """Paged, precision-segregated KV cache: per layer one pool of fixed-size pages per bit-width.
 
-A page holds `page_size` token slots. One slot stores one token's K and V for every KV head in
-the layout `routing.quant.pack_kv` gives one (token, head): for b < 16 bits, d_h * b / 8 bytes of
-codes packed little-end first (code i of a byte sits at bit i * b), then one float16 scale and one
-float16 zero per quantisation group; for 16 bits the float16 values themselves. Slot i of a
-pool's storage therefore takes exactly `quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and a
-read dequantises with `quant.dequantize_groups`, the very arithmetic `quant.fake_quantize` uses,
-so every cached K/V is bit-identical to what training wrote (16 bits: the float16 value, as
-`pack_kv` and the cost model count it).
+The pages are `triroute_kernels` pools (`triroute_kernels.pool` documents the layout), written by
+`triroute_kernels.quantize_pack_into` and read by its dequantiser and decode-attention kernel
+(the torch twins on CPU, Triton on CUDA): the engine has no packing code of its own. Per
+(layer, width) a K pool and a V pool share one `token_pos` index. One slot stores one token's K
+(or V) for every KV head in the layout `routing.quant.pack_kv` gives one (token, head): for
+b < 16 bits, d_h * b / 8 bytes of codes (code i of a byte at bit i * b) and one float16 scale and
+zero per quantisation group; for 16 bits the float16 values. A token's K and V therefore take
+exactly `quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and every cached K/V dequantises
+bit-identically to `quant.fake_quantize` of the training code (tested at 2/4/8/16 bits).
 
-Each request owns, per layer and pool, a list of page ids and a slot count; the positions of the
-tokens it stored there are kept beside the codes (a pool holds only the tokens that chose its
-width, in increasing position). Pages come from a free list, return to it when a request ends
-and are reused; storage grows by doubling only when the free list is empty.
+Each request owns, per layer and pool, a list of page ids and a slot count; `token_pos` holds the
+position of the token in each slot (-1 when free), and a pool holds only the tokens that chose its
+width, in increasing position. Pages come from a free list, return to it (slots marked free) when
+a request ends and are reused; storage grows by doubling only when the free list is empty.
 """
 
 from __future__ import annotations
@@ -20,90 +21,79 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from triroute_kernels import allocate_kv_pools, dequantize_slots, quantize_pack_into
 
-from ..routing.quant import dequantize_groups, kv_bits_per_token, pack_codes, quantize_groups, unpack_codes
+from ..routing.quant import kv_bits_per_token
 
 
 class PagePool:
-    """All pages of one (layer, bit-width): storage tensors indexed [page, slot, K/V, kv head, ...]."""
+    """All pages of one (layer, bit-width): a K and a V `triroute_kernels.PagePool` and a free list."""
 
     def __init__(self, bits: int, n_kv_heads: int, d_head: int, group_size: int, page_size: int,
                  initial_pages: int = 4, device=None):
-        if bits < 16 and (d_head * bits) % 8:
-            raise ValueError(f"d_head={d_head} at {bits} bits does not fill whole bytes; use d_head a multiple of {8 // bits}")
         self.bits, self.n_kv, self.d_head, self.group, self.page_size = bits, n_kv_heads, d_head, group_size, page_size
-        self.device = device
-        self.storage: dict[str, torch.Tensor] = {}
-        self._allocate(max(1, initial_pages))
+        self.device = torch.device(device or "cpu")
+        self.k, self.v = allocate_kv_pools(bits, max(1, initial_pages), page_size, n_kv_heads, d_head, group_size,
+                                           self.device)
         self.free: list[int] = list(range(self.num_pages))[::-1]
 
-    # -- storage -------------------------------------------------------------------------------
-    def _shapes(self, pages: int) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
-        P, n, d = self.page_size, self.n_kv, self.d_head
-        if self.bits >= 16:
-            return {"values": ((pages, P, 2, n, d), torch.float16), "positions": ((pages, P), torch.int64)}
-        return {
-            "codes": ((pages, P, 2, n, d * self.bits // 8), torch.uint8),
-            "scale": ((pages, P, 2, n, d // self.group), torch.float16),
-            "zero": ((pages, P, 2, n, d // self.group), torch.float16),
-            "positions": ((pages, P), torch.int64),
-        }
-
-    def _allocate(self, pages: int) -> None:
-        old = self.storage
-        self.storage = {name: torch.zeros(shape, dtype=dtype, device=self.device)
-                        for name, (shape, dtype) in self._shapes(pages).items()}
-        for name, tensor in old.items():
-            self.storage[name][: tensor.shape[0]] = tensor
+    @property
+    def token_pos(self) -> torch.Tensor:
+        """int32 (pages, P): the position held by each slot, -1 when free (shared by K and V)."""
+        return self.k.token_pos
 
     @property
     def num_pages(self) -> int:
-        return self.storage["positions"].shape[0]
+        return self.k.num_pages
 
     @property
     def slot_bytes(self) -> int:
-        """Bytes of one token slot, from the storage itself (positions excluded: index overhead)."""
-        return sum(t[0, 0].nbytes for name, t in self.storage.items() if name != "positions")
+        """Bytes of one token's K and V, from the storage itself (token_pos excluded: index overhead)."""
+        return self.k.bytes_per_slot() + self.v.bytes_per_slot()
 
     @property
     def page_bytes(self) -> int:
-        return sum(t[0].nbytes for name, t in self.storage.items() if name != "positions")
+        return self.slot_bytes * self.page_size
+
+    @property
+    def index_bytes_per_page(self) -> int:
+        return self.token_pos[0].nbytes
+
+    def _grow(self, pages: int) -> None:
+        """Reallocate with `pages` pages, keeping the contents of the old ones."""
+        n = self.num_pages
+        k, v = allocate_kv_pools(self.bits, pages, self.page_size, self.n_kv, self.d_head, self.group, self.device)
+        k.token_pos[:n] = self.token_pos
+        for old, new in ((self.k, k), (self.v, v)):
+            for src, dst in zip(old.storage_tensors(), new.storage_tensors()):
+                dst[:n] = src
+        self.k, self.v = k, v
 
     def alloc(self) -> int:
         if not self.free:
             n = self.num_pages
-            self._allocate(2 * n)
+            self._grow(2 * n)
             self.free = list(range(n, 2 * n))[::-1]
         return self.free.pop()
 
     def release(self, pages: list[int]) -> None:
-        self.free.extend(reversed(pages))
+        if pages:
+            self.token_pos[torch.tensor(pages, dtype=torch.long, device=self.device)] = -1
+            self.free.extend(reversed(pages))
 
-    # -- write / read --------------------------------------------------------------------------
-    def write(self, page: torch.Tensor, slot: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              positions: torch.Tensor) -> None:
-        """Store tokens: page, slot, positions (N,); k, v (N, H_kv, d_h) float."""
-        x = torch.stack([k, v], 1)  # (N, 2, H_kv, d_h)
-        s = self.storage
-        s["positions"][page, slot] = positions
-        if self.bits >= 16:
-            s["values"][page, slot] = x.half()
-            return
-        codes, scale, zero = quantize_groups(x, self.bits, self.group)  # (N, 2, H_kv, d/g, g), (N, 2, H_kv, d/g)
-        s["codes"][page, slot] = pack_codes(codes.flatten(-2), self.bits)
-        s["scale"][page, slot] = scale
-        s["zero"][page, slot] = zero
+    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
+        """Store tokens at flat slots (page * P + offset) (N,); k, v (N, H_kv, d_h) float; positions (N,)."""
+        self.token_pos.view(-1)[slots] = positions.to(torch.int32)
+        quantize_pack_into(k.contiguous(), self.bits, self.group, self.k, slots)
+        quantize_pack_into(v.contiguous(), self.bits, self.group, self.v, slots)
 
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Dequantised K, V (..., P, H_kv, d_h) float32 and positions (..., P) of `pages` (...)."""
-        s = self.storage
-        if self.bits >= 16:
-            x = s["values"][pages].float()
-        else:
-            codes = unpack_codes(s["codes"][pages], self.bits)  # (..., P, 2, H_kv, d_h)
-            codes = codes.reshape(*codes.shape[:-1], self.d_head // self.group, self.group)
-            x = dequantize_groups(codes, s["scale"][pages], s["zero"][pages])
-        return x[..., 0, :, :], x[..., 1, :, :], s["positions"][pages]
+        """Dequantised K, V (..., P, H_kv, d_h) float32 and positions (..., P) of `pages` (...);
+        absent pages (id -1) read as empty slots (position -1)."""
+        present = pages >= 0
+        ids = pages.clamp(min=0)
+        pos = torch.where(present.unsqueeze(-1), self.token_pos[ids], -1)
+        return dequantize_slots(self.k, ids), dequantize_slots(self.v, ids), pos
 
 
 @dataclass
@@ -132,7 +122,9 @@ class PagedKVCache:
     def __init__(self, n_layers: int, bits: tuple[int, ...], n_kv_heads: int, d_head: int, group_size: int,
                  page_size: int = 16, initial_pages: int = 4, device=None):
         self.page_size = page_size
-        self.layers = [LayerCache(bits, n_kv_heads, d_head, group_size, page_size, initial_pages, device)
+        self.group_size = group_size
+        self.device = torch.device(device or "cpu")
+        self.layers = [LayerCache(bits, n_kv_heads, d_head, group_size, page_size, initial_pages, self.device)
                        for _ in range(n_layers)]
         self.requests: dict[int, list[list[PoolPages]]] = {}
         self.bytes_written = 0
@@ -160,39 +152,35 @@ class PagedKVCache:
                 continue
             rows = row[sel]
             counts = torch.bincount(rows, minlength=len(rids)).tolist()
-            table = []
-            for b, n in enumerate(counts):  # per request: allocate the pages its new slots need
+            slots = []
+            for b, n in enumerate(counts):  # per request: the flat slots of its next n tokens
+                if n == 0:
+                    continue
                 entry = self.requests[rids[b]][layer][o]
                 while len(entry.pages) * P < entry.count + n:
                     entry.pages.append(pool.alloc())
-                table.append(entry)
-            starts = torch.tensor([e.count for e in table], dtype=torch.long, device=rows.device)
-            # Rank of each token among its request's new tokens (tokens are ordered by request, position).
-            first = torch.cumsum(torch.tensor([0] + counts[:-1], device=rows.device), 0)
+                index = torch.arange(entry.count, entry.count + n)
+                slots.append(torch.tensor(entry.pages)[index // P] * P + index % P)
+                entry.count += n
+            # A stable sort on the row lists the tokens request by request, each in position order.
             order = torch.argsort(rows, stable=True)
-            rank = torch.empty_like(rows)
-            rank[order] = torch.arange(rows.numel(), device=rows.device) - first[rows[order]]
-            slot_index = starts[rows] + rank
-            width = max(len(e.pages) for e in table)
-            pages = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in table], dtype=torch.long,
-                                 device=rows.device)
-            pool.write(pages[rows, slot_index // P], slot_index % P, k[sel], v[sel], positions[sel])
-            for b, n in enumerate(counts):
-                table[b].count += n
+            flat = torch.empty_like(rows)
+            flat[order] = torch.cat(slots).to(rows.device)
+            pool.write(flat, k[sel], v[sel], positions[sel])
             self.bytes_written += sel.numel() * pool.slot_bytes
 
     def page_table(self, layer: int, option: int, rids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, max pages) page ids (padded with 0) and (B,) slot counts of pool `option`."""
+        """(B, max pages) page ids (padded with -1) and (B,) slot counts of pool `option`, on the cache's device."""
         entries = [self.requests[r][layer][option] for r in rids]
         width = max([len(e.pages) for e in entries] + [0])
-        table = torch.tensor([e.pages + [0] * (width - len(e.pages)) for e in entries], dtype=torch.long)
+        table = torch.tensor([e.pages + [-1] * (width - len(e.pages)) for e in entries], dtype=torch.long)
         counts = torch.tensor([e.count for e in entries], dtype=torch.long)
-        return table.view(len(rids), width), counts
+        return table.view(len(rids), width).to(self.device), counts.to(self.device)
 
     # -- accounting ----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """Bytes at rest, measured from the storage: `used` (filled slots), `slack` (unfilled
-        slots of allocated pages), `index` (the positions kept beside the codes)."""
+        slots of allocated pages), `index` (the int32 positions kept beside the codes)."""
         used = slack = index = 0
         for l, layer in enumerate(self.layers):
             for o, pool in enumerate(layer.pools):
@@ -200,5 +188,5 @@ class PagedKVCache:
                     e = entries[l][o]
                     used += e.count * pool.slot_bytes
                     slack += (len(e.pages) * self.page_size - e.count) * pool.slot_bytes
-                    index += len(e.pages) * pool.storage["positions"][0].nbytes
+                    index += len(e.pages) * pool.index_bytes_per_page
         return {"used": used, "slack": slack, "index": index}

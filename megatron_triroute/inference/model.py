@@ -135,11 +135,16 @@ class InferenceModel(nn.Module):
     def tables(self) -> TokenTables:
         return TokenTables(self.token_log_prob, self.token_word_start, self.eod_id)
 
+    @property
+    def device(self) -> torch.device:
+        """Where the weights live: every tensor the engine creates goes there."""
+        return self.lm_head.weight.device
+
     def new_cache(self, page_size: int = 16, initial_pages: int = 4) -> PagedKVCache:
         m, r = self.config.model, self.config.router
         bits = r.bits if r.bit_routing else (r.uniform_bits,)
         return PagedKVCache(m.n_layers, tuple(bits), m.n_kv_heads, m.d_head, r.group_size_for(m), page_size,
-                            initial_pages)
+                            initial_pages, self.device)
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
@@ -149,12 +154,14 @@ class InferenceModel(nn.Module):
         and the per-layer decisions (RouterOutput list) of this step."""
         m, r = self.config.model, self.config.router
         B, n = tokens.shape
-        start = torch.tensor([s.length for s in states], dtype=torch.long)
-        positions = start.view(B, 1) + torch.arange(n).view(1, n)
-        valid = torch.arange(n).view(1, n) < lengths.view(B, 1)
+        dev = self.device
+        tokens, lengths = tokens.to(dev), lengths.to(dev)
+        start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev)
+        positions = start.view(B, 1) + torch.arange(n, device=dev).view(1, n)
+        valid = torch.arange(n, device=dev).view(1, n) < lengths.view(B, 1)
         static = advance(tokens, lengths, states, self.tables, r.max_doc_position)
         x = self.embed(tokens)
-        decisions = torch.zeros(B, n, decision_feature_size(len(r.bits)))
+        decisions = torch.zeros(B, n, decision_feature_size(len(r.bits)), device=dev)
         prev, outs = None, []
         for layer in self.layers:
             out = layer.decide(x, torch.cat([static, decisions], -1), prev, positions, self.prices)
@@ -164,7 +171,7 @@ class InferenceModel(nn.Module):
             outs.append(out)
         x = self.final_norm(x)
         if not all_logits:
-            x = x[torch.arange(B), (lengths - 1).clamp_min(0)]
+            x = x[torch.arange(B, device=dev), (lengths - 1).clamp_min(0)]
         logits = self.lm_head(x)
         if audit is not None:
             count = int(valid.sum())

@@ -30,16 +30,17 @@ def advance(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState]
     """Side features (B, n, 3) of the next `lengths[b]` tokens of each request (tokens (B, n),
     right-padded) and the states moved past them."""
     B, n = tokens.shape
-    start = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1)
-    pos = start + torch.arange(n).view(1, n)  # (B, n) sequence positions
-    prev = torch.cat([torch.tensor([s.last_token for s in states]).view(B, 1), tokens[:, :-1]], 1)
+    dev = tokens.device
+    start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev).view(B, 1)
+    pos = start + torch.arange(n, device=dev).view(1, n)  # (B, n) sequence positions
+    prev = torch.cat([torch.tensor([s.last_token for s in states], device=dev).view(B, 1), tokens[:, :-1]], 1)
     doc_flag = (pos == 0) | (prev == tables.eod_id)
     none = torch.full_like(pos, -1)
     doc_start = torch.cummax(torch.where(doc_flag, pos, none), 1).values
-    doc_start = torch.maximum(doc_start, torch.tensor([s.doc_start for s in states]).view(B, 1))
+    doc_start = torch.maximum(doc_start, torch.tensor([s.doc_start for s in states], device=dev).view(B, 1))
     word_flag = tables.word_start[tokens] | doc_flag
     word_start = torch.cummax(torch.where(word_flag, pos, none), 1).values
-    word_start = torch.maximum(word_start, torch.tensor([s.word_start for s in states]).view(B, 1))
+    word_start = torch.maximum(word_start, torch.tensor([s.word_start for s in states], device=dev).view(B, 1))
 
     scale = math.log1p(max_doc_position)
     feats = torch.stack([
@@ -47,11 +48,13 @@ def advance(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState]
         torch.log1p((pos - word_start).float()) / scale,
         -tables.log_prob[tokens].float() / math.log(tables.log_prob.numel()),
     ], -1)
-    for b, s in enumerate(states):
-        last = int(lengths[b]) - 1
-        if last < 0:
+    rows = torch.arange(B, device=dev)
+    last = (lengths.to(dev) - 1).clamp_min(0)
+    ends = torch.stack([tokens[rows, last], doc_start[rows, last], word_start[rows, last]], 1).tolist()
+    for b, s in enumerate(states):  # one transfer for the whole batch, then plain integers
+        count = int(lengths[b])
+        if count == 0:
             continue
-        s.length += last + 1
-        s.last_token = int(tokens[b, last])
-        s.doc_start, s.word_start = int(doc_start[b, last]), int(word_start[b, last])
+        s.length += count
+        s.last_token, s.doc_start, s.word_start = ends[b]
     return feats
