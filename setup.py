@@ -33,6 +33,8 @@ setup(
         # lm-evaluation-harness model `triroute` (megatron_triroute.evaluation.harness); the exact
         # version and everything it pulls are pinned in constraints.txt.
         "eval": ["lm-eval>=0.4.13,<0.5"],
+        # Routing-analysis figures (python -m megatron_triroute.analyze).
+        "analysis": ["matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [

@@ -29,8 +29,9 @@ class Scored:
 
 @torch.no_grad()
 def score_batch(model: InferenceModel, inputs: list[list[int]], targets: list[list[int]],
-                audit: CostAudit | None = None, page_size: int = 16) -> list[Scored]:
-    """Score each `targets[b]` (the tokens that follow each position of `inputs[b]`, same length)."""
+                audit: CostAudit | None = None, page_size: int = 16, decisions: list | None = None) -> list[Scored]:
+    """Score each `targets[b]` (the tokens that follow each position of `inputs[b]`, same length).
+    With `decisions` (a list), appends this batch's per-layer `RouterOutput`s (batch-first, padded)."""
     if len(inputs) != len(targets):
         raise ValueError(f"{len(inputs)} input sequences but {len(targets)} target sequences")
     if not inputs:
@@ -53,11 +54,13 @@ def score_batch(model: InferenceModel, inputs: list[list[int]], targets: list[li
     for rid in rids:
         cache.add_request(rid)
     try:
-        logits, _ = model.step(tokens, torch.tensor(lengths), [SideState() for _ in rids], cache, rids, audit,
+        logits, outs = model.step(tokens, torch.tensor(lengths), [SideState() for _ in rids], cache, rids, audit,
                                all_logits=True)
     finally:
         for rid in rids:
             cache.free_request(rid)
+    if decisions is not None:
+        decisions.append(outs)
     out = []
     for b, tgt in enumerate(targets):
         row = logits[b, : lengths[b]].double()
