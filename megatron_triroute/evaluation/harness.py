@@ -29,6 +29,7 @@ import logging
 import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
+from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
 from .loading import load_for_evaluation
@@ -119,7 +120,8 @@ class TriRouteLM(TemplateLM):
     # -- scoring -------------------------------------------------------------------------
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, audit: CostAudit | None = None,
                               **kwargs) -> list[tuple[float, bool]]:
-        audit = audit if audit is not None else self.audits["loglikelihood"]
+        direct = audit is None  # not the rolling windows of loglikelihood_rolling
+        audit = self.audits["loglikelihood"] if direct else audit
         results: list[tuple[float, bool] | None] = [None] * len(requests)
         work = []
         for i, (key, context_enc, continuation_enc) in enumerate(requests):
@@ -136,6 +138,7 @@ class TriRouteLM(TemplateLM):
             work.append((i, whole, len(continuation_enc)))
         # Longest first, so a batch holds similar lengths; results do not depend on the batching.
         work.sort(key=lambda item: -len(item[1]))
+        bar = tqdm(total=len(work), disable=disable_tqdm, desc="triroute scoring", unit="req")
         for start in range(0, len(work), self.batch_size):
             chunk = work[start : start + self.batch_size]
             scored = score_batch(self.model, [w[:-1] for _, w, _ in chunk], [w[1:] for _, w, _ in chunk], audit,
@@ -146,14 +149,17 @@ class TriRouteLM(TemplateLM):
                 key = requests[i][0]
                 if key is not None:
                     self.cache_hook.add_partial("loglikelihood", key, answer)
-        self._log_cost("loglikelihood" if audit is self.audits["loglikelihood"] else "loglikelihood_rolling")
+            bar.update(len(chunk))
+        bar.close()
+        if direct:
+            self._log_cost("loglikelihood")
         return results
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 
         out = []
-        for request in requests:
+        for request in tqdm(requests, disable=disable_tqdm, desc="triroute rolling", unit="doc"):
             (string,) = request.args
             windows = [(None, *make_disjoint_window(w)) for w in get_rolling_token_windows(
                 token_list=self.tok_encode(string), prefix_token=self.prefix_token_id, max_seq_len=self.max_length,
@@ -162,6 +168,7 @@ class TriRouteLM(TemplateLM):
             total = sum(logprob for logprob, _ in scored)
             self.cache_hook.add_partial("loglikelihood_rolling", (string,), total)
             out.append(total)
+        self._log_cost("loglikelihood_rolling")
         return out
 
     # -- generation ----------------------------------------------------------------------
@@ -173,6 +180,7 @@ class TriRouteLM(TemplateLM):
 
         jobs = [self._generation_job(request) for request in requests]
         out: list[str] = [""] * len(jobs)
+        bar = tqdm(total=len(jobs), disable=disable_tqdm, desc="triroute generating", unit="req")
         for start in range(0, len(jobs), self.batch_size):
             chunk = list(range(start, min(start + self.batch_size, len(jobs))))
             engine = InferenceEngine(self.model, page_size=self.page_size)
@@ -190,6 +198,8 @@ class TriRouteLM(TemplateLM):
                 out[i] = text
                 self.cache_hook.add_partial("generate_until", requests[i].args, text)
             merge_audit(self.audits["generate_until"], engine.audit)
+            bar.update(len(chunk))
+        bar.close()
         self._log_cost("generate_until")
         return out
 
