@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import logging
 
-import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
@@ -72,7 +71,6 @@ class TriRouteLM(TemplateLM):
         self.batch_size = int(batch_size or 1)
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
-        torch.set_grad_enabled(False)
         loaded = load_for_evaluation(checkpoint, data)
         self.checkpoint = str(loaded.step_path)
         self.step = loaded.step
