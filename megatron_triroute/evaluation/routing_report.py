@@ -37,7 +37,10 @@ def analyse(routing: Routing, pieces: list[str], n_bits: int, n_experts: int, cl
             "clusters": groups, "mutual_information": cross_axis_mi(routing, seed)}
 
 
-def write_report(result: dict, out: Path, checkpoint: str, step: int) -> list[Path]:
+def write_report(result: dict, out: Path, checkpoint: str, step: int, collapse: dict | None = None,
+                 threshold: float = 0.1) -> list[Path]:
+    """The figures, `routing_analysis.json` and `routing_report.md` under `out`. `collapse`:
+    {run label: `collapse.entropy_curves(run_dir)`} for the collapse-cascade figure and section."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,6 +94,14 @@ def write_report(result: dict, out: Path, checkpoint: str, step: int) -> list[Pa
     fig.savefig(files[-1], dpi=110)
     plt.close(fig)
 
+    summaries = None
+    if collapse:
+        from .collapse import collapse_summary, plot_collapse
+
+        files.append(out / "collapse_cascade.png")
+        plot_collapse(collapse, files[-1], threshold)
+        summaries = {label: collapse_summary(curves, threshold) for label, curves in collapse.items()}
+        result = dict(result, collapse=summaries, collapse_threshold=threshold)
     (out / "routing_analysis.json").write_text(json.dumps(result, indent=1))
     files.append(out / "routing_analysis.json")
     files.append(out / "routing_report.md")
@@ -133,4 +144,16 @@ def markdown(result: dict, checkpoint: str, step: int) -> str:
     for layer in range(result["layers"]):
         cells = " | ".join(f"{v[layer][0]:.3f} | {v[layer][1]:.3f}" for v in result["mutual_information"].values())
         lines.append(f"| {layer} | {cells} |")
+    if result.get("collapse"):
+        lines += ["", "## Collapse cascade", "",
+                  "Normalised entropy of each axis's marginal routing distribution per layer over training, from "
+                  f"each run's TensorBoard logs; a layer below {result['collapse_threshold']} is what the trainer "
+                  "warns about as a collapse.", "", "![collapse cascade](collapse_cascade.png)", "",
+                  "| run | axis | final entropy per layer | first step with a layer below the threshold |",
+                  "|---|---|---|---:|"]
+        for label, axes in result["collapse"].items():
+            for axis, summary in axes.items():
+                finals = " ".join(f"{v:.2f}" for v in summary["final"].values())
+                first = summary["first_collapse_step"]
+                lines.append(f"| {label} | {axis} | {finals} | {'never' if first is None else first} |")
     return "\n".join(lines) + "\n"

@@ -88,7 +88,7 @@ def test_command_writes_figures_and_report(trained_run, tmp_path, capsys):
     out = tmp_path / "analysis"
     assert main(["--checkpoint", str(trained_run / "checkpoints"), "--output", str(out), "--clusters", "4"]) == 0
     names = {"routing_heatmap.png", "routing_clusters.png", "routing_mutual_information.png", "routing_report.md",
-             "routing_analysis.json"}
+             "routing_analysis.json", "collapse_cascade.png"}
     assert {p.name for p in out.iterdir()} == names
     for name in names:
         if name.endswith(".png"):
@@ -100,5 +100,11 @@ def test_command_writes_figures_and_report(trained_run, tmp_path, capsys):
     assert sum(result["category_tokens"].values()) == result["tokens"]
     assert sum(g["tokens"] for g in result["clusters"]) == result["tokens"] and len(result["clusters"]) <= 4
     report = (out / "routing_report.md").read_text()
-    for heading in ("Resource spent by token category", "k-means clusters", "Cross-axis mutual information"):
+    for heading in ("Resource spent by token category", "k-means clusters", "Cross-axis mutual information",
+                    "Collapse cascade"):
         assert heading in report
+    # The collapse curves are the run's own: one entropy per logged step (log_interval 1) and layer.
+    collapse = result["collapse"]["run"]
+    n_layers = config["triroute"]["model"]["n_layers"]
+    assert set(collapse) == {"attn", "experts", "bits"}
+    assert all(len(axis["final"]) == n_layers for axis in collapse.values())
