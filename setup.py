@@ -30,11 +30,17 @@ setup(
         # GPU-cluster accelerations, imported behind guards; never required on CPU.
         # NVIDIA apex is not on PyPI: build it from its repository on the cluster.
         "gpu": ["transformer-engine[pytorch]>=1.12", "triton>=3.0"],
+        # lm-evaluation-harness model `triroute` (megatron_triroute.evaluation.harness); the exact
+        # version and everything it pulls are pinned in constraints.txt.
+        "eval": ["lm-eval>=0.4.13,<0.5"],
+        # Routing-analysis figures (python -m megatron_triroute.analyze).
+        "analysis": ["matplotlib>=3.8"],
     },
     entry_points={
         "console_scripts": [
             "triroute-data-prep=data_prep.__main__:main",
             "triroute-train=megatron_triroute.train:cli",
+            "triroute-evaluate=megatron_triroute.evaluate:main",
         ]
     },
 )

@@ -1,0 +1,93 @@
+"""Routing analysis of a training checkpoint over held-out tokens: PNG figures and a markdown report.
+
+    python -m megatron_triroute.analyze --checkpoint RUN/checkpoints --output DIR [--data DIR]
+        [--eval-batches N] [--clusters K] [--seed S] [--runs LABEL=RUN_DIR ...]
+
+Runs the trainer's held-out micro-batches through the inference engine (the deployed, noise-free
+priced decisions) and writes to DIR: `routing_heatmap.png` (resource spent: attention reads, real
+experts, KV bits, FLOPs, by token category x depth band), `routing_clusters.png` (k-means of
+routing vectors, with each cluster's most frequent tokens), `routing_mutual_information.png`
+(cross-axis mutual information per layer, against a shuffled baseline), `collapse_cascade.png`
+(per-axis router entropy per layer over training, from the TensorBoard logs of the `--runs` given,
+by default the checkpoint's own run), `routing_report.md` with the same numbers as tables, and
+`routing_analysis.json`. Needs matplotlib (the `analysis` extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_triroute.analyze", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a run's checkpoint root (RUN/checkpoints) or one step_* directory")
+    p.add_argument("--output", required=True, type=Path, help="directory for the figures and the report")
+    p.add_argument("--data", type=Path, help="the run's data directory, when its recorded data.path does not resolve")
+    p.add_argument("--eval-batches", type=int, help="held-out micro-batches (default: the run's train.eval_batches)")
+    p.add_argument("--clusters", type=int, default=8, help="k of k-means")
+    p.add_argument("--seed", type=int, default=0, help="k-means seeding and the shuffled MI baseline")
+    p.add_argument("--page-size", type=int, default=16, help="KV-cache slots per page")
+    p.add_argument("--runs", action="append", default=[], metavar="LABEL=RUN_DIR",
+                   help="runs whose TensorBoard entropy curves go into the collapse-cascade figure (repeatable; "
+                   "default: the analysed checkpoint's own run)")
+    args = p.parse_args(argv)
+    for item in args.runs:
+        if "=" not in item:
+            p.error(f"--runs {item!r}: give LABEL=RUN_DIR (e.g. --runs full=runs/tiny --runs no-whitening=runs/nw)")
+    if args.clusters < 1:
+        p.error(f"--clusters={args.clusters}: must be >= 1")
+    if args.eval_batches is not None and args.eval_batches < 1:
+        p.error(f"--eval-batches={args.eval_batches}: must be >= 1")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: matplotlib is not installed. Fix: pip install -c constraints.txt -e '.[analysis]'", file=sys.stderr)
+        return 2
+    import torch
+
+    from .evaluation.loading import EvaluationSetupError, load_for_evaluation
+    from .evaluation.perplexity import evaluation_sets
+    from .evaluation.progress import Progress
+    from .evaluation.collapse import entropy_curves
+    from .evaluation.routing_analysis import collect
+    from .evaluation.routing_report import analyse, write_report
+    from .inference.checkpoint import InferenceCheckpointError
+
+    torch.set_grad_enabled(False)
+    try:
+        loaded = load_for_evaluation(args.checkpoint, args.data)
+        batches = evaluation_sets(loaded, args.eval_batches)["valid"]
+    except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    sp = loaded.processor
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    progress = Progress(sum(mb.tokens.numel() for mb in batches))
+    routing = collect(loaded.model, batches, pieces, args.page_size, progress)
+    r = loaded.model.config.router
+    n_bits = len(r.bits) if r.bit_routing else 1
+    result = analyse(routing, pieces, n_bits, r.num_experts, args.clusters, args.seed)
+    runs = dict(item.split("=", 1) for item in args.runs)
+    own = loaded.step_path.parent.parent
+    if not runs and (own / "tensorboard").is_dir():
+        runs = {own.name: str(own)}
+    try:
+        collapse = {label: entropy_curves(run_dir) for label, run_dir in runs.items()}
+    except FileNotFoundError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    threshold = float(loaded.tree.get("train", {}).get("collapse_entropy", 0.1))
+    for path in write_report(result, args.output, str(loaded.step_path), loaded.step, collapse, threshold):
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Load a training checkpoint for evaluation: the engine's model, the run's config, its tokenizer.
+
+The tokenizer and token tables come from the run's recorded data directory (`data.path`,
+relative to where the run started), or `data` when given, as in `megatron_triroute.generate`.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+
+class EvaluationSetupError(ValueError):
+    """The checkpoint or its data cannot be evaluated; the message names the fix."""
+
+
+@dataclass
+class Loaded:
+    model: object
+    """The `InferenceModel` (eval mode, priced noise-free decisions)."""
+    tree: dict
+    """The run's resolved config as the checkpoint records it."""
+    step: int
+    step_path: Path
+    layout: dict
+    """The layout that wrote the checkpoint (world_size, tp, pp, ep, dp)."""
+    data: Path
+    eod: int
+    processor: object
+    """The run's sentencepiece processor."""
+
+
+def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) -> Loaded:
+    from data_prep.tables import load_token_tables
+    from data_prep.tokenizer import load_processor, tokenizer_path
+
+    from ..checkpoint.store import META_FILE, latest_valid_checkpoint
+    from ..durability import resolve_dir
+    from ..inference.checkpoint import build_model, load_inference_checkpoint
+
+    path = Path(checkpoint)
+    if re.fullmatch(r"step_(\d{8,})", path.name):
+        step_path = path
+    else:
+        if not path.is_dir():
+            raise EvaluationSetupError(f"{path} is not a directory. Fix: pass a run's checkpoint root "
+                                       "(RUN/checkpoints) or one of its step_* directories.")
+        info = latest_valid_checkpoint(path)
+        if info is None:
+            raise EvaluationSetupError(f"no checkpoint under {path}. Fix: pass a run's checkpoint root "
+                                       "(RUN/checkpoints) or one of its step_* directories.")
+        step_path = info.path  # pinned, so the weights and the meta below are of one step
+    tree, state = load_inference_checkpoint(step_path)
+    meta = json.loads(((resolve_dir(step_path) or step_path) / META_FILE).read_text())
+    data = Path(data) if data is not None else Path(tree["data"]["path"])
+    tables_file = data / "tokenizer" / "token_tables.safetensors"
+    if not tables_file.exists():
+        raise EvaluationSetupError(
+            f"{tables_file} not found: the data directory {str(data)!r} (the run's recorded data.path unless "
+            "given) is not reachable here. Fix: run from where the run started, or pass --data DIR (data=DIR "
+            "in lm_eval's model_args), the run's data_prep output.")
+    _, _, eod = load_token_tables(tables_file)
+    model = build_model(tree, state, eod)
+    return Loaded(model, tree, int(meta["step"]), step_path, dict(meta.get("layout", {})), data, eod,
+                  load_processor(tokenizer_path(data)))

@@ -1,0 +1,14 @@
+"""One real (six-step) tiny training run shared by the evaluation tests: its checkpoint, its
+`summary.json` (the trainer's own held-out evaluation) and its data directory (the tokenizer)."""
+
+import pytest
+
+from tests.training.conftest import TINY_OVERRIDES, run_to_end, tiny_data  # noqa: F401 (the shared tiny data set)
+
+
+@pytest.fixture(scope="session")
+def trained_run(tiny_data, tmp_path_factory):  # noqa: F811
+    run_dir = tmp_path_factory.mktemp("evaluation") / "run"
+    rc = run_to_end(run_dir, tiny_data, overrides=TINY_OVERRIDES + ["train.steps=6"])
+    assert rc == 0, (run_dir.parent / "run.log").read_text()[-3000:]
+    return run_dir
