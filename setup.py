@@ -35,12 +35,17 @@ setup(
         "eval": ["lm-eval>=0.4.13,<0.5"],
         # Routing-analysis figures (python -m megatron_triroute.analyze).
         "analysis": ["matplotlib>=3.8"],
+        # Export to / import from Hugging Face format (python -m megatron_triroute.export).
+        "hf": ["transformers>=5.23,<6", "tokenizers>=0.23"],
     },
+    # The exported modeling code's templates (copied into each export directory).
+    package_data={"megatron_triroute.export": ["hf_code/*.py"]},
     entry_points={
         "console_scripts": [
             "triroute-data-prep=data_prep.__main__:main",
             "triroute-train=megatron_triroute.train:cli",
             "triroute-evaluate=megatron_triroute.evaluate:main",
+            "triroute-export=megatron_triroute.export.__main__:cli",
         ]
     },
 )

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything megatron-triroute needs on a fresh Debian/Ubuntu machine into ./.venv:
 # system packages (OpenMPI for mpi4py/mpirun; Slurm + munge for the one-node test cluster),
-# then the Python packages at the exact versions in constraints.txt (with the `test`, `eval` and `analysis` extras).
+# then the Python packages at the exact versions in constraints.txt (with the `test`, `eval`, `analysis` and `hf` extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,5 +22,5 @@ fi
 PYTHON=${PYTHON:-python3}
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e '.[test,eval,analysis]'
+.venv/bin/python -m pip install -q -c constraints.txt -e '.[test,eval,analysis,hf]'
 echo "[install] done: $(.venv/bin/python -c 'import torch, megatron.core, deepspeed; print("torch", torch.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)' 2>/dev/null | tail -1)"
