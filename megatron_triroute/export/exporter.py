@@ -1,0 +1,155 @@
+"""Checkpoint -> Hugging Face directory.
+
+    load (any TP/PP/EP layout, one process, no torch.distributed) -> check complete -> write a
+    temporary sibling directory -> rename it onto --output.
+
+TriRoute (and every routed system) exports as `model_type: "triroute"` with remote code (the
+engine's own modules); Dense exports as a native `LlamaForCausalLM` (llama.py).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..config import TriRouteConfig
+from .completeness import ExportError, check_complete, expected_tensors
+from .safetensors_io import DTYPES, write_weights
+
+log = logging.getLogger("megatron_triroute.export")
+
+HF_PREFIX = "model."
+"""`TriRouteForCausalLM` holds the engine's `InferenceModel` as `.model`: HF name = prefix + engine name."""
+
+
+def checkpoint_step(checkpoint: Path) -> int:
+    import re
+
+    from ..checkpoint.store import latest_valid_checkpoint
+
+    match = re.fullmatch(r"step_(\d{8,})", Path(checkpoint).name)
+    if match:
+        return int(match.group(1))
+    info = latest_valid_checkpoint(checkpoint)
+    return info.step if info is not None else 0
+
+
+def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
+    """(run config tree, TriRouteConfig, engine-name state, eod id, tokenizer model file)."""
+    from data_prep.tables import load_token_tables
+    from data_prep.tokenizer import tokenizer_path
+
+    from ..inference.checkpoint import InferenceCheckpointError, load_inference_checkpoint
+
+    log.info("reading %s", checkpoint)
+    try:
+        tree, state = load_inference_checkpoint(checkpoint)
+    except InferenceCheckpointError as error:
+        raise ExportError(f"{error} Nothing was written.") from error
+    config = TriRouteConfig.from_dict(tree["triroute"]).validate()
+    data = Path(data) if data is not None else Path(tree.get("data", {}).get("path", ""))
+    tables = data / "tokenizer" / "token_tables.safetensors"
+    model_file = tokenizer_path(data)
+    if not tables.is_file() or not model_file.is_file():
+        raise ExportError(f"the run's tokenizer is not at {model_file} (with {tables.name}): its data.path="
+                          f"{str(data)!r} does not resolve from here. Nothing was written. Fix: run from where "
+                          "the run started, or pass --data DIR (the data_prep output the run trained on).")
+    _, _, eod = load_token_tables(tables)
+    return tree, config, state, eod, model_file
+
+
+def is_dense(config: TriRouteConfig) -> bool:
+    r = config.router
+    return (r.kind == "triroute" and not r.attn_routing and not r.expert_routing and not r.bit_routing
+            and r.uniform_bits == 16)
+
+
+def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: int = 5 * 10**9,
+           data: Path | None = None, native: bool = True) -> Path:
+    """Write the Hugging Face directory `output` (refused if it exists); returns it."""
+    if dtype not in DTYPES:
+        raise ExportError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
+    output = Path(output)
+    if output.exists():
+        raise ExportError(f"{output} already exists. Fix: pass a new --output directory (or remove it).")
+    tree, config, state, eod, model_file = load_checkpoint_for_export(checkpoint, data)
+    check_complete(config, state)
+    tree = dict(tree, training_step=checkpoint_step(checkpoint))
+    log.info("complete: %d tensors (%d layers%s)", len(state), config.model.n_layers,
+             f", {config.router.num_experts} experts each" if config.router.expert_routing else "")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
+    try:
+        if native and is_dense(config):
+            from .llama import write_llama
+
+            write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
+        else:
+            write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
+        from .tokenizer import write_tokenizer
+
+        write_tokenizer(tmp, model_file, eod, config.model.seq_len)
+        for file in tmp.iterdir():
+            os.chmod(file, 0o644)
+        os.chmod(tmp, 0o755)
+        os.rename(tmp, output)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("exported %s -> %s", checkpoint, output)
+    return output
+
+
+def engine_cast(config: TriRouteConfig, dtype: torch.dtype):
+    """Parameters go to `dtype`; buffers (prices, token tables, running statistics) keep theirs."""
+    expected = expected_tensors(config)
+    from ..inference.model import InferenceModel
+
+    with torch.device("meta"):
+        params = {HF_PREFIX + n for n, _ in InferenceModel(config).named_parameters()}
+
+    def cast(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        if name in params:
+            return tensor.to(dtype)
+        return tensor.to(expected[name[len(HF_PREFIX):]][1])
+
+    return cast
+
+
+def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: dict, eod: int, dtype: torch.dtype,
+                   max_shard_size: int) -> None:
+    from .remote_code import remote_code_files
+
+    for name, source in remote_code_files().items():
+        (directory / name).write_text(source)
+    tensors = {HF_PREFIX + k: v for k, v in state.items()}
+    write_weights(directory, tensors, max_shard_size, engine_cast(config, dtype))
+    m = config.model
+    hf_config = {
+        "architectures": ["TriRouteForCausalLM"],
+        "model_type": "triroute",
+        "auto_map": {"AutoConfig": "configuration_triroute.TriRouteConfig",
+                     "AutoModelForCausalLM": "modeling_triroute.TriRouteForCausalLM"},
+        "triroute": config.to_dict(),
+        "eod_token_id": eod, "eos_token_id": eod, "pad_token_id": eod,
+        "vocab_size": m.vocab_size, "hidden_size": m.d_model, "num_hidden_layers": m.n_layers,
+        "num_attention_heads": m.n_heads, "num_key_value_heads": m.n_kv_heads, "max_position_embeddings": m.seq_len,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+        "page_size": 16,
+        "storage_dtype": str(dtype).replace("torch.", ""),
+        "training_config": {k: v for k, v in tree.items() if k != "training_step"},
+        "training_step": tree["training_step"],
+    }
+    write_json(directory / "config.json", hf_config)
+    write_json(directory / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})
+
+
+def write_json(path: Path, obj) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=False) + "\n")

@@ -1,0 +1,88 @@
+"""Writing and reading Hugging Face safetensors weights: one file, or shards plus
+`model.safetensors.index.json`; metadata `format: pt`. Tensors are made contiguous (and cast) one
+shard at a time, so an export holds the model once plus at most one shard's copies."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("megatron_triroute.export")
+
+SINGLE = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
+    if not match:
+        raise ValueError(f"--max-shard-size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 2GiB")
+    unit = (match.group(2) or "B").upper()
+    scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
+    size = int(float(match.group(1)) * scale)
+    if size <= 0:
+        raise ValueError(f"--max-shard-size {text!r}: must be positive")
+    return size
+
+
+def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int,
+                  cast=lambda name, t: t) -> list[str]:
+    """Write `tensors` (cast by `cast(name, tensor)`) into `directory`; returns the file names."""
+    from safetensors.torch import save_file
+
+    names = list(tensors)
+    sizes = {n: tensors[n].numel() * cast(n, tensors[n][:0] if tensors[n].dim() else tensors[n]).element_size()
+             for n in names}
+    shards: list[list[str]] = [[]]
+    used = 0
+    for n in names:
+        if shards[-1] and used + sizes[n] > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(n)
+        used += sizes[n]
+    files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                               for i in range(len(shards))]
+    weight_map = {}
+    for i, (file, shard) in enumerate(zip(files, shards)):
+        save_file({n: cast(n, tensors[n]).contiguous() for n in shard}, str(directory / file),
+                  metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+        log.info("wrote %s (%d/%d, %d tensors, %.1f MB)", file, i + 1, len(files), len(shard),
+                 sum(sizes[n] for n in shard) / 1e6)
+    if len(files) > 1:
+        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+        (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory (single file or index + shards), verified against the index."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if (directory / INDEX).is_file():
+        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        out: dict[str, torch.Tensor] = {}
+        for file in sorted(set(weight_map.values())):
+            part = load_file(str(directory / file))
+            stray = sorted(k for k in part if weight_map.get(k) != file)
+            if stray:
+                raise ValueError(f"{directory / file} holds {stray[:4]} which {INDEX} places elsewhere. "
+                                 "Fix: re-export the directory.")
+            out.update(part)
+        missing = sorted(set(weight_map) - set(out))
+        if missing:
+            raise ValueError(f"{directory}: {INDEX} lists {missing[:4]} but no shard holds them. Fix: re-export.")
+        return out
+    if (directory / SINGLE).is_file():
+        return load_file(str(directory / SINGLE))
+    raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: pass a Hugging Face model directory "
+                     "written by `python -m megatron_triroute.export`.")
