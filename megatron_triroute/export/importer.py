@@ -1,0 +1,114 @@
+"""Hugging Face directory (written by the exporter) -> training checkpoint.
+
+The weights are mapped back to Megatron/DeepSpeed names (the inverse of
+`inference.checkpoint.map_megatron_state`, checked by running that map on the result: it must
+give back exactly the exported tensors, bit for bit) and written with `checkpoint/store.py` as a
+tensor/pipeline/expert 1/1/1 checkpoint whose meta holds the run config recorded in the export.
+The training-only budget dual variables (targets, lambdas, EMA) are not part of an export.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from ..config import TriRouteConfig
+from .completeness import ExportError, check_complete
+
+log = logging.getLogger("megatron_triroute.export")
+
+
+def engine_to_megatron(config: TriRouteConfig, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    m, r = config.model, config.router
+    H, Hkv, d, D = m.n_heads, m.n_kv_heads, m.d_head, m.d_model
+    G = H // Hkv
+    out = {"embedding.word_embeddings.weight": state["embed.weight"],
+           "decoder.final_layernorm.norm.weight": state["final_norm.weight"],
+           "output_layer.weight": state["lm_head.weight"],
+           "token_log_prob": state["token_log_prob"], "token_word_start": state["token_word_start"],
+           "budget.prices": state["prices"]}
+    for L in range(m.n_layers):
+        s, t = f"layers.{L}.", f"decoder.layers.{L}."
+        q = state[s + "wq"].reshape(Hkv, G, d, D)
+        grouped = torch.cat([q, state[s + "wk"].unsqueeze(1), state[s + "wv"].unsqueeze(1)], 1)
+        out[t + "self_attention.linear_qkv.weight"] = grouped.reshape((H + 2 * Hkv) * d, D)
+        out[t + "self_attention.linear_proj.weight"] = state[s + "wo"].reshape(D, H * d)
+        out[t + "input_layernorm.weight"] = state[s + "attn_norm.weight"]
+        out[t + "pre_mlp_layernorm.weight"] = state[s + "ffn_norm.weight"]
+        if r.expert_routing:
+            for e in range(r.num_experts):
+                for w in ("w1", "w2", "w3"):
+                    out[f"{t}mlp.experts.moe.experts.deepspeed_experts.{e}.{w}.weight"] = \
+                        state[f"{s}experts.{e}.{w}.weight"]
+        else:
+            out[t + "mlp.mlp.linear_fc1.weight"] = torch.cat([state[s + "ffn.w1.weight"], state[s + "ffn.w3.weight"]])
+            out[t + "mlp.mlp.linear_fc2.weight"] = state[s + "ffn.w2.weight"]
+        prefix = s + "controller."
+        out.update({t + "controller." + k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)})
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def read_export(directory: Path) -> tuple[dict, TriRouteConfig, dict[str, torch.Tensor]]:
+    """(config.json, config, engine-name state) of an exported directory."""
+    from .exporter import HF_PREFIX
+    from .safetensors_io import read_weights
+
+    directory = Path(directory)
+    cfg_file = directory / "config.json"
+    if not cfg_file.is_file():
+        raise ExportError(f"{directory}: no config.json. Fix: pass a directory written by the exporter.")
+    hf = json.loads(cfg_file.read_text())
+    if "triroute" not in hf or "training_config" not in hf:
+        raise ExportError(f"{cfg_file} has no `triroute`/`training_config` entries: not written by "
+                          "megatron_triroute.export, so the run config cannot be recovered. Fix: import a directory "
+                          "the exporter wrote.")
+    config = TriRouteConfig.from_dict(hf["triroute"]).validate()
+    weights = read_weights(directory)
+    if hf.get("model_type") == "llama":
+        from safetensors.torch import load_file
+
+        from .llama import SIDE_FILE, llama_to_engine
+
+        side_file = directory / SIDE_FILE
+        if not side_file.is_file():
+            raise ExportError(f"{side_file} is missing: it holds the controller, prices and token tables the "
+                              "Llama weights have no place for. Fix: re-export the checkpoint.")
+        state = llama_to_engine(config, weights, load_file(str(side_file)))
+    elif hf.get("model_type") == "triroute":
+        stray = sorted(k for k in weights if not k.startswith(HF_PREFIX))
+        if stray:
+            raise ExportError(f"{directory}: unexpected tensors {stray[:4]}. Fix: re-export the checkpoint.")
+        state = {k[len(HF_PREFIX):]: v for k, v in weights.items()}
+    else:
+        raise ExportError(f"{cfg_file}: model_type {hf.get('model_type')!r}; the importer reads `triroute` and "
+                          "`llama` exports of this project.")
+    return hf, config, state
+
+
+def import_hf(directory: Path, output: Path) -> Path:
+    from ..checkpoint.store import save_checkpoint
+    from ..inference.checkpoint import map_megatron_state
+
+    output = Path(output)
+    if output.exists():
+        raise ExportError(f"{output} already exists. Fix: pass a new --output directory.")
+    hf, config, state = read_export(directory)
+    from .completeness import expected_tensors
+
+    expected = expected_tensors(config)
+    state = {k: v.to(expected[k][1]) if k in expected else v for k, v in state.items()}  # bf16/fp16 exports
+    check_complete(config, state)
+    megatron = engine_to_megatron(config, state)
+    back = map_megatron_state(megatron, config)
+    differ = sorted(k for k in state if not torch.equal(back[k], state[k]))
+    if differ or set(back) != set(state):
+        raise ExportError(f"internal error: the Megatron names do not map back onto the export ({differ[:4]})")
+    step = int(hf.get("training_step") or 0)
+    meta = {"step": step, "config": hf["training_config"],
+            "layout": {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}, "imported_from": str(directory)}
+    path = save_checkpoint(output, step, {"model": megatron}, meta)
+    log.info("imported %s -> %s (%d tensors)", directory, path, len(megatron))
+    return output
