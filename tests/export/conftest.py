@@ -113,3 +113,11 @@ def exports(checkpoints, tmp_path_factory):
 
     root = tmp_path_factory.mktemp("hf")
     return {name: export(checkpoints[name], root / name) for name in LAYOUTS}
+
+
+@pytest.fixture(scope="session")
+def ep4_checkpoint(tiny_data, tmp_path_factory):  # noqa: F811
+    """The tiny TriRoute model saved at EP=4 (four gloo ranks) and its experts by global id."""
+    root = tmp_path_factory.mktemp("export_ep4")
+    run_distributed(_write_checkpoints, 4, str(root), str(tiny_data), {"ep4": (dict(ep=4), "triroute")}, timeout=300)
+    return root

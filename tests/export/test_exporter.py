@@ -100,6 +100,29 @@ def test_every_expert_present_under_its_global_id(checkpoints, exports):
         assert all(not torch.equal(w1[i], w1[j]) for i in range(experts) for j in range(i + 1, experts))
 
 
+@pytest.mark.distributed
+def test_ep4_export_equals_the_engine_and_holds_every_expert(ep4_checkpoint, tmp_path):
+    """Four expert-parallel ranks of one expert each: the export holds each under its global id."""
+    from megatron_triroute.export.exporter import export
+    from megatron_triroute.export.safetensors_io import read_weights
+
+    out = export(ep4_checkpoint / "ep4", tmp_path / "hf")
+    weights = read_weights(out)
+    ref = _reference_experts(ep4_checkpoint, "ep4")
+    assert len(ref) == 2 * 4 * 3
+    for key, value in ref.items():
+        layer, e, w = key.split(".")
+        assert torch.equal(weights[f"model.layers.{layer}.experts.{e}.{w}.weight"], value), key
+    engine, eod = engine_model(ep4_checkpoint / "ep4")
+    seqs = sequences(engine.config.model.vocab_size, eod)
+    ids, mask = left_pad(seqs, eod)
+    with torch.no_grad():
+        got = _hf(out)(input_ids=ids, attention_mask=mask).logits
+    for b, seq in enumerate(seqs):
+        err = (got[b, ids.shape[1] - len(seq):] - engine_logits(engine, seq)).abs().max().item()
+        assert err < 1e-4, (b, err)
+
+
 def test_experts_gathered_under_local_ids_are_refused(checkpoints):
     """What last-writer-wins gathering produces (rank 1's local experts 0, 1 written over rank 0's,
     its slots 2, 3 holding copies) is refused before anything is written."""
