@@ -1,11 +1,15 @@
 """The modeling code an export ships: the engine's own modules, copied, not reimplemented.
 
 `InferenceModel` (megatron_triroute/inference/model.py) and every project module it imports
-(transitively, including imports inside functions) are copied into the export directory as flat
-files (`megatron_triroute/routing/controller.py` -> `tr_routing_controller.py`), with their
-relative imports rewritten to point at the flat names: Hugging Face's remote-code loader resolves
-only single-level relative imports. Any other import must be the standard library or torch; a
-module that needs more (e.g. a compiled kernel package) is refused at export time, naming it.
+(transitively, including imports inside functions; project = `megatron_triroute` and the
+`triroute_kernels` package in kernels/) are copied into the export directory as flat files
+(`megatron_triroute/routing/controller.py` -> `tr_routing_controller.py`, `kernels/pool.py` ->
+`tk_pool.py`), with their imports of project modules (relative or absolute) rewritten to the flat
+names: Hugging Face's remote-code loader resolves only single-level relative imports. Any other
+import must be the standard library or torch, unless it sits in a `try:` block (Hugging Face does
+not require those, and the module then falls back); a project module imported only inside a
+`try:` whose own imports need more (e.g. a Triton kernel module) is left out, so the `try` takes
+its fallback. Anything else is refused at export time, naming the module and the import.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent  # megatron_triroute/
-ROOTS = ("inference/model.py",)
+ROOT_FILE = PACKAGE / "inference" / "model.py"
 ALLOWED_TOP_LEVEL = {"torch", "__future__"}
 TEMPLATES = Path(__file__).resolve().parent / "hf_code"
 TEMPLATE_FILES = ("configuration_triroute.py", "modeling_triroute.py", "tokenization_triroute.py")
@@ -26,72 +30,132 @@ class RemoteCodeError(RuntimeError):
     """The engine's modules cannot be shipped as remote code; the message names the import."""
 
 
-def flat_name(path: Path) -> str:
-    """megatron_triroute/routing/controller.py -> tr_routing_controller"""
-    rel = path.relative_to(PACKAGE).with_suffix("")
-    return "tr_" + "_".join(rel.parts)
+def project_roots() -> dict[str, tuple[Path, str]]:
+    """Top-level import name -> (its directory, flat-name prefix)."""
+    roots = {"megatron_triroute": (PACKAGE, "tr")}
+    kernels = PACKAGE.parent / "kernels"
+    if not (kernels / "__init__.py").is_file():
+        import importlib.util
+
+        spec = importlib.util.find_spec("triroute_kernels")
+        kernels = Path(spec.origin).parent if spec and spec.origin else None
+    if kernels is not None:
+        roots["triroute_kernels"] = (kernels, "tk")
+    return roots
 
 
-def _resolve(source: Path, level: int, module: str | None) -> Path:
-    base = source.parent
-    for _ in range(level - 1):
-        base = base.parent
-    target = base.joinpath(*module.split(".")) if module else base
-    if target.with_suffix(".py").is_file():
-        return target.with_suffix(".py")
-    raise RemoteCodeError(f"{source.relative_to(PACKAGE.parent)}: relative import of "
-                          f"{'.' * level}{module or ''} is not a module file (a package import cannot be "
-                          "flattened). Fix: import the module itself, e.g. `from .pkg.module import name`.")
+class _Graph:
+    def __init__(self, roots: dict[str, tuple[Path, str]]):
+        self.roots = roots
+
+    def root_of(self, path: Path) -> tuple[str, Path, str]:
+        for name, (directory, prefix) in self.roots.items():
+            if path.is_relative_to(directory):
+                return name, directory, prefix
+        raise RemoteCodeError(f"{path} is outside the project packages {sorted(self.roots)}")
+
+    def flat_name(self, path: Path) -> str:
+        _, directory, prefix = self.root_of(path)
+        return "_".join((prefix, *path.relative_to(directory).with_suffix("").parts))
+
+    def resolve(self, source: Path, level: int, module: str | None) -> Path | None:
+        """The project module file an import names, None for a non-project import."""
+        if level:
+            base = source.parent
+            for _ in range(level - 1):
+                base = base.parent
+        else:
+            top = (module or "").split(".")[0]
+            if top not in self.roots:
+                return None
+            base, module = self.roots[top][0], module.partition(".")[2] or None
+        target = base.joinpath(*module.split(".")) if module else base
+        if target.with_suffix(".py").is_file():
+            return target.with_suffix(".py")
+        raise RemoteCodeError(f"{source}: `{'.' * level}{module or ''}` is a package, not a module file; a package "
+                              "import cannot be flattened. Fix: import from the module itself "
+                              "(`from .pkg.module import name`).")
+
+    def imports(self, path: Path):
+        """(project files imported, foreign top-level names), each split into required and in-try."""
+        tree = ast.parse(path.read_text(), str(path))
+        optional_nodes = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
+                          for stmt in t.body for n in ast.walk(stmt)}
+        need, maybe, foreign, optional_foreign = [], [], set(), set()
+        for node in ast.walk(tree):
+            optional = id(node) in optional_nodes
+            if isinstance(node, ast.ImportFrom):
+                target = self.resolve(path, node.level, node.module)
+                if target is not None:
+                    (maybe if optional else need).append(target)
+                else:
+                    (optional_foreign if optional else foreign).add(node.module.split(".")[0])
+            elif isinstance(node, ast.Import):
+                for alias in node.names:
+                    top = alias.name.split(".")[0]
+                    if top in self.roots:
+                        raise RemoteCodeError(f"{path}: `import {alias.name}` cannot be flattened. Fix: use "
+                                              f"`from {alias.name.rpartition('.')[0] or alias.name} import ...`.")
+                    (optional_foreign if optional else foreign).add(top)
+        allowed = ALLOWED_TOP_LEVEL | set(sys.stdlib_module_names)
+        return need, maybe, sorted(foreign - allowed)
+
+    def closure(self, root: Path) -> list[Path]:
+        """Every module `root` needs; modules reachable only through `try:` imports are kept only
+        when their own closure is shippable."""
+        seen: list[Path] = []
+
+        def visit(path: Path, trail: list[Path]) -> None:
+            if path in seen or path in trail:
+                return
+            need, maybe, foreign = self.imports(path)
+            if foreign:
+                raise RemoteCodeError(
+                    f"{path} imports {foreign} (via {' -> '.join(p.name for p in trail + [path])}): the exported "
+                    "modeling code may import only the standard library and torch outside `try:` blocks (it must "
+                    "load where megatron_triroute is not installed). Fix: put that import in a try/except with a "
+                    "pure-torch fallback, or keep it out of the inference model's import graph.")
+            seen.append(path)
+            for target in need:
+                visit(target, trail + [path])
+            for target in maybe:
+                snapshot = list(seen)
+                try:
+                    visit(target, trail + [path])
+                except RemoteCodeError:
+                    seen[:] = snapshot  # left out: the try block falls back at run time
+
+        visit(root, [])
+        return sorted(seen)
+
+    def rewrite(self, path: Path, shipped: set[Path]) -> str:
+        """The module's source with every project import pointing at the flat file names."""
+        lines = path.read_text().splitlines(keepends=True)
+        for node in ast.walk(ast.parse("".join(lines), str(path))):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            target = self.resolve(path, node.level, node.module)
+            if target is None:
+                continue
+            # A module left out is imported from a package that does not exist (absolute, so Hugging Face
+            # neither copies nor checks it inside a `try`): its `try` falls back at run time.
+            new = f".{self.flat_name(target)}" if target in shipped else f"_not_shipped.{self.flat_name(target)}"
+            i = node.lineno - 1
+            pattern = re.compile(r"from\s+" + re.escape("." * node.level + (node.module or "")) + r"\s+import\b")
+            lines[i], count = pattern.subn(f"from {new} import", lines[i], count=1)
+            if count != 1:
+                raise RemoteCodeError(f"{path}:{node.lineno}: cannot rewrite this import (split over lines?). Fix: "
+                                      "write `from module import (...)` with the module on the first line.")
+        _, directory, _ = self.root_of(path)
+        origin = f"{directory.name}/{path.relative_to(directory).as_posix()}"
+        return f"# Copied from {origin} by megatron_triroute.export; do not edit.\n" + "".join(lines)
 
 
-def _imports(path: Path) -> tuple[list[tuple[int, str | None]], set[str]]:
-    relative, absolute = [], set()
-    for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.ImportFrom) and node.level:
-            relative.append((node.level, node.module))
-        elif isinstance(node, ast.ImportFrom):
-            absolute.add(node.module.split(".")[0])
-        elif isinstance(node, ast.Import):
-            absolute.update(alias.name.split(".")[0] for alias in node.names)
-    return relative, absolute
-
-
-def module_closure(roots=ROOTS) -> list[Path]:
-    """Every project module the roots need, checked to import only the stdlib and torch otherwise."""
-    todo = [PACKAGE / r for r in roots]
-    seen: list[Path] = []
-    while todo:
-        path = todo.pop()
-        if path in seen:
-            continue
-        seen.append(path)
-        relative, absolute = _imports(path)
-        foreign = sorted(a for a in absolute - ALLOWED_TOP_LEVEL if a not in sys.stdlib_module_names)
-        if foreign:
-            raise RemoteCodeError(f"{path.relative_to(PACKAGE.parent)} imports {foreign}: the exported modeling "
-                                  "code may import only the standard library and torch (it must load where "
-                                  "megatron_triroute is not installed). Fix: guard that import in a try/except with a "
-                                  "pure-torch fallback, or keep it out of the inference model's import graph.")
-        todo.extend(_resolve(path, level, module) for level, module in relative)
-    return sorted(seen)
-
-
-_FROM = re.compile(r"^(\s*)from\s+(\.+)([\w.]*)\s+import\b", re.MULTILINE)
-
-
-def rewrite(path: Path) -> str:
-    """The module's source with every relative import pointing at the flat file names."""
-    def sub(match: re.Match) -> str:
-        target = _resolve(path, len(match.group(2)), match.group(3) or None)
-        return f"{match.group(1)}from .{flat_name(target)} import"
-
-    header = f"# Copied from megatron_triroute/{path.relative_to(PACKAGE).as_posix()} by the exporter; do not edit.\n"
-    return header + _FROM.sub(sub, path.read_text())
-
-
-def remote_code_files() -> dict[str, str]:
+def remote_code_files(roots: dict[str, tuple[Path, str]] | None = None, root_file: Path = ROOT_FILE) -> dict[str, str]:
     """file name -> source of everything `modeling_triroute.py` needs, plus the templates."""
-    files = {flat_name(p) + ".py": rewrite(p) for p in module_closure()}
+    graph = _Graph(roots or project_roots())
+    modules = graph.closure(root_file)
+    files = {graph.flat_name(p) + ".py": graph.rewrite(p, set(modules)) for p in modules}
     for name in TEMPLATE_FILES:
         files[name] = (TEMPLATES / name).read_text()
     return files

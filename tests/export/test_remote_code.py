@@ -89,3 +89,63 @@ def test_no_project_module_in_the_export(exports):
             elif isinstance(node, ast.Import):
                 assert all(a.name.split(".")[0] in allowed for a in node.names), path.name
     assert torch.__name__ == "torch"
+
+
+def test_copier_flattens_project_imports_and_leaves_out_optional_kernels(tmp_path):
+    """A synthetic project: relative and absolute project imports are flattened; a module imported
+    only inside `try:` whose own imports need a missing package is left out and its `try` falls back;
+    a required foreign import is refused naming it."""
+    import importlib
+    import textwrap
+
+    import pytest
+
+    from megatron_triroute.export.remote_code import RemoteCodeError, remote_code_files
+
+    def write(path, text):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+
+    pkg, kern = tmp_path / "src" / "pkg", tmp_path / "src" / "kern"
+    write(pkg / "__init__.py", "")
+    write(kern / "__init__.py", "")
+    write(pkg / "inference" / "model.py", """\
+        from __future__ import annotations
+        import math
+        from ..config import (
+            WIDTH,
+        )
+        from kern.ops import double
+
+        def run(x):
+            from .helper import plus_one
+            return plus_one(double(x)) + WIDTH + int(math.sqrt(4))
+        """)
+    write(pkg / "inference" / "helper.py", "def plus_one(x):\n    return x + 1\n")
+    write(pkg / "config.py", "WIDTH = 10\n")
+    write(kern / "ops.py", """\
+        try:
+            from .fast import double
+        except ImportError:
+            def double(x):
+                return 2 * x
+        """)
+    write(kern / "fast.py", "import not_a_real_gpu_package\ndouble = None\n")
+    roots = {"pkg": (pkg, "tr"), "kern": (kern, "tk")}
+    files = remote_code_files(roots, pkg / "inference" / "model.py")
+    assert sorted(f for f in files if f.startswith("t")) == [
+        "tk_ops.py", "tokenization_triroute.py", "tr_config.py", "tr_inference_helper.py", "tr_inference_model.py"]
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    (flat / "__init__.py").write_text("")
+    for name, source in files.items():
+        if name.startswith(("tr_", "tk_")):
+            (flat / name).write_text(source)
+    sys.path.insert(0, str(tmp_path))
+    try:
+        assert importlib.import_module("flat.tr_inference_model").run(3) == 3 * 2 + 1 + 10 + 2
+    finally:
+        sys.path.remove(str(tmp_path))
+    write(pkg / "config.py", "import not_a_real_gpu_package\nWIDTH = 10\n")
+    with pytest.raises(RemoteCodeError, match=r"config.py imports \['not_a_real_gpu_package'\]"):
+        remote_code_files(roots, pkg / "inference" / "model.py")
