@@ -51,7 +51,7 @@ def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
     try:
         tree, state = load_inference_checkpoint(checkpoint)
     except InferenceCheckpointError as error:
-        raise ExportError(f"{error} Nothing was written.") from error
+        raise ExportError(f"{str(error).rstrip('.')}. Nothing was written.") from error
     config = TriRouteConfig.from_dict(tree["triroute"]).validate()
     data = Path(data) if data is not None else Path(tree.get("data", {}).get("path", ""))
     tables = data / "tokenizer" / "token_tables.safetensors"
@@ -86,15 +86,15 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.", dir=output.parent))
     try:
+        from .tokenizer import write_tokenizer
+
+        write_tokenizer(tmp, model_file, eod, config.model.seq_len)  # first: it checks the EOD id
         if native and is_dense(config):
             from .llama import write_llama
 
             write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
         else:
             write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
-        from .tokenizer import write_tokenizer
-
-        write_tokenizer(tmp, model_file, eod, config.model.seq_len)
         for file in tmp.iterdir():
             os.chmod(file, 0o644)
         os.chmod(tmp, 0o755)
