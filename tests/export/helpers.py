@@ -12,14 +12,19 @@ def engine_model(checkpoint):
     return build_model(tree, state, eod), eod
 
 
-def engine_logits(model, seq: list[int]) -> torch.Tensor:
-    """(n, V) logits of one sequence alone, one prefill through the engine's paged cache."""
+def engine_logits(model, seq: list[int], decisions: dict | None = None) -> torch.Tensor:
+    """(n, V) logits of one sequence alone, one prefill through the engine's paged cache; with
+    `decisions`, the attention modes and bit options taken are added to its sets."""
     from megatron_triroute.inference.side_state import SideState
 
     cache = model.new_cache()
     cache.add_request(0)
-    logits, _ = model.step(torch.tensor([seq]), torch.tensor([len(seq)]), [SideState()], cache, [0],
-                           all_logits=True)
+    logits, outs = model.step(torch.tensor([seq]), torch.tensor([len(seq)]), [SideState()], cache, [0],
+                              all_logits=True)
+    if decisions is not None:
+        for out in outs:
+            decisions.setdefault("modes", set()).update(out.attn.y.argmax(-1).flatten().tolist())
+            decisions.setdefault("bits", set()).update(out.bits.y.argmax(-1).flatten().tolist())
     return logits[0]
 
 

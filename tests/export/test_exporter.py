@@ -29,10 +29,12 @@ def test_logits_equal_the_engine(checkpoints, exports, layout):
     with torch.no_grad():
         got = hf(input_ids=ids, attention_mask=mask).logits
     n = ids.shape[1]
+    taken: dict = {}
     for b, seq in enumerate(seqs):
-        want = engine_logits(engine, seq)
+        want = engine_logits(engine, seq, taken)
         err = (got[b, n - len(seq):] - want).abs().max().item()
         assert err < 1e-4, (layout, b, err)
+    assert taken["modes"] == {0, 1, 2} and len(taken["bits"]) >= 2, taken  # the paths the batch exercises
     # Right padding gives the same values at the valid positions.
     right = torch.full_like(ids, eod)
     rmask = torch.zeros_like(mask)
