@@ -208,11 +208,12 @@ def load_model(directory: str | Path, model) -> None:
 _EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
 
 
-def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
+def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, torch.Tensor]:
     """The whole model in one process, without torch.distributed, under the names a
     tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
     `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
-    layout wrote the checkpoint."""
+    layout wrote the checkpoint. `copy=False` returns the per-layer (and per-expert) tensors as
+    views into the stacked global tensors: one copy of the model in memory instead of two."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -231,11 +232,11 @@ def full_model_state(directory: str | Path) -> dict[str, torch.Tensor]:
             for layer in range(tensor.shape[0]):
                 for e in range(tensor.shape[1]):
                     out[f"decoder.layers.{layer}.{expert.group(1)}.deepspeed_experts.{e}.{expert.group(2)}"] = \
-                        tensor[layer, e].clone()
+                        tensor[layer, e].clone() if copy else tensor[layer, e]
         elif name.startswith("decoder.layers."):  # [layers, ...]
             rest = name[len("decoder.layers."):]
             for layer in range(tensor.shape[0]):
-                out[f"decoder.layers.{layer}.{rest}"] = tensor[layer].clone()
+                out[f"decoder.layers.{layer}.{rest}"] = tensor[layer].clone() if copy else tensor[layer]
         else:
             out[name] = tensor
     return out

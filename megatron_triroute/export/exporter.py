@@ -49,7 +49,7 @@ def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
 
     log.info("reading %s", checkpoint)
     try:
-        tree, state = load_inference_checkpoint(checkpoint)
+        tree, state = load_inference_checkpoint(checkpoint, copy=False)  # views: the model held once
     except InferenceCheckpointError as error:
         raise ExportError(f"{str(error).rstrip('.')}. Nothing was written.") from error
     config = TriRouteConfig.from_dict(tree["triroute"]).validate()

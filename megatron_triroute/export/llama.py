@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from ..config import TriRouteConfig
-from .safetensors_io import write_weights
+from .safetensors_io import _own, write_weights
 
 SIDE_FILE = "triroute_state.safetensors"
 
@@ -101,7 +101,7 @@ def write_llama(directory: Path, tree: dict, config: TriRouteConfig, state: dict
 
     weights, side = engine_to_llama(config, state)
     write_weights(directory, weights, max_shard_size, lambda name, t: t.to(dtype))
-    save_file({k: v.contiguous() for k, v in side.items()}, str(directory / SIDE_FILE), metadata={"format": "pt"})
+    save_file({k: _own(v) for k, v in side.items()}, str(directory / SIDE_FILE), metadata={"format": "pt"})
     cfg = llama_config(config, eod, tree)
     cfg["dtype"] = str(dtype).replace("torch.", "")
     write_json(directory / "config.json", cfg)

@@ -32,6 +32,14 @@ def parse_size(text: str) -> int:
     return size
 
 
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor with storage of its own (a view into a larger tensor is copied: one
+    shard's worth at a time)."""
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size():
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_bytes: int,
                   cast=lambda name, t: t) -> list[str]:
     """Write `tensors` (cast by `cast(name, tensor)`) into `directory`; returns the file names."""
@@ -52,8 +60,7 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_b
                                                for i in range(len(shards))]
     weight_map = {}
     for i, (file, shard) in enumerate(zip(files, shards)):
-        save_file({n: cast(n, tensors[n]).contiguous() for n in shard}, str(directory / file),
-                  metadata={"format": "pt"})
+        save_file({n: _own(cast(n, tensors[n])) for n in shard}, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
         log.info("wrote %s (%d/%d, %d tensors, %.1f MB)", file, i + 1, len(files), len(shard),
                  sum(sizes[n] for n in shard) / 1e6)

@@ -38,9 +38,11 @@ class InferenceCheckpointError(ValueError):
     """The checkpoint cannot be served; the message names what is wrong and the fix."""
 
 
-def load_inference_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config tree as saved by the run, state dict in `InferenceModel` names) of the newest valid
-    checkpoint under `path` (a run's checkpoint root, or one `step_*` directory of it)."""
+    checkpoint under `path` (a run's checkpoint root, or one `step_*` directory of it). `copy=False`
+    (the exporter's): tensors of a layout-independent checkpoint may be views sharing storage, so
+    the model is held once."""
     from ..checkpoint.store import CheckpointError, load_checkpoint
 
     path = Path(path)
@@ -60,7 +62,7 @@ def load_inference_checkpoint(path: str | Path) -> tuple[dict, dict[str, torch.T
 
         config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
         try:
-            state = full_model_state(resolve_dir(root / step_dir_name(step)) / "sharded")
+            state = full_model_state(resolve_dir(root / step_dir_name(step)) / "sharded", copy=copy)
         except CheckpointError as error:
             raise InferenceCheckpointError(f"{path}: {error}") from error
         return tree_config, map_megatron_state(state, config)

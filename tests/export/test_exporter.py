@@ -125,6 +125,20 @@ def test_ep4_export_equals_the_engine_and_holds_every_expert(ep4_checkpoint, tmp
         assert err < 1e-4, (b, err)
 
 
+def test_the_export_reads_the_model_once(checkpoints):
+    """The exporter's read (`copy=False`) gives the same tensors as the engine's, as views into the
+    stacked global tensors rather than per-layer clones (no second copy of the model)."""
+    from megatron_triroute.inference.checkpoint import load_inference_checkpoint
+
+    _, copied = load_inference_checkpoint(checkpoints["ep2"])
+    _, viewed = load_inference_checkpoint(checkpoints["ep2"], copy=False)
+    assert sorted(copied) == sorted(viewed) and all(torch.equal(copied[k], viewed[k]) for k in copied)
+    experts = [viewed[f"layers.{layer}.experts.{e}.w1.weight"] for layer in range(2) for e in range(4)]
+    assert len({t.untyped_storage().data_ptr() for t in experts}) == 1  # one stacked [layers, experts, ...] tensor
+    assert len({copied[f"layers.{layer}.experts.{e}.w1.weight"].untyped_storage().data_ptr()
+                for layer in range(2) for e in range(4)}) == 8
+
+
 def test_experts_gathered_under_local_ids_are_refused(checkpoints):
     """What last-writer-wins gathering produces (rank 1's local experts 0, 1 written over rank 0's,
     its slots 2, 3 holding copies) is refused before anything is written."""
