@@ -12,6 +12,8 @@ import torch
 
 from tests.export.helpers import engine_logits, engine_model, left_pad, sequences
 
+pytestmark = pytest.mark.distributed  # the checkpoints fixture spawns two gloo ranks
+
 
 def _hf(directory):
     from transformers import AutoModelForCausalLM
@@ -102,7 +104,6 @@ def test_every_expert_present_under_its_global_id(checkpoints, exports):
         assert all(not torch.equal(w1[i], w1[j]) for i in range(experts) for j in range(i + 1, experts))
 
 
-@pytest.mark.distributed
 def test_ep4_export_equals_the_engine_and_holds_every_expert(ep4_checkpoint, tmp_path):
     """Four expert-parallel ranks of one expert each: the export holds each under its global id."""
     from megatron_triroute.export.exporter import export

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+pytestmark = pytest.mark.distributed  # the checkpoints fixture spawns two gloo ranks
+
 
 @pytest.mark.parametrize("name", ["ep2", "dense_tp2"])
 def test_round_trip_is_bit_exact(checkpoints, exports, tmp_path, name):

@@ -3,9 +3,12 @@ batched generation with padding gives each prompt what it gets alone."""
 
 import json
 
+import pytest
 import torch
 
 from tests.export.helpers import engine_logits, engine_model, left_pad, sequences
+
+pytestmark = pytest.mark.distributed  # the checkpoints fixture spawns two gloo ranks
 
 
 def test_dense_is_native_llama_with_logits_parity(checkpoints, exports):
