@@ -5,11 +5,13 @@
 `triroute_kernels` package in kernels/) are copied into the export directory as flat files
 (`megatron_triroute/routing/controller.py` -> `tr_routing_controller.py`, `kernels/pool.py` ->
 `tk_pool.py`), with their imports of project modules (relative or absolute) rewritten to the flat
-names: Hugging Face's remote-code loader resolves only single-level relative imports. Any other
-import must be the standard library or torch, unless it sits in a `try:` block (Hugging Face does
-not require those, and the module then falls back); a project module imported only inside a
-`try:` whose own imports need more (e.g. a Triton kernel module) is left out, so the `try` takes
-its fallback. Anything else is refused at export time, naming the module and the import.
+names (a package's `__init__.py` -> `tk.py`, `tr_routing.py`): Hugging Face's remote-code loader
+resolves only single-level relative imports. Any other import must be the standard library or
+torch, unless it sits in a `try:` block (Hugging Face does not require those). A project module
+imported only lazily (inside a function or a `try:`) whose own imports need more (the Triton
+kernel module `triroute_kernels.triton_ops`, imported only when the Triton backend is chosen) is
+left out, and that import statement becomes `raise ImportError(...)`: the CPU path never reaches
+it, a `try:` takes its fallback. Anything else is refused at export time, naming the import.
 """
 
 from __future__ import annotations
@@ -56,7 +58,8 @@ class _Graph:
 
     def flat_name(self, path: Path) -> str:
         _, directory, prefix = self.root_of(path)
-        return "_".join((prefix, *path.relative_to(directory).with_suffix("").parts))
+        parts = path.relative_to(directory).with_suffix("").parts
+        return "_".join((prefix, *(parts[:-1] if parts[-1] == "__init__" else parts)))
 
     def resolve(self, source: Path, level: int, module: str | None) -> Path | None:
         """The project module file an import names, None for a non-project import."""
@@ -72,22 +75,24 @@ class _Graph:
         target = base.joinpath(*module.split(".")) if module else base
         if target.with_suffix(".py").is_file():
             return target.with_suffix(".py")
-        raise RemoteCodeError(f"{source}: `{'.' * level}{module or ''}` is a package, not a module file; a package "
-                              "import cannot be flattened. Fix: import from the module itself "
-                              "(`from .pkg.module import name`).")
+        if (target / "__init__.py").is_file():
+            return target / "__init__.py"
+        raise RemoteCodeError(f"{source}: `{'.' * level}{module or ''}` names no module file. Fix: import from "
+                              "a module of the project (`from .pkg.module import name`).")
 
     def imports(self, path: Path):
         """(project files imported, foreign top-level names), each split into required and in-try."""
         tree = ast.parse(path.read_text(), str(path))
-        optional_nodes = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try)
-                          for stmt in t.body for n in ast.walk(stmt)}
+        in_try = {id(n) for t in ast.walk(tree) if isinstance(t, ast.Try) for stmt in t.body for n in ast.walk(stmt)}
+        lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                for n in ast.walk(f)}
         need, maybe, foreign, optional_foreign = [], [], set(), set()
         for node in ast.walk(tree):
-            optional = id(node) in optional_nodes
+            optional = id(node) in in_try  # Hugging Face does not require foreign imports in a try
             if isinstance(node, ast.ImportFrom):
                 target = self.resolve(path, node.level, node.module)
-                if target is not None:
-                    (maybe if optional else need).append(target)
+                if target is not None:  # project modules imported lazily are shipped only if they can be
+                    (maybe if optional or id(node) in lazy else need).append(target)
                 else:
                     (optional_foreign if optional else foreign).add(node.module.split(".")[0])
             elif isinstance(node, ast.Import):
@@ -101,8 +106,8 @@ class _Graph:
         return need, maybe, sorted(foreign - allowed)
 
     def closure(self, root: Path) -> list[Path]:
-        """Every module `root` needs; modules reachable only through `try:` imports are kept only
-        when their own closure is shippable."""
+        """Every module `root` needs; modules reachable only through lazy (`try:` or in-function)
+        imports are kept only when their own closure is shippable."""
         seen: list[Path] = []
 
         def visit(path: Path, trail: list[Path]) -> None:
@@ -123,7 +128,7 @@ class _Graph:
                 try:
                     visit(target, trail + [path])
                 except RemoteCodeError:
-                    seen[:] = snapshot  # left out: the try block falls back at run time
+                    seen[:] = snapshot  # left out: that import raises ImportError (rewrite)
 
         visit(root, [])
         return sorted(seen)
@@ -137,10 +142,15 @@ class _Graph:
             target = self.resolve(path, node.level, node.module)
             if target is None:
                 continue
-            # A module left out is imported from a package that does not exist (absolute, so Hugging Face
-            # neither copies nor checks it inside a `try`): its `try` falls back at run time.
-            new = f".{self.flat_name(target)}" if target in shipped else f"_not_shipped.{self.flat_name(target)}"
             i = node.lineno - 1
+            if target not in shipped:  # left out: the statement raises (same line count, same indent)
+                indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+                lines[i] = (f"{indent}raise ImportError({self.flat_name(target)!r} ' is not part of this export: it "
+                            "needs packages the exported code may not import (kernels: set TRIROUTE_KERNELS=torch)')\n")
+                for j in range(i + 1, node.end_lineno):
+                    lines[j] = "\n"
+                continue
+            new = f".{self.flat_name(target)}"
             pattern = re.compile(r"from\s+" + re.escape("." * node.level + (node.module or "")) + r"\s+import\b")
             lines[i], count = pattern.subn(f"from {new} import", lines[i], count=1)
             if count != 1:
