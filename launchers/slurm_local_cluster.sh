@@ -78,7 +78,7 @@ SelectTypeParameters=CR_CPU
 ReturnToService=2
 JobRequeue=1
 MinJobAge=600
-KillWait=10
+KillWait=30
 InactiveLimit=0
 SlurmdTimeout=60
 NodeName=$node NodeAddr=127.0.0.1 CPUs=2 RealMemory=20000 State=UNKNOWN
