@@ -1,6 +1,11 @@
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
+
+REPO = Path(__file__).resolve().parents[1]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
@@ -18,3 +23,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tiny_data(tmp_path_factory) -> Path:
+    """The tiny data_prep output (300 documents, a 1000-piece tokenizer), built once for the whole run."""
+    root = tmp_path_factory.mktemp("tiny_data")
+    py = sys.executable
+    subprocess.run([py, "-m", "data_prep", "corpus", "--output", str(root / "corpus"), "--max-docs", "300"],
+                   check=True, cwd=REPO, capture_output=True)
+    subprocess.run([py, "-m", "data_prep", "build", "--input", str(root / "corpus" / "*.jsonl.zst"),
+                    "--output", str(root / "data"), "--vocab-size", "1000", "--workers", "1"],
+                   check=True, cwd=REPO, capture_output=True)
+    return root / "data"

@@ -3,7 +3,7 @@
 
 import pytest
 
-from tests.training.conftest import TINY_OVERRIDES, run_to_end, tiny_data  # noqa: F401 (the shared tiny data set)
+from tests.training.conftest import TINY_OVERRIDES, run_to_end
 
 
 @pytest.fixture(scope="session")

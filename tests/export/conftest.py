@@ -13,7 +13,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.dist_utils import run_distributed  # noqa: E402
-from tests.training.conftest import tiny_data  # noqa: E402,F401 (the session's tiny data_prep output)
 
 LAYOUTS = {"tp2": (dict(tp=2), "triroute"), "ep2": (dict(ep=2), "triroute"), "pp2": (dict(pp=2), "triroute"),
            "dense_tp2": (dict(tp=2), "dense")}

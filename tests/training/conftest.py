@@ -1,4 +1,4 @@
-"""A tiny dataset built once per session, and a launcher for real training runs (torchrun)."""
+"""A launcher for real training runs (torchrun); the tiny dataset is the root conftest's `tiny_data`."""
 
 from __future__ import annotations
 
@@ -23,18 +23,6 @@ TINY_OVERRIDES = [
     "train.micro_batch_size=2", "train.log_interval=1", "train.eval_interval=1000", "train.eval_batches=2",
     "optim.warmup_steps=2",
 ]
-
-
-@pytest.fixture(scope="session")
-def tiny_data(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("tiny_data")
-    py = sys.executable
-    subprocess.run([py, "-m", "data_prep", "corpus", "--output", str(root / "corpus"), "--max-docs", "300"],
-                   check=True, cwd=REPO, capture_output=True)
-    subprocess.run([py, "-m", "data_prep", "build", "--input", str(root / "corpus" / "*.jsonl.zst"),
-                    "--output", str(root / "data"), "--vocab-size", "1000", "--workers", "1"],
-                   check=True, cwd=REPO, capture_output=True)
-    return root / "data"
 
 
 def launch(run_dir: Path, data: Path, nproc: int = 1, extra: list[str] = (), recipe: str = "tiny",
