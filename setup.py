@@ -32,7 +32,7 @@ setup(
         "gpu": ["transformer-engine[pytorch]>=1.12", "triton>=3.0"],
         # lm-evaluation-harness model `triroute` (megatron_triroute.evaluation.harness); the exact
         # version and everything it pulls are pinned in constraints.txt.
-        "eval": ["lm-eval>=0.4.13,<0.5"],
+        "eval": ["lm-eval>=0.4.13,<0.5", "accelerate>=1.0"],  # accelerate: the harness's own `hf` model
         # Routing-analysis figures (python -m megatron_triroute.analyze).
         "analysis": ["matplotlib>=3.8"],
         # Export to / import from Hugging Face format (python -m megatron_triroute.export).
