@@ -12,12 +12,17 @@ import pytest
 from tests.export.helpers import engine_model
 
 CODE = r"""
-import importlib.abc, json, sys
+import importlib.abc, importlib.util, json, sys
+BLOCKED = ("megatron_triroute", "megatron", "deepspeed")
 class Block(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("megatron_triroute", "megatron", "deepspeed"):
-            raise ImportError("blocked: " + name)
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError("blocked: " + name, name=name)
 sys.meta_path.insert(0, Block())
+# As where they are not installed: probing for them finds nothing (transformers probes for deepspeed
+# when accelerate is installed) and importing them fails.
+_find_spec = importlib.util.find_spec
+importlib.util.find_spec = lambda name, package=None: None if name.split(".")[0] in BLOCKED else _find_spec(name, package)
 sys.path = [p for p in sys.path if p not in ("", ".")]
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
