@@ -104,22 +104,21 @@ def _check_read(q, k_pool, v_pool, bits, page_table, lo, hi) -> None:
         raise ValueError(f"page_table holds page {int(page_table.max())} but the pool has {k_pool.num_pages} pages")
 
 
-def _gather_heads_major(pool: PagePool, pages: torch.Tensor) -> torch.Tensor:
-    """float32 [B, H_kv, C * P, d_h]: the dequantised contents of pages [B, C] (ids >= 0), laid out
-    head-major so the score and value products are plain batched matmuls."""
-    B, C = pages.shape
-    P, H_kv, d_h = pool.page_size, pool.num_kv_heads, pool.head_dim
-    out = torch.empty(B, H_kv, C, P, d_h, dtype=torch.float32, device=pool.device)
-    dst = out.permute(0, 2, 3, 1, 4)  # [B, C, P, H_kv, d_h] view
+def _gather_entries(pool: PagePool, pages: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """float32 [T, P, d_h]: the dequantised contents of kv head heads[e] in page pages[e], per entry e
+    (ids >= 0); only these (page, head) blocks are gathered and dequantised."""
     if pool.bits >= 16:
-        dst.copy_(pool.values[pages])
-    else:
-        _unpack_into(dst, pool.codes[pages], pool.scale[pages], pool.zero[pages], pool.bits)
-    return out.view(B, H_kv, C * P, d_h)
+        return pool.values[pages, :, heads].float()
+    codes = pool.codes[pages, :, heads]  # [T, P, d_h * bits // 8]
+    out = torch.empty(*codes.shape[:-1], pool.head_dim, dtype=torch.float32, device=pool.device)
+    _unpack_into(out, codes, pool.scale[pages, :, heads], pool.zero[pages, :, heads], pool.bits)
+    return out
 
 
 CHUNK_ELEMENTS = 1 << 22
 """Dequantised K (and V) elements gathered at once when `pages_per_chunk` is not given (16 MiB each)."""
+
+_NO_POS = torch.iinfo(torch.int32).max
 
 
 def decode_attention_pool_torch(
@@ -137,9 +136,19 @@ def decode_attention_pool_torch(
     """Attention of one query per request over the keys of one pool; returns (out [B, H_q, d_h], lse [B, H_q]).
 
     (b, h) reads the slots of b's pages with lo[b, h] <= token_pos <= hi[b] from kv head
-    h // (H_q // H_kv); nothing read gives out = 0 and lse = -inf. Pages are gathered and
-    dequantised `pages_per_chunk` at a time (default: about CHUNK_ELEMENTS values per chunk) and
-    the chunks merged by log-sum-exp, so scratch memory is bounded by the chunk, not the context.
+    h // (H_q // H_kv); nothing read (lo > hi: a skipping head) gives out = 0 and lse = -inf.
+
+    Only the selected work is done. A page's smallest and largest position (from `token_pos`)
+    decide which (request, kv head, page) blocks some reading query head of the group needs (a
+    local head's window meets only the last pages of a pool, whose positions increase); only
+    those blocks are gathered and dequantised, and only for that kv head. Their keys are scored
+    for the group's query heads in one batched matmul, and keys outside a head's range (every key,
+    for a skipping head of a group another head of which reads the block) are masked. A kv group
+    none of whose heads reads gathers nothing, and a batch where no head reads returns at once.
+    Blocks are processed `pages_per_chunk` at a time (default: about CHUNK_ELEMENTS dequantised
+    values per chunk) and the chunks merged by log-sum-exp, so scratch memory is bounded by the
+    chunk, not the context. Page granularity: a local head of window w gathers at most
+    ceil((w + 1) / P) + 1 pages of a pool and masks the slots outside its window.
     """
     _check_read(q, k_pool, v_pool, bits, page_table, lo, hi)
     B, H_q, d_h = q.shape
@@ -147,38 +156,50 @@ def decode_attention_pool_torch(
     G = H_q // H_kv
     dev = k_pool.device
     if pages_per_chunk is None:
-        pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, B * P * H_kv * d_h))
+        pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, P * d_h))
+    lo_g = lo.to(dev).reshape(B, H_kv, G)
+    hi_b = hi.to(dev).reshape(B)
+    table = page_table.to(dev).long()
+    # Per (request, page) the smallest and largest position it holds (absent pages and free slots
+    # hold none), and per (request, kv head, page) whether some query head of the group needs it.
+    pos = k_pool.token_pos[table.clamp(min=0)]  # [B, M, P]
+    pos = torch.where((table >= 0).unsqueeze(-1) & (pos >= 0), pos, -1)
+    p_max = pos.amax(-1) if pos.numel() else pos.new_full(table.shape, -1)
+    p_min = torch.where(pos >= 0, pos, _NO_POS).amin(-1) if pos.numel() else pos.new_full(table.shape, _NO_POS)
+    reads = lo_g <= hi_b.view(B, 1, 1)  # [B, H_kv, G]
+    need = (reads.unsqueeze(-1) & (p_max.view(B, 1, 1, -1) >= lo_g.unsqueeze(-1))
+            & (p_min.view(B, 1, 1, -1) <= hi_b.view(B, 1, 1, 1))).any(2)  # [B, H_kv, M]
+    eb, eg, em = need.nonzero(as_tuple=True)  # the blocks read, request-major
+    out = torch.zeros(B * H_kv, G, d_h, device=dev)
+    lse = torch.full((B * H_kv, G), -math.inf, device=dev)
+    T = eb.numel()
+    if T == 0:
+        return out.view(B, H_q, d_h), lse.view(B, H_q)
     qg = q.float().to(dev).reshape(B, H_kv, G, d_h)
-    lo_g = lo.to(dev).reshape(B, H_kv, G, 1)
-    hi_g = hi.to(dev).reshape(B, 1, 1, 1)
-    m = torch.full((B, H_kv, G, 1), -math.inf, device=dev)
-    den = torch.zeros(B, H_kv, G, 1, device=dev)
-    acc = torch.zeros(B, H_kv, G, d_h, device=dev)
-    table = page_table.to(dev)
-    for start in range(0, table.shape[1], max(1, pages_per_chunk)):
-        chunk = table[:, start : start + pages_per_chunk]
-        present = chunk >= 0
-        if not bool(present.any()):
-            continue
-        pages = chunk.clamp(min=0).long()
-        pos = k_pool.token_pos[pages]  # [B, C, P]
-        pos = torch.where(present.unsqueeze(-1), pos, torch.full_like(pos, -1)).reshape(B, 1, 1, -1)
-        keep = (pos >= 0) & (pos >= lo_g) & (pos <= hi_g)  # [B, H_kv, G, L]
-        if not bool(keep.any()):
-            continue
-        k = _gather_heads_major(k_pool, pages)  # [B, H_kv, L, d_h]
-        s = torch.matmul(qg, k.transpose(-1, -2)).mul_(sm_scale).masked_fill_(~keep, -math.inf)
+    m = lse  # running max per (request, kv head, query head), -inf until a key is read
+    den = torch.zeros(B * H_kv, G, device=dev)
+    acc = out
+    step = max(1, pages_per_chunk)
+    for start in range(0, T, step):
+        b, g, mm = eb[start : start + step], eg[start : start + step], em[start : start + step]
+        row = b * H_kv + g  # [C] output row of each block
+        pages = table[b, mm]
+        ppos = pos[b, mm].unsqueeze(1)  # [C, 1, P]
+        keep = (ppos >= 0) & (ppos >= lo_g[b, g].unsqueeze(-1)) & (ppos <= hi_b[b].view(-1, 1, 1))  # [C, G, P]
+        k = _gather_entries(k_pool, pages, g)  # [C, P, d_h]
+        s = torch.matmul(qg[b, g], k.transpose(-1, -2)).mul_(sm_scale).masked_fill_(~keep, -math.inf)  # [C, G, P]
         del k
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        idx = row.view(-1, 1).expand(-1, G)
+        m_new = m.scatter_reduce(0, idx, s.amax(-1), "amax")
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = s.sub_(m_safe).exp_()
+        p = s.sub_(m_safe[row].unsqueeze(-1)).exp_()
         alpha = torch.exp(m - m_safe)
-        den = den * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, _gather_heads_major(v_pool, pages))
+        den = (den * alpha).index_add_(0, row, p.sum(-1))
+        acc = (acc * alpha.unsqueeze(-1)).index_add_(0, row, torch.matmul(p, _gather_entries(v_pool, pages, g)))
         m = m_new
     read = den > 0
     safe_den = torch.where(read, den, torch.ones_like(den))
-    out = torch.where(read, acc / safe_den, torch.zeros_like(acc))
+    out = torch.where(read.unsqueeze(-1), acc / safe_den.unsqueeze(-1), torch.zeros_like(acc))
     lse = torch.where(read, m + torch.log(safe_den), torch.full_like(m, -math.inf))
     return out.reshape(B, H_q, d_h), lse.reshape(B, H_q)
 
