@@ -104,15 +104,38 @@ def _check_read(q, k_pool, v_pool, bits, page_table, lo, hi) -> None:
         raise ValueError(f"page_table holds page {int(page_table.max())} but the pool has {k_pool.num_pages} pages")
 
 
-def _gather_entries(pool: PagePool, pages: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
-    """float32 [T, P, d_h]: the dequantised contents of kv head heads[e] in page pages[e], per entry e
-    (ids >= 0); only these (page, head) blocks are gathered and dequantised."""
+def _unpack_float(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., n_bytes] -> float32 [..., n_bytes * 8 // bits] codes in `pack_codes`' order (code i at bit i * bits)."""
+    if bits == 8:
+        return codes.float()
+    mask = (1 << bits) - 1
+    parts = [codes & mask] + [(codes >> j) & mask for j in range(bits, 8, bits)]
+    return torch.stack(parts, -1).flatten(-2).float()
+
+
+def _block_rows(pool: PagePool, pages: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """int64 [T * P]: the rows of blocks (page pages[e], kv head heads[e]) in the pool's flat
+    [num_pages * P * H_kv, ...] views, block-major then slot."""
+    P, H_kv = pool.page_size, pool.num_kv_heads
+    slots = pages.view(-1, 1) * P + torch.arange(P, device=pages.device)
+    return slots.mul_(H_kv).add_(heads.view(-1, 1)).flatten()
+
+
+def _gather_blocks(pool: PagePool, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [T, P, d_h]: the dequantised (slot, kv head) rows `rows` of `_block_rows`; only these
+    blocks are gathered and dequantised.
+
+    Rows are gathered with `index_select` from flat views; codes are unpacked by scalar shifts and
+    dequantised as code * scale + zero in float32 (`dequantize_groups`' arithmetic, bit-identical)."""
+    P, d_h = pool.page_size, pool.head_dim
     if pool.bits >= 16:
-        return pool.values[pages, :, heads].float()
-    codes = pool.codes[pages, :, heads]  # [T, P, d_h * bits // 8]
-    out = torch.empty(*codes.shape[:-1], pool.head_dim, dtype=torch.float32, device=pool.device)
-    _unpack_into(out, codes, pool.scale[pages, :, heads], pool.zero[pages, :, heads], pool.bits)
-    return out
+        return pool.values.view(-1, d_h).index_select(0, rows).float().view(-1, P, d_h)
+    codes = pool.codes.view(-1, pool.codes.shape[-1]).index_select(0, rows)  # [T * P, d_h * bits // 8]
+    n_groups = pool.scale.shape[-1]
+    scale = pool.scale.view(-1, n_groups).index_select(0, rows).float().unsqueeze(-1)
+    zero = pool.zero.view(-1, n_groups).index_select(0, rows).float().unsqueeze(-1)
+    values = _unpack_float(codes, pool.bits).view(rows.numel(), n_groups, -1).mul_(scale).add_(zero)
+    return values.view(-1, P, d_h)
 
 
 CHUNK_ELEMENTS = 1 << 22
@@ -157,7 +180,7 @@ def decode_attention_pool_torch(
     dev = k_pool.device
     if pages_per_chunk is None:
         pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, P * d_h))
-    lo_g = lo.to(dev).reshape(B, H_kv, G)
+    lo_g = lo.to(dev).reshape(B, H_kv, G).clamp_min(0)  # free slots (position -1) are never read
     hi_b = hi.to(dev).reshape(B)
     table = page_table.to(dev).long()
     # Per (request, page) the smallest and largest position it holds (absent pages and free slots
@@ -170,37 +193,38 @@ def decode_attention_pool_torch(
     need = (reads.unsqueeze(-1) & (p_max.view(B, 1, 1, -1) >= lo_g.unsqueeze(-1))
             & (p_min.view(B, 1, 1, -1) <= hi_b.view(B, 1, 1, 1))).any(2)  # [B, H_kv, M]
     eb, eg, em = need.nonzero(as_tuple=True)  # the blocks read, request-major
-    out = torch.zeros(B * H_kv, G, d_h, device=dev)
-    lse = torch.full((B * H_kv, G), -math.inf, device=dev)
     T = eb.numel()
     if T == 0:
-        return out.view(B, H_q, d_h), lse.view(B, H_q)
+        return (torch.zeros(B, H_q, d_h, device=dev), torch.full((B, H_q), -math.inf, device=dev))
     qg = q.float().to(dev).reshape(B, H_kv, G, d_h)
-    m = lse  # running max per (request, kv head, query head), -inf until a key is read
-    den = torch.zeros(B * H_kv, G, device=dev)
-    acc = out
+    m = den = acc = None  # running max, sum and weighted V per (request * kv head, query head)
     step = max(1, pages_per_chunk)
     for start in range(0, T, step):
         b, g, mm = eb[start : start + step], eg[start : start + step], em[start : start + step]
         row = b * H_kv + g  # [C] output row of each block
-        pages = table[b, mm]
         ppos = pos[b, mm].unsqueeze(1)  # [C, 1, P]
-        keep = (ppos >= 0) & (ppos >= lo_g[b, g].unsqueeze(-1)) & (ppos <= hi_b[b].view(-1, 1, 1))  # [C, G, P]
-        k = _gather_entries(k_pool, pages, g)  # [C, P, d_h]
-        s = torch.matmul(qg[b, g], k.transpose(-1, -2)).mul_(sm_scale).masked_fill_(~keep, -math.inf)  # [C, G, P]
-        del k
-        idx = row.view(-1, 1).expand(-1, G)
-        m_new = m.scatter_reduce(0, idx, s.amax(-1), "amax")
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
+        drop = (ppos < lo_g[b, g].unsqueeze(-1)) | (ppos > hi_b[b].view(-1, 1, 1))  # [C, G, P]
+        rows = _block_rows(k_pool, table[b, mm], g)
+        s = torch.matmul(qg[b, g], _gather_blocks(k_pool, rows).transpose(-1, -2))
+        s = s.mul_(sm_scale).masked_fill_(drop, -math.inf)  # [C, G, P]
+        if m is None:
+            m = torch.full((B * H_kv, G), -math.inf, device=dev)
+        m_new = m.scatter_reduce(0, row.view(-1, 1).expand(-1, G), s.amax(-1), "amax")
+        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
         p = s.sub_(m_safe[row].unsqueeze(-1)).exp_()
-        alpha = torch.exp(m - m_safe)
-        den = (den * alpha).index_add_(0, row, p.sum(-1))
-        acc = (acc * alpha.unsqueeze(-1)).index_add_(0, row, torch.matmul(p, _gather_entries(v_pool, pages, g)))
+        pv = torch.matmul(p, _gather_blocks(v_pool, rows))  # [C, G, d_h]
+        if den is None:
+            den = torch.zeros(B * H_kv, G, device=dev).index_add_(0, row, p.sum(-1))
+            acc = torch.zeros(B * H_kv, G, d_h, device=dev).index_add_(0, row, pv)
+        else:
+            alpha = torch.exp(m - m_safe)
+            den = (den * alpha).index_add_(0, row, p.sum(-1))
+            acc = (acc * alpha.unsqueeze(-1)).index_add_(0, row, pv)
         m = m_new
-    read = den > 0
-    safe_den = torch.where(read, den, torch.ones_like(den))
-    out = torch.where(read.unsqueeze(-1), acc / safe_den.unsqueeze(-1), torch.zeros_like(acc))
-    lse = torch.where(read, m + torch.log(safe_den), torch.full_like(m, -math.inf))
+    # A row that read nothing has den = 0, acc = 0 and m = -inf: out 0, lse -inf. A row that read
+    # has den >= 1 (its largest key contributes exp(0)), which the clamp leaves unchanged.
+    out = acc / den.clamp_min(1e-30).unsqueeze(-1)
+    lse = m + torch.log(den)
     return out.reshape(B, H_q, d_h), lse.reshape(B, H_q)
 
 

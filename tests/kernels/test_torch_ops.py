@@ -170,7 +170,7 @@ class _Work(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
             self.macs += args[0].numel() * args[1].shape[-1]
-        if func is torch.ops.aten.index.Tensor and args[0].data_ptr() in self.payload:
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default) and args[0].data_ptr() in self.payload:
             self.gathered += out.numel()
         return out
 
