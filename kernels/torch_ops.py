@@ -109,7 +109,7 @@ def _unpack_float(codes: torch.Tensor, bits: int) -> torch.Tensor:
     if bits == 8:
         return codes.float()
     mask = (1 << bits) - 1
-    parts = [codes & mask] + [(codes >> j) & mask for j in range(bits, 8, bits)]
+    parts = [codes & mask] + [(codes >> j) & mask for j in range(bits, 8 - bits, bits)] + [codes >> (8 - bits)]
     return torch.stack(parts, -1).flatten(-2).float()
 
 
@@ -161,9 +161,9 @@ def decode_attention_pool_torch(
     (b, h) reads the slots of b's pages with lo[b, h] <= token_pos <= hi[b] from kv head
     h // (H_q // H_kv); nothing read (lo > hi: a skipping head) gives out = 0 and lse = -inf.
 
-    Only the selected work is done. A page's smallest and largest position (from `token_pos`)
-    decide which (request, kv head, page) blocks some reading query head of the group needs (a
-    local head's window meets only the last pages of a pool, whose positions increase); only
+    Only the selected work is done. A page's largest position (from `token_pos`) decides which
+    (request, kv head, page) blocks some reading query head of the group needs (a local head's
+    window meets only the last pages of a pool, whose positions increase); only
     those blocks are gathered and dequantised, and only for that kv head. Their keys are scored
     for the group's query heads in one batched matmul, and keys outside a head's range (every key,
     for a skipping head of a group another head of which reads the block) are masked. A kv group
@@ -183,16 +183,15 @@ def decode_attention_pool_torch(
     lo_g = lo.to(dev).reshape(B, H_kv, G).clamp_min(0)  # free slots (position -1) are never read
     hi_b = hi.to(dev).reshape(B)
     table = page_table.to(dev).long()
-    # Per (request, page) the smallest and largest position it holds (absent pages and free slots
-    # hold none), and per (request, kv head, page) whether some query head of the group needs it.
-    pos = k_pool.token_pos[table.clamp(min=0)]  # [B, M, P]
-    pos = torch.where((table >= 0).unsqueeze(-1) & (pos >= 0), pos, -1)
-    p_max = pos.amax(-1) if pos.numel() else pos.new_full(table.shape, -1)
-    p_min = torch.where(pos >= 0, pos, _NO_POS).amin(-1) if pos.numel() else pos.new_full(table.shape, _NO_POS)
-    reads = lo_g <= hi_b.view(B, 1, 1)  # [B, H_kv, G]
-    need = (reads.unsqueeze(-1) & (p_max.view(B, 1, 1, -1) >= lo_g.unsqueeze(-1))
-            & (p_min.view(B, 1, 1, -1) <= hi_b.view(B, 1, 1, 1))).any(2)  # [B, H_kv, M]
-    eb, eg, em = need.nonzero(as_tuple=True)  # the blocks read, request-major
+    if table.shape[1] == 0:
+        return (torch.zeros(B, H_q, d_h, device=dev), torch.full((B, H_q), -math.inf, device=dev))
+    # Per (request, page) the largest position it holds (-1: absent or empty), per (request, kv
+    # head) the smallest lo of a query head of the group that reads; a block is needed iff its
+    # page holds a position at or after that lo. (A page all of whose positions exceed hi is
+    # gathered and masked: decode reads up to the request's newest token, so it never occurs there.)
+    p_max = torch.where(table >= 0, k_pool.token_pos[table.clamp(min=0)].amax(-1), -1)  # [B, M]
+    lo_read = torch.where(lo_g <= hi_b.view(B, 1, 1), lo_g, _NO_POS).amin(-1)  # [B, H_kv]
+    eb, eg, em = (p_max.unsqueeze(1) >= lo_read.unsqueeze(-1)).nonzero(as_tuple=True)  # blocks read, request-major
     T = eb.numel()
     if T == 0:
         return (torch.zeros(B, H_q, d_h, device=dev), torch.full((B, H_q), -math.inf, device=dev))
@@ -202,9 +201,10 @@ def decode_attention_pool_torch(
     for start in range(0, T, step):
         b, g, mm = eb[start : start + step], eg[start : start + step], em[start : start + step]
         row = b * H_kv + g  # [C] output row of each block
-        ppos = pos[b, mm].unsqueeze(1)  # [C, 1, P]
+        pages = table[b, mm]
+        ppos = k_pool.token_pos[pages].unsqueeze(1)  # [C, 1, P]; free slots (-1) fall below every lo
         drop = (ppos < lo_g[b, g].unsqueeze(-1)) | (ppos > hi_b[b].view(-1, 1, 1))  # [C, G, P]
-        rows = _block_rows(k_pool, table[b, mm], g)
+        rows = _block_rows(k_pool, pages, g)
         s = torch.matmul(qg[b, g], _gather_blocks(k_pool, rows).transpose(-1, -2))
         s = s.mul_(sm_scale).masked_fill_(drop, -math.inf)  # [C, G, P]
         if m is None:
