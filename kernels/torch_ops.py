@@ -104,22 +104,44 @@ def _check_read(q, k_pool, v_pool, bits, page_table, lo, hi) -> None:
         raise ValueError(f"page_table holds page {int(page_table.max())} but the pool has {k_pool.num_pages} pages")
 
 
-def _gather_heads_major(pool: PagePool, pages: torch.Tensor) -> torch.Tensor:
-    """float32 [B, H_kv, C * P, d_h]: the dequantised contents of pages [B, C] (ids >= 0), laid out
-    head-major so the score and value products are plain batched matmuls."""
-    B, C = pages.shape
-    P, H_kv, d_h = pool.page_size, pool.num_kv_heads, pool.head_dim
-    out = torch.empty(B, H_kv, C, P, d_h, dtype=torch.float32, device=pool.device)
-    dst = out.permute(0, 2, 3, 1, 4)  # [B, C, P, H_kv, d_h] view
+def _unpack_float(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., n_bytes] -> float32 [..., n_bytes * 8 // bits] codes in `pack_codes`' order (code i at bit i * bits)."""
+    if bits == 8:
+        return codes.float()
+    mask = (1 << bits) - 1
+    parts = [codes & mask] + [(codes >> j) & mask for j in range(bits, 8 - bits, bits)] + [codes >> (8 - bits)]
+    return torch.stack(parts, -1).flatten(-2).float()
+
+
+def _block_rows(pool: PagePool, pages: torch.Tensor, heads: torch.Tensor) -> torch.Tensor:
+    """int64 [T * P]: the rows of blocks (page pages[e], kv head heads[e]) in the pool's flat
+    [num_pages * P * H_kv, ...] views, block-major then slot."""
+    P, H_kv = pool.page_size, pool.num_kv_heads
+    slots = pages.view(-1, 1) * P + torch.arange(P, device=pages.device)
+    return slots.mul_(H_kv).add_(heads.view(-1, 1)).flatten()
+
+
+def _gather_blocks(pool: PagePool, rows: torch.Tensor) -> torch.Tensor:
+    """float32 [T, P, d_h]: the dequantised (slot, kv head) rows `rows` of `_block_rows`; only these
+    blocks are gathered and dequantised.
+
+    Rows are gathered with `index_select` from flat views; codes are unpacked by scalar shifts and
+    dequantised as code * scale + zero in float32 (`dequantize_groups`' arithmetic, bit-identical)."""
+    P, d_h = pool.page_size, pool.head_dim
     if pool.bits >= 16:
-        dst.copy_(pool.values[pages])
-    else:
-        _unpack_into(dst, pool.codes[pages], pool.scale[pages], pool.zero[pages], pool.bits)
-    return out.view(B, H_kv, C * P, d_h)
+        return pool.values.view(-1, d_h).index_select(0, rows).float().view(-1, P, d_h)
+    codes = pool.codes.view(-1, pool.codes.shape[-1]).index_select(0, rows)  # [T * P, d_h * bits // 8]
+    n_groups = pool.scale.shape[-1]
+    scale = pool.scale.view(-1, n_groups).index_select(0, rows).float().unsqueeze(-1)
+    zero = pool.zero.view(-1, n_groups).index_select(0, rows).float().unsqueeze(-1)
+    values = _unpack_float(codes, pool.bits).view(rows.numel(), n_groups, -1).mul_(scale).add_(zero)
+    return values.view(-1, P, d_h)
 
 
 CHUNK_ELEMENTS = 1 << 22
 """Dequantised K (and V) elements gathered at once when `pages_per_chunk` is not given (16 MiB each)."""
+
+_NO_POS = torch.iinfo(torch.int32).max
 
 
 def decode_attention_pool_torch(
@@ -137,9 +159,19 @@ def decode_attention_pool_torch(
     """Attention of one query per request over the keys of one pool; returns (out [B, H_q, d_h], lse [B, H_q]).
 
     (b, h) reads the slots of b's pages with lo[b, h] <= token_pos <= hi[b] from kv head
-    h // (H_q // H_kv); nothing read gives out = 0 and lse = -inf. Pages are gathered and
-    dequantised `pages_per_chunk` at a time (default: about CHUNK_ELEMENTS values per chunk) and
-    the chunks merged by log-sum-exp, so scratch memory is bounded by the chunk, not the context.
+    h // (H_q // H_kv); nothing read (lo > hi: a skipping head) gives out = 0 and lse = -inf.
+
+    Only the selected work is done. A page's largest position (from `token_pos`) decides which
+    (request, kv head, page) blocks some reading query head of the group needs (a local head's
+    window meets only the last pages of a pool, whose positions increase); only
+    those blocks are gathered and dequantised, and only for that kv head. Their keys are scored
+    for the group's query heads in one batched matmul, and keys outside a head's range (every key,
+    for a skipping head of a group another head of which reads the block) are masked. A kv group
+    none of whose heads reads gathers nothing, and a batch where no head reads returns at once.
+    Blocks are processed `pages_per_chunk` at a time (default: about CHUNK_ELEMENTS dequantised
+    values per chunk) and the chunks merged by log-sum-exp, so scratch memory is bounded by the
+    chunk, not the context. Page granularity: a local head of window w gathers at most
+    ceil((w + 1) / P) + 1 pages of a pool and masks the slots outside its window.
     """
     _check_read(q, k_pool, v_pool, bits, page_table, lo, hi)
     B, H_q, d_h = q.shape
@@ -147,39 +179,52 @@ def decode_attention_pool_torch(
     G = H_q // H_kv
     dev = k_pool.device
     if pages_per_chunk is None:
-        pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, B * P * H_kv * d_h))
+        pages_per_chunk = max(1, CHUNK_ELEMENTS // max(1, P * d_h))
+    lo_g = lo.to(dev).reshape(B, H_kv, G).clamp_min(0)  # free slots (position -1) are never read
+    hi_b = hi.to(dev).reshape(B)
+    table = page_table.to(dev).long()
+    if table.shape[1] == 0:
+        return (torch.zeros(B, H_q, d_h, device=dev), torch.full((B, H_q), -math.inf, device=dev))
+    # Per (request, page) the largest position it holds (-1: absent or empty), per (request, kv
+    # head) the smallest lo of a query head of the group that reads; a block is needed iff its
+    # page holds a position at or after that lo. (A page all of whose positions exceed hi is
+    # gathered and masked: decode reads up to the request's newest token, so it never occurs there.)
+    p_max = torch.where(table >= 0, k_pool.token_pos[table.clamp(min=0)].amax(-1), -1)  # [B, M]
+    lo_read = torch.where(lo_g <= hi_b.view(B, 1, 1), lo_g, _NO_POS).amin(-1)  # [B, H_kv]
+    eb, eg, em = (p_max.unsqueeze(1) >= lo_read.unsqueeze(-1)).nonzero(as_tuple=True)  # blocks read, request-major
+    T = eb.numel()
+    if T == 0:
+        return (torch.zeros(B, H_q, d_h, device=dev), torch.full((B, H_q), -math.inf, device=dev))
     qg = q.float().to(dev).reshape(B, H_kv, G, d_h)
-    lo_g = lo.to(dev).reshape(B, H_kv, G, 1)
-    hi_g = hi.to(dev).reshape(B, 1, 1, 1)
-    m = torch.full((B, H_kv, G, 1), -math.inf, device=dev)
-    den = torch.zeros(B, H_kv, G, 1, device=dev)
-    acc = torch.zeros(B, H_kv, G, d_h, device=dev)
-    table = page_table.to(dev)
-    for start in range(0, table.shape[1], max(1, pages_per_chunk)):
-        chunk = table[:, start : start + pages_per_chunk]
-        present = chunk >= 0
-        if not bool(present.any()):
-            continue
-        pages = chunk.clamp(min=0).long()
-        pos = k_pool.token_pos[pages]  # [B, C, P]
-        pos = torch.where(present.unsqueeze(-1), pos, torch.full_like(pos, -1)).reshape(B, 1, 1, -1)
-        keep = (pos >= 0) & (pos >= lo_g) & (pos <= hi_g)  # [B, H_kv, G, L]
-        if not bool(keep.any()):
-            continue
-        k = _gather_heads_major(k_pool, pages)  # [B, H_kv, L, d_h]
-        s = torch.matmul(qg, k.transpose(-1, -2)).mul_(sm_scale).masked_fill_(~keep, -math.inf)
-        del k
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
-        p = s.sub_(m_safe).exp_()
-        alpha = torch.exp(m - m_safe)
-        den = den * alpha + p.sum(-1, keepdim=True)
-        acc = acc * alpha + torch.matmul(p, _gather_heads_major(v_pool, pages))
+    m = den = acc = None  # running max, sum and weighted V per (request * kv head, query head)
+    step = max(1, pages_per_chunk)
+    for start in range(0, T, step):
+        b, g, mm = eb[start : start + step], eg[start : start + step], em[start : start + step]
+        row = b * H_kv + g  # [C] output row of each block
+        pages = table[b, mm]
+        ppos = k_pool.token_pos[pages].unsqueeze(1)  # [C, 1, P]; free slots (-1) fall below every lo
+        drop = (ppos < lo_g[b, g].unsqueeze(-1)) | (ppos > hi_b[b].view(-1, 1, 1))  # [C, G, P]
+        rows = _block_rows(k_pool, pages, g)
+        s = torch.matmul(qg[b, g], _gather_blocks(k_pool, rows).transpose(-1, -2))
+        s = s.mul_(sm_scale).masked_fill_(drop, -math.inf)  # [C, G, P]
+        if m is None:
+            m = torch.full((B * H_kv, G), -math.inf, device=dev)
+        m_new = m.scatter_reduce(0, row.view(-1, 1).expand(-1, G), s.amax(-1), "amax")
+        m_safe = m_new.masked_fill(m_new == -math.inf, 0.0)
+        p = s.sub_(m_safe[row].unsqueeze(-1)).exp_()
+        pv = torch.matmul(p, _gather_blocks(v_pool, rows))  # [C, G, d_h]
+        if den is None:
+            den = torch.zeros(B * H_kv, G, device=dev).index_add_(0, row, p.sum(-1))
+            acc = torch.zeros(B * H_kv, G, d_h, device=dev).index_add_(0, row, pv)
+        else:
+            alpha = torch.exp(m - m_safe)
+            den = (den * alpha).index_add_(0, row, p.sum(-1))
+            acc = (acc * alpha.unsqueeze(-1)).index_add_(0, row, pv)
         m = m_new
-    read = den > 0
-    safe_den = torch.where(read, den, torch.ones_like(den))
-    out = torch.where(read, acc / safe_den, torch.zeros_like(acc))
-    lse = torch.where(read, m + torch.log(safe_den), torch.full_like(m, -math.inf))
+    # A row that read nothing has den = 0, acc = 0 and m = -inf: out 0, lse -inf. A row that read
+    # has den >= 1 (its largest key contributes exp(0)), which the clamp leaves unchanged.
+    out = acc / den.clamp_min(1e-30).unsqueeze(-1)
+    lse = m + torch.log(den)
     return out.reshape(B, H_q, d_h), lse.reshape(B, H_q)
 
 

@@ -55,7 +55,7 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
 
 
 class _HeadReads:
-    """Online-softmax state of the reading (token, head) rows of one head."""
+    """Online-softmax state of the reading (token, head) rows of one head (the prompt-chunk path)."""
 
     def __init__(self, flat: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, t: torch.Tensor, start: torch.Tensor):
         self.flat, self.q, self.batch, self.t, self.start = flat, q, batch, t, start
@@ -88,12 +88,7 @@ class _HeadReads:
         self.m[rows] = m_new
         return int(mask.sum())
 
-    result: torch.Tensor | None = None
-    """The context when a kernel computed it whole (the decode path)."""
-
     def context(self) -> torch.Tensor:
-        if self.result is not None:
-            return self.result
         return self.acc / self.l[:, None]
 
 
@@ -124,8 +119,12 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
         audit.add(layer, "v_proj", tokens.numel() * n_kv * d * D)
         audit.add(layer, "bytes_written", cache.bytes_written - written)
 
-    # --- queries: only (token, head) pairs that read -------------------------------------------
     modes = mode.reshape(B * n, H)
+    if n == 1:
+        return _decode_attention(flat_h, x, cos[tokens], sin[tokens], wq, wo, tokens, pos_flat, modes, cache, layer,
+                                 rids, window, audit).view(B, n, D)
+
+    # --- queries: only (token, head) pairs that read -------------------------------------------
     reads: list[_HeadReads | None] = []
     for head in range(H):
         flat = tokens[modes[tokens, head] != SKIP]
@@ -139,12 +138,9 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
         if audit is not None:
             audit.add(layer, "q_proj", flat.numel() * d * D)
 
-    # --- reads: pool by pool, merged by log-sum-exp ------------------------------------------------
+    # --- reads: pool by pool, chunk by chunk, every head's rows updated per chunk -------------------
     if any(r is not None for r in reads):
-        if n == 1:
-            _decode_reads(reads, tokens, pos_flat, modes, cache, layer, rids, window, d, audit)
-        else:
-            _chunk_reads(reads, cache, layer, rids, d, G, chunk_pages, audit)
+        _chunk_reads(reads, cache, layer, rids, d, G, chunk_pages, audit)
 
     # --- output projection of the reading pairs only --------------------------------------------
     out = torch.zeros(B * n, D, dtype=h.dtype, device=h.device)
@@ -178,41 +174,59 @@ def _chunk_reads(reads: list[_HeadReads | None], cache: PagedKVCache, layer: int
                         audit.add(layer, "attn", 2 * d * keys)
 
 
-def _decode_reads(reads: list[_HeadReads | None], tokens: torch.Tensor, pos_flat: torch.Tensor, modes: torch.Tensor,
-                  cache: PagedKVCache, layer: int, rids: list[int], window: int, d: int,
-                  audit: CostAudit | None) -> None:
-    """One token per request: every pool read by the kernels' decode attention, all heads at once
-    (a skipping head gets the empty range lo = t + 1), partials merged by log-sum-exp; each head's
-    context is stored as its `_HeadReads` result."""
-    H = len(reads)
-    t = pos_flat[tokens]  # (N,) the token's position; request b = flat index b (n == 1)
+def _decode_attention(flat_h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq: torch.Tensor,
+                      wo: torch.Tensor, tokens: torch.Tensor, pos_flat: torch.Tensor, modes: torch.Tensor,
+                      cache: PagedKVCache, layer: int, rids: list[int], window: int,
+                      audit: CostAudit | None) -> torch.Tensor:
+    """One token per request (flat index b = request b): the query and output projections of the
+    reading (token, head) pairs only, head by head; one rotary embedding over all of them; every
+    pool read by the kernels' decode attention for all requests and heads at once (a skipping head
+    gets the empty range lo = t + 1); partials merged by log-sum-exp. x (N, D) the valid tokens'
+    inputs, cos/sin (N, 1, d) their rotary tables. Returns (B, D)."""
+    H, d, D = wq.shape
+    N = tokens.numel()
+    t = pos_flat[tokens]  # (N,)
     mode = modes[tokens]  # (N, H)
+    reading = mode != SKIP
+    n_read = reading.sum(0).tolist()  # per head: reading tokens
+    out = torch.zeros(flat_h.shape[0], D, dtype=flat_h.dtype, device=flat_h.device)
+    if not any(n_read):
+        return out
+    every = [c == N for c in n_read]
+    rows = [None if c in (0, N) else reading[:, head].nonzero().flatten() for head, c in enumerate(n_read)]
+    q = torch.zeros(N, H, d, dtype=x.dtype, device=x.device)  # skipping pairs stay 0 and are never read
+    for head, c in enumerate(n_read):
+        if every[head]:
+            q[:, head] = x @ wq[head].T
+        elif c:
+            q[rows[head], head] = x[rows[head]] @ wq[head].T
+    q = apply_rope(q, cos, sin)
     tt = t.view(-1, 1).expand_as(mode)
     lo = torch.where(mode == FULL, torch.zeros_like(tt),
                      torch.where(mode == LOCAL, (tt - window).clamp_min(0), tt + 1))
-    q = torch.zeros(tokens.numel(), H, d, device=t.device)
-    rank = torch.full((len(rids),), -1, dtype=torch.long, device=t.device)
-    rank[tokens] = torch.arange(tokens.numel(), device=t.device)
-    for head, r in enumerate(reads):
-        if r is not None:
-            q[rank[r.flat], head] = r.q
     rows_rids = [rids[int(b)] for b in tokens.tolist()]
     outs, lses = [], []
     for option, pool in enumerate(cache.layers[layer].pools):
         table, counts = cache.page_table(layer, option, rows_rids)
         if table.shape[1] == 0:
             continue
-        out, lse = decode_attention_pool(q, pool.k, pool.v, pool.bits, cache.group_size, table, lo, t,
-                                         1.0 / math.sqrt(d))
-        outs.append(out)
+        o, lse = decode_attention_pool(q, pool.k, pool.v, pool.bits, cache.group_size, table, lo, t, 1.0 / math.sqrt(d))
+        outs.append(o)
         lses.append(lse)
         if audit is not None:
             audit.add(layer, "bytes_read", int(counts.sum()) * pool.slot_bytes)
             audit.add(layer, "attn", 2 * d * _keys_read(pool.token_pos, table, lo, t))
-    context = merge_partials(outs, lses)[0]  # (N, H, d)
-    for head, r in enumerate(reads):
-        if r is not None:
-            r.result = context[rank[r.flat], head]
+    context = merge_partials(outs, lses)[0] if len(outs) > 1 else outs[0]  # (N, H, d)
+    proj = torch.zeros(N, D, dtype=flat_h.dtype, device=flat_h.device)
+    for head, c in enumerate(n_read):
+        if every[head]:
+            proj += context[:, head] @ wo[:, head].T
+        elif c:
+            proj.index_add_(0, rows[head], context[rows[head], head] @ wo[:, head].T)
+    if audit is not None:
+        audit.add(layer, "q_proj", sum(n_read) * d * D)
+        audit.add(layer, "o_proj", sum(n_read) * d * D)
+    return out.index_copy_(0, tokens, proj)
 
 
 def _keys_read(token_pos: torch.Tensor, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> int:

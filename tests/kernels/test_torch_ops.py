@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from megatron_triroute.routing.quant import dequantize_groups, pack_kv, quantize_groups, unpack_kv
 from tests.kernels.scenario import fill_pools, naive_attention
@@ -152,3 +153,72 @@ def test_dispatch_chooses_torch_on_cpu_and_names_bad_backends(monkeypatch):
     monkeypatch.setenv("TRIROUTE_KERNELS", "cuda-please")
     with pytest.raises(ValueError, match="TRIROUTE_KERNELS"):
         choose_backend(torch.device("cpu"))
+
+
+class _Work(TorchDispatchMode):
+    """Counts what the ops run inside it execute: matmul multiply-accumulates, and the elements
+    gathered from payload tensors (codes, scales, zeros, float16 values; the int32 positions are
+    not payload)."""
+
+    def __init__(self, *pools):
+        super().__init__()
+        self.payload = {t.data_ptr() for pool in pools for t in pool.storage_tensors()}
+        self.macs = 0
+        self.gathered = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+            self.macs += args[0].numel() * args[1].shape[-1]
+        if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default) and args[0].data_ptr() in self.payload:
+            self.gathered += out.numel()
+        return out
+
+
+def _slot_elements(bits: int) -> int:
+    """Payload elements of one (slot, kv head): codes bytes plus scale and zero, or the float16 values."""
+    return D if bits >= 16 else D * bits // 8 + 2 * (D // GS)
+
+
+@pytest.mark.parametrize("bits", [4, 16])
+def test_decode_attention_does_only_the_selected_work(bits):
+    """Local heads gather and score only the pages of their window, a kv group none of whose
+    heads reads gathers nothing, and an all-skip batch does no score or output work."""
+    gen = torch.Generator().manual_seed(30 + bits)
+    lengths = [list(range(203)), list(range(150))]  # 51 and 38 pages of P = 4
+    st = fill_pools(quantize_pack_into_torch, bits, lengths, H_KV, D, GS, P, gen)
+    B = len(lengths)
+    q = _query(B, gen)
+    hi = torch.tensor([202, 149], dtype=torch.int32)
+    sm = 1 / math.sqrt(D)
+    w = 9  # a local head reads max(0, t - w)..t: 10 keys, at most ceil(10 / P) + 1 = 4 pages
+    window_pages = math.ceil((w + 1) / P) + 1
+
+    def run(lo):
+        with _Work(st.k_pool, st.v_pool) as work:
+            out, lse = decode_attention_pool_torch(q, st.k_pool, st.v_pool, bits, GS, st.page_table, lo, hi, sm)
+        ref_out, ref_lse = naive_attention(q, [st], GS, lo, hi, sm)
+        assert torch.allclose(out, ref_out, atol=1e-5, rtol=1e-5)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        return work
+
+    # every head local: per (request, kv head) at most window_pages pages gathered (K and V) and
+    # scored for the group's G heads (QK and PV), whatever the context
+    local = (hi - w).clamp_min(0).view(B, 1).expand(B, H_Q).contiguous()
+    work = run(local)
+    blocks = B * H_KV * window_pages
+    assert 0 < work.gathered <= 2 * blocks * P * _slot_elements(bits)
+    assert 0 < work.macs <= 2 * blocks * GQA * P * D
+    full_macs = 2 * H_Q * D * (len(lengths[0]) + len(lengths[1]))
+    assert work.macs * 8 < full_macs
+
+    # kv group 0 skips (lo > hi) in both requests, group 1 reads everything: only kv head 1 is gathered
+    lo = torch.tensor([[203, 203, 0, 0], [150, 150, 0, 0]], dtype=torch.int32)
+    work = run(lo)
+    pages = sum(math.ceil(len(p) / P) for p in lengths)
+    assert 0 < work.gathered <= 2 * pages * P * _slot_elements(bits)
+    assert work.macs <= 2 * pages * P * GQA * D
+
+    # every head skips: nothing gathered, nothing scored
+    work = run(hi.view(B, 1).expand(B, H_Q) + 1)
+    assert work.gathered == 0 and work.macs == 0
