@@ -30,6 +30,16 @@ def expected_tensors(config: TriRouteConfig) -> dict[str, tuple[tuple[int, ...],
     return {k: (tuple(v.shape), v.dtype) for k, v in model.state_dict().items()}
 
 
+def finite(tensor: torch.Tensor) -> bool:
+    """Whether every element is finite, without a temporary of the tensor's size: its minimum and
+    maximum (NaN propagates into both). `torch.isfinite(t).all()` allocates |t| and two boolean masks,
+    which for the embedding of a 50k vocabulary is a fifth of the 160m model on top of it."""
+    if tensor.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(tensor)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
 def check_complete(config: TriRouteConfig, state: dict[str, torch.Tensor]) -> None:
     """Refuses (ExportError) a state that is not exactly the shipped model's tensors."""
     expected = expected_tensors(config)
@@ -38,7 +48,7 @@ def check_complete(config: TriRouteConfig, state: dict[str, torch.Tensor]) -> No
     problems += [f"{name} has shape {tuple(state[name].shape)}, the config implies {shape}"
                  for name, (shape, _) in sorted(expected.items()) if name in state and tuple(state[name].shape) != shape]
     problems += [f"{name} is not finite" for name in sorted(set(state) & set(expected))
-                 if state[name].is_floating_point() and not bool(torch.isfinite(state[name]).all())]
+                 if state[name].is_floating_point() and not finite(state[name])]
     r = config.router
     if r.expert_routing and not problems:
         for layer in range(config.model.n_layers):

@@ -161,6 +161,31 @@ def test_experts_gathered_under_local_ids_are_refused(checkpoints):
         check_complete(config, missing)
 
 
+def test_non_finite_tensors_are_refused(checkpoints):
+    """The finiteness check (minimum and maximum, no temporary of the tensor's size) finds NaN and
+    +-inf anywhere, in strided views and in bf16, and names the tensor."""
+    from megatron_triroute.config import TriRouteConfig
+    from megatron_triroute.export.completeness import ExportError, check_complete, finite
+
+    base = torch.arange(24, dtype=torch.float32).view(4, 6)
+    assert finite(base) and finite(base[:, 1::2]) and finite(torch.empty(0)) and finite(base.bfloat16())
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        t = base.clone()
+        t[3, 5] = bad
+        assert not finite(t) and not finite(t[:, 1::2]) and not finite(t.bfloat16())
+        assert finite(t[:, :5])
+    from megatron_triroute.inference.checkpoint import load_inference_checkpoint
+
+    tree, state = load_inference_checkpoint(checkpoints["ep2"], copy=False)
+    config = TriRouteConfig.from_dict(tree["triroute"])
+    check_complete(config, state)
+    wk = state["layers.1.wk"]  # a strided view into this read's own fused QKV tensor
+    assert not wk.is_contiguous()
+    wk[1, 0, 0] = float("nan")
+    with pytest.raises(ExportError, match=r"layers\.1\.wk is not finite"):
+        check_complete(config, state)
+
+
 def test_missing_expert_shard_is_refused_and_nothing_written(checkpoints, tmp_path):
     from megatron_triroute.checkpoint.sharded import read_metadata
     from megatron_triroute.export.completeness import ExportError
