@@ -8,7 +8,7 @@ export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 # one worker and every Slurm test on one worker (tests/conftest.py).
 workers=${TRIROUTE_TEST_WORKERS:-2}
 if [ "$workers" -gt 0 ]; then
-  set -- -n "$workers" "$@"
+  set -- -n "$workers" --dist loadgroup "$@"
 fi
 .venv/bin/python -m pytest "$@"
 rc=$?

@@ -17,6 +17,12 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except ImportError:  # pragma: no cover
         has_cuda = False
+    for item in items:
+        # Under pytest-xdist (`--dist loadgroup`) a file's tests share one worker, so its module
+        # fixtures are built once; every Slurm test shares one worker, so one test cluster runs.
+        path = item.nodeid.split("::")[0]
+        group = "slurm" if "slurm" in item.keywords or path.startswith("tests/slurm/") else path
+        item.add_marker(pytest.mark.xdist_group(group))
     if has_cuda:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -36,17 +42,3 @@ def tiny_data(tmp_path_factory) -> Path:
                     "--output", str(root / "data"), "--vocab-size", "1000", "--workers", "1"],
                    check=True, cwd=REPO, capture_output=True)
     return root / "data"
-
-
-@pytest.hookimpl(optionalhook=True)
-def pytest_xdist_make_scheduler(config, log):
-    """Under pytest-xdist a file's tests share one worker (its module fixtures are built once) and
-    every test under tests/slurm/ shares one worker (one test cluster runs at a time)."""
-    from xdist.scheduler import LoadScopeScheduling
-
-    class FileOrSlurm(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            path = nodeid.split("::")[0]
-            return "tests/slurm/" if path.startswith("tests/slurm/") else path
-
-    return FileOrSlurm(config, log)
