@@ -26,7 +26,7 @@ setup(
         "pyarrow>=14",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.3", "pytest-xdist>=3.5", "triton>=3.0"],  # Triton kernels run interpreted on CPU
+        "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.0"],  # Triton kernels run interpreted on CPU
         # GPU-cluster accelerations, imported behind guards; never required on CPU.
         # NVIDIA apex is not on PyPI: build it from its repository on the cluster.
         "gpu": ["transformer-engine[pytorch]>=1.12", "triton>=3.0"],

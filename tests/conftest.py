@@ -17,12 +17,6 @@ def pytest_collection_modifyitems(config, items):
         has_cuda = torch.cuda.is_available()
     except ImportError:  # pragma: no cover
         has_cuda = False
-    for item in items:
-        # Under pytest-xdist (`--dist loadgroup`) a file's tests share one worker, so its module
-        # fixtures are built once; every Slurm test shares one worker, so one test cluster runs.
-        path = item.nodeid.split("::")[0]
-        group = "slurm" if "slurm" in item.keywords or path.startswith("tests/slurm/") else path
-        item.add_marker(pytest.mark.xdist_group(group))
     if has_cuda:
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
