@@ -43,15 +43,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     args = parse_args(argv)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
         print("error: matplotlib is not installed. Fix: pip install -c constraints.txt -e '.[analysis]'", file=sys.stderr)
         return 2
-    import torch
-
     from .evaluation.loading import EvaluationSetupError, load_for_evaluation
     from .evaluation.perplexity import evaluation_sets
     from .evaluation.progress import Progress
@@ -60,7 +58,6 @@ def main(argv=None) -> int:
     from .evaluation.routing_report import analyse, write_report
     from .inference.checkpoint import InferenceCheckpointError
 
-    torch.set_grad_enabled(False)
     try:
         loaded = load_for_evaluation(args.checkpoint, args.data)
         batches = evaluation_sets(loaded, args.eval_batches)["valid"]
@@ -87,6 +84,13 @@ def main(argv=None) -> int:
     for path in write_report(result, args.output, str(loaded.step_path), loaded.step, collapse, threshold):
         print(path)
     return 0
+
+
+def main(argv=None) -> int:
+    import torch
+
+    with torch.no_grad():  # scoped: a caller in the same process keeps its autograd state
+        return _main(argv)
 
 
 if __name__ == "__main__":

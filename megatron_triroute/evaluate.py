@@ -39,16 +39,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
-
     from .evaluation.loading import EvaluationSetupError, load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
     from .evaluation.progress import Progress
     from .inference.checkpoint import InferenceCheckpointError
 
-    torch.set_grad_enabled(False)
     try:
         loaded = load_for_evaluation(args.checkpoint, args.data)
         sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
@@ -72,6 +69,13 @@ def main(argv=None) -> int:
     print("realised FLOPs: executed attention-read + expert MACs over the dense model's on the same tokens; "
           "KV mem: bytes written over a dense 16-bit cache")
     return 0
+
+
+def main(argv=None) -> int:
+    import torch
+
+    with torch.no_grad():  # scoped: a caller in the same process keeps its autograd state
+        return _main(argv)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import json
 import math
 
 import pytest
+import torch
 
 from megatron_triroute.evaluate import main
 
@@ -21,6 +22,7 @@ def test_agrees_with_the_trainers_evaluation(trained_run, capsys):
     config = json.loads((trained_run / "config.json").read_text())
     rc, out, err = _run(capsys, "--checkpoint", str(trained_run / "checkpoints"), "--json")
     assert rc == 0, err
+    assert torch.is_grad_enabled()  # main() runs without autograd only inside itself
     result = json.loads(out)
     metrics = result["metrics"]
     assert result["step"] == summary["step"] == 6
