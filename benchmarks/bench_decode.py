@@ -418,9 +418,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
+    with torch.no_grad():  # scoped: an in-process caller keeps its autograd state
+        return _main(argv)
+
+
+def _main(argv=None) -> dict:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
-    torch.set_grad_enabled(False)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else (lambda s: print(s, flush=True))
     result = {"threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
               "contexts": a.contexts, "batches": a.batches, "steps": a.steps, "repeats": a.repeats, "targets": TARGETS}

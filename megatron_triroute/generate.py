@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def main(argv=None) -> int:
+def _main(argv=None) -> int:
     args = parse_args(argv)
     import torch
 
@@ -53,7 +53,6 @@ def main(argv=None) -> int:
     from .inference.checkpoint import build_model, load_inference_checkpoint
     from .inference.engine import InferenceEngine, SamplingConfig
 
-    torch.set_grad_enabled(False)
     tree, state = load_inference_checkpoint(args.checkpoint)
     data = args.data or Path(tree["data"]["path"])
     tables_file = data / "tokenizer" / "token_tables.safetensors"
@@ -90,6 +89,13 @@ def main(argv=None) -> int:
           f"{audit.projection_macs / max(1, audit.budgeted_macs):.2f}x that, reported apart)")
     print(f"realised KV memory {result['realised_mem']:.3f} of a dense 16-bit cache")
     return 0
+
+
+def main(argv=None) -> int:
+    import torch
+
+    with torch.no_grad():  # scoped: a caller in the same process keeps its autograd state
+        return _main(argv)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(autouse=True)
+def _autograd_state_is_not_leaked():
+    """A test (or an in-process CLI it calls) that switches autograd off for the whole process makes
+    every later test that trains fail far from the cause: fail here, at the test that leaked it."""
+    import torch
+
+    yield
+    if not torch.is_grad_enabled():
+        torch.set_grad_enabled(True)
+        pytest.fail("autograd was left disabled for the process (scope torch.no_grad() to the call)")
+
+
 @pytest.fixture(scope="session")
 def tiny_data(tmp_path_factory) -> Path:
     """The tiny data_prep output (300 documents, a 1000-piece tokenizer), built once for the whole run."""

@@ -64,6 +64,7 @@ def test_greedy_generation_and_cost_equal_generate_cli(tiny_data, checkpoints, t
     prompt = "The history of the"
     assert generate.main(["--checkpoint", str(checkpoints["ep2"]), "--prompt", prompt, "--max-new-tokens", "32",
                           "--json"]) == 0
+    assert torch.is_grad_enabled()  # generate.main runs without autograd only inside itself
     want = json.loads(capsys.readouterr().out)
     tok = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True)
     hf = _hf(out_dir)
