@@ -2,9 +2,10 @@
 
 The weights are mapped back to Megatron/DeepSpeed names (the inverse of
 `inference.checkpoint.map_megatron_state`, checked by running that map on the result: it must
-give back exactly the exported tensors, bit for bit) and written with `checkpoint/store.py` as a
-tensor/pipeline/expert 1/1/1 checkpoint whose meta holds the run config recorded in the export.
-The training-only budget dual variables (targets, lambdas, EMA) are not part of an export.
+give back exactly the exported tensors, bit for bit) and written as a layout-independent,
+weights-only checkpoint whose meta holds the run config recorded in the export: a new run starts
+from it at any layout with `train.init_from`. The training-only budget dual variables (lambdas, EMA)
+are not part of an export; the import keeps their initial values.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..config import TriRouteConfig
+from ..inference.checkpoint import IGNORED
 from .completeness import ExportError, check_complete
 
 log = logging.getLogger("megatron_triroute.export")
@@ -88,9 +90,20 @@ def read_export(directory: Path) -> tuple[dict, TriRouteConfig, dict[str, torch.
     return hf, config, state
 
 
+TRAINING_ONLY = IGNORED + ("_extra_state",)
+"""Model state an export does not carry (the budget's dual variables, Megatron's extra state): a
+model built from the import keeps their initial values."""
+
+
 def import_hf(directory: Path, output: Path) -> Path:
+    """Write `directory` (an export) as a layout-independent, weights-only checkpoint at `output`:
+    a one-process model of the recorded config is built, loaded with the mapped weights and saved
+    through the same `dist_checkpointing` path as training, so a run at any layout starts from it
+    with `train.init_from` and every reader of checkpoints reads it."""
+    from ..checkpoint.sharded import GLOBAL_FORMAT, save_model
     from ..checkpoint.store import save_checkpoint
     from ..inference.checkpoint import map_megatron_state
+    from ..overhead import build_model, single_process_parallel
 
     output = Path(output)
     if output.exists():
@@ -107,8 +120,15 @@ def import_hf(directory: Path, output: Path) -> Path:
     if differ or set(back) != set(state):
         raise ExportError(f"internal error: the Megatron names do not map back onto the export ({differ[:4]})")
     step = int(hf.get("training_step") or 0)
-    meta = {"step": step, "config": hf["training_config"],
+    meta = {"step": step, "config": hf["training_config"], "checkpoint_format": GLOBAL_FORMAT, "weights_only": True,
             "layout": {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}, "imported_from": str(directory)}
-    path = save_checkpoint(output, step, {"model": megatron}, meta)
+    with single_process_parallel() as groups:
+        model = build_model(config, groups)
+        missing, unexpected = model.load_state_dict(megatron, strict=False)
+        missing = [k for k in missing if not k.endswith(TRAINING_ONLY)]
+        if missing or unexpected:
+            raise ExportError(f"internal error: the import does not fill the model: missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}")
+        path = save_checkpoint(output, step, {}, meta, write_extra=lambda d: save_model(d, model))
     log.info("imported %s -> %s (%d tensors)", directory, path, len(megatron))
     return output

@@ -61,6 +61,11 @@ class TrainConfig:
     exit_interval: int = 0
     """Checkpoint and exit (status 0) after the first step that is a multiple of this, before the
     end of the schedule (Megatron's --exit-interval); 0: off. A resume continues the same schedule."""
+    init_from: str = ""
+    """A checkpoint (a run's `checkpoints/` directory, one `step_*` directory of it, or an imported
+    Hugging Face export) whose weights, router running statistics and budget multipliers a new run
+    starts from, at any parallel layout; the optimizer, schedule and data position start fresh
+    (Megatron's --finetune). Used only when the run has no checkpoint of its own: a resume ignores it."""
     max_nonfinite_steps: int = 5
     """Abort after this many consecutive non-finite steps (each is skipped)."""
     peak_tflops: float = 0.0

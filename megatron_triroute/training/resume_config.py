@@ -30,6 +30,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.save_interval_minutes": "interval",
     "train.keep_last": "checkpoint retention",
     "train.exit_interval": "when this run stops",
+    "train.init_from": "read only when a run starts",
     "train.eval_batches": "evaluation size",
     "train.micro_batch_size": "gradient-accumulation split of the same global batch",
     "train.recompute": "activation memory (same math)",

@@ -22,8 +22,11 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.devices import collective_device
-from ..checkpoint import capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state, save_checkpoint
+from ..checkpoint import (CheckpointError, capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state,
+                          save_checkpoint)
 from ..checkpoint.sharded import GLOBAL_FORMAT
+from ..checkpoint.store import step_dir_name
+from ..durability import resolve_dir
 from .resume_config import check_resume_config
 
 log = logging.getLogger(__name__)
@@ -75,6 +78,11 @@ def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None
     if info is None:
         return None
     _, headers, meta = load_shards(root, ranks=[], step=info.step)
+    if meta.get("weights_only"):
+        raise CheckpointError(
+            f"{info.path} holds weights only (imported from {meta.get('imported_from', 'an export')}): it has no "
+            "optimizer, schedule or data position to resume. Fix: start a new run from it with "
+            f"train.init_from={root} and another output_dir.")
     if config is not None:
         for line in check_resume_config(meta["config"], config, source=str(info.path)):
             if groups.rank == 0:
@@ -147,3 +155,57 @@ def _load_per_rank(root: str, info, meta: dict, model, optimizer, scheduler, gro
     if layout["world_size"] != groups.world_size:
         log.warning("resumed %s written by %d ranks on %d ranks (data-parallel %d -> %d); rank %d took rank %d's shard",
                     info.path, layout["world_size"], groups.world_size, layout["dp"], groups.dp, groups.rank, source)
+
+
+INIT_FROM_MUST_MATCH = ("triroute.model.", "triroute.router.")
+"""Config sections a run started with `train.init_from` must share with the checkpoint: the weights
+were trained for this shape and these routing decisions."""
+
+
+def init_from_checkpoint(path: str, model, groups, config: dict) -> dict:
+    """A new run's start from another checkpoint's weights (`train.init_from`): the model's
+    parameters and buffers from the newest valid checkpoint under `path` (a checkpoint root or one
+    `step_*` directory), read at this run's layout whatever layout wrote it; the optimizer,
+    schedule, data position and step counter are this run's own, fresh. Returns the source's meta."""
+    import re
+    from pathlib import Path
+
+    from ..checkpoint.sharded import load_model
+    from ..checkpoint.store import EXTRA_DIR
+    from ..config import ConfigError
+    from .resume_config import flatten
+
+    source = Path(path)
+    if (source / "config.json").is_file() and any((source / f).is_file() for f in
+                                                  ("model.safetensors", "model.safetensors.index.json")):
+        raise CheckpointError(f"train.init_from={path} is a Hugging Face export. Fix: convert it first with "
+                              f"`python -m megatron_triroute.export --import {path} --output CKPT_DIR` and pass "
+                              "train.init_from=CKPT_DIR.")
+    root, step = source, None
+    match = re.fullmatch(r"step_(\d{8,})", source.name)
+    if match:
+        root, step = source.parent, int(match.group(1))
+    if step is None:
+        info = latest_valid_checkpoint(root)
+        if info is None:
+            raise CheckpointError(f"train.init_from={path}: no checkpoint there. Fix: pass a run's checkpoints/ "
+                                  "directory, one of its step_* directories, or an imported export.")
+        step = info.step
+    _, _, meta = load_shards(root, ranks=[], step=step)
+    if meta.get("checkpoint_format") != GLOBAL_FORMAT:
+        raise CheckpointError(f"train.init_from={path}: written before layout-independent checkpoints. Fix: resume "
+                              "that run once (its next checkpoint is layout-independent), or re-import the export.")
+    saved, new = flatten(meta["config"]), flatten(config)
+    differ = [f"{k}: checkpoint {saved.get(k)!r}, this run {new.get(k)!r}" for k in sorted(saved.keys() | new.keys())
+              if k.startswith(INIT_FROM_MUST_MATCH) and saved.get(k) != new.get(k)]
+    if differ:
+        raise ConfigError(f"train.init_from={path}: the model or router config differs from the checkpoint's:\n  " +
+                          "\n  ".join(differ) + "\nFix: start from a checkpoint of this shape, or set these "
+                          "fields to the checkpoint's values.")
+    directory = root / step_dir_name(step)
+    load_model(resolve_dir(directory) / EXTRA_DIR, model)
+    if groups.rank == 0:
+        log.info("initialised from %s (step %d; written at tensor/pipeline/expert/data-parallel %s): weights, "
+                 "running statistics and budget multipliers; optimizer, schedule and data start fresh",
+                 directory, step, tuple(meta["layout"][k] for k in ("tp", "pp", "ep", "dp")))
+    return meta

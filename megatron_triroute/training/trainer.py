@@ -61,7 +61,7 @@ def train(run: RunConfig, env, tables) -> int:
     from .calibrate import RealisedTail, calibrate_prices
     from .engine import TrainEngine
     from .metrics import StepLogger, TensorBoard
-    from .run_state import load_run, save_run
+    from .run_state import init_from_checkpoint, load_run, save_run
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
@@ -97,6 +97,8 @@ def train(run: RunConfig, env, tables) -> int:
     meta = load_run(ckpt_dir, model, optimizer, scheduler, groups, config=run.to_dict())
     if rank0:  # after the resume check: a refused config never replaces the run's config.json
         write_text_atomic(out / "config.json", run.to_json())
+    if meta is None and run.train.init_from:
+        init_from_checkpoint(run.train.init_from, model, groups, run.to_dict())
     start = 0 if meta is None else int(meta["step"])
     model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:
@@ -184,7 +186,11 @@ def train(run: RunConfig, env, tables) -> int:
             break
     else:
         calibration = None
-        if run.triroute.budget.enabled and run.triroute.router.kind == "triroute":
+        if run.triroute.budget.enabled and run.triroute.router.kind == "triroute" and t.steps == 0:
+            if rank0:
+                log.warning("train.steps=0: no trained batch to calibrate the deployed prices on; the plain "
+                            "argmax policy is evaluated")
+        elif run.triroute.budget.enabled and run.triroute.router.kind == "triroute":
             r = run.triroute.router
             movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
             calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
