@@ -3,15 +3,18 @@ path, trace each system's frontier and read off its point at the target budget.
 
     python -m megatron_triroute.sweep --recipe tiny --data data/tiny --output runs/sweep \\
         [--systems dense,mod,moe,kvquant,independent,triroute] [--flops-target F] [--mem-target M]
-        [--grid SYSTEM:PATH=V1,V2 ...] [--dry-run | --slurm | --collect] [TRAIN_OVERRIDES ...]
+        [--grid SYSTEM:PATH=V1,V2 ...] [--seeds 1,2,3] [--jobs N] [--dry-run | --slurm | --collect]
+        [TRAIN_OVERRIDES ...]
 
 Each point trains recipe `SCALE-SYSTEM` (`--recipe` is the scale) with its knob overrides into
-`OUTPUT/runs/SYSTEM/KNOBS`; a point whose run already finished (its `summary.json`) is not trained
+`OUTPUT/runs/SYSTEM/KNOBS` (`KNOBS/seedS` per seed with `--seeds`: `triroute.seed=S`, the
+initialisation and routing noise; the data order stays the recipe's); a point whose run already finished (its `summary.json`) is not trained
 again, so a stopped sweep resumes. `--slurm` writes `OUTPUT/sweep_plan.tsv` and prints the
 `sbatch` command of `slurm/sweep.sh` (one array task per point, the training scripts' checkpoint /
 requeue logic); `--collect` then evaluates the finished points. Outputs in `OUTPUT`: `points.csv`
-(every point: knobs, realised FLOPs and KV memory, held-out and tail-bucket perplexity),
-`table2.md` (each system's matched point, the paper's Table 2 layout), `frontier_flops.png` and
+(every run: knobs, seed, realised FLOPs and KV memory, held-out and tail-bucket perplexity),
+`table2.md` (each system's matched point, the paper's Table 2 layout, mean ± std over seeds; the
+frontiers and the read-off use the means), `frontier_flops.png` and
 `frontier_mem.png` (with the `analysis` extra), `points.json`.
 
 Default grids (`--grid` replaces a system's, one flag per knob): MoD capacity 0.4/0.55/0.7; MoE
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import subprocess
 import sys
 import time
@@ -43,6 +47,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--flops-target", type=float, help="default: the recipe's budget.flops_target")
     p.add_argument("--mem-target", type=float, help="default: the recipe's budget.mem_target")
     p.add_argument("--tol", type=float, default=0.01, help="slack on both targets when reading off")
+    p.add_argument("--seeds", default="", help="comma-separated triroute.seed values: every point is trained once per seed")
+    p.add_argument("--jobs", type=int, default=1, help="points trained at once on this machine (local mode)")
     p.add_argument("--grid", action="append", default=[], metavar="SYSTEM:PATH=V1,V2",
                    help="a system's values for one knob (PATH relative to triroute., e.g. mod:router.mod_capacity=0.3,0.6)")
     mode = p.add_mutually_exclusive_group()
@@ -109,9 +115,19 @@ def plan_points(args, base, flops_target: float, mem_target: float) -> list[tupl
     return points
 
 
-def run_dir_for(output: Path, system: str, knobs: dict) -> Path:
+def run_dir_for(output: Path, system: str, knobs: dict, seed: int | None = None) -> Path:
     slug = "_".join(f"{k.rsplit('.', 1)[-1]}{v}" for k, v in knobs.items()) or "default"
-    return output / "runs" / system / slug
+    return output / "runs" / system / slug / (f"seed{seed}" if seed is not None else "")
+
+
+def seeds_of(args) -> list[int | None]:
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        raise SystemExit(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. --seeds 1,2,3")
+    if len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds {args.seeds!r}: a seed is repeated")
+    return seeds or [None]
 
 
 def recipe_for(scale: str, system: str) -> str:
@@ -119,19 +135,20 @@ def recipe_for(scale: str, system: str) -> str:
     return scale if system == "triroute" else f"{scale}-{system}"
 
 
-def train_args(args, knobs: dict, run_dir: Path) -> list[str]:
-    return [*args.overrides, *(f"triroute.{k}={v}" for k, v in knobs.items()), f"data.path={args.data}",
-            f"output_dir={run_dir}"]
+def train_args(args, knobs: dict, run_dir: Path, seed: int | None = None) -> list[str]:
+    return [*args.overrides, *(f"triroute.{k}={v}" for k, v in knobs.items()),
+            *([f"triroute.seed={seed}"] if seed is not None else []), f"data.path={args.data}", f"output_dir={run_dir}"]
 
 
-def collect(args, planned: list[tuple[str, dict]], flops_target: float, mem_target: float) -> int:
-    from .evaluation.frontier import BUCKETS, Point, by_system, matched_point, plot_frontiers, table2_markdown, write_csv
+def collect(args, planned: list[tuple[str, dict, int | None]], flops_target: float, mem_target: float) -> int:
+    from .evaluation.frontier import (BUCKETS, Point, average_seeds, by_system, matched_point, plot_frontiers,
+                                      table2_markdown, write_csv)
     from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets
 
     points, missing = [], []
-    for system, knobs in planned:
-        run_dir = run_dir_for(args.output, system, knobs)
+    for system, knobs, seed in planned:
+        run_dir = run_dir_for(args.output, system, knobs, seed)
         if not (run_dir / "summary.json").exists():
             missing.append(str(run_dir))
             continue
@@ -139,8 +156,9 @@ def collect(args, planned: list[tuple[str, dict]], flops_target: float, mem_targ
         results = {r.name: r for r in evaluate_sets(loaded.model, evaluation_sets(loaded))}
         valid = results["valid"]
         points.append(Point(system, knobs, str(run_dir), valid.realised_flops, valid.realised_mem, valid.ppl,
-                            {b: results[b].ppl for b in BUCKETS if b in results and results[b].ppl is not None}))
-        print(f"[sweep] evaluated {system} {points[-1].label}: ppl {valid.ppl:.2f}, FLOPs {valid.realised_flops:.3f}, "
+                            {b: results[b].ppl for b in BUCKETS if b in results and results[b].ppl is not None},
+                            seed=seed))
+        print(f"[sweep] evaluated {system} {points[-1].label}{'' if seed is None else f' seed {seed}'}: ppl {valid.ppl:.2f}, FLOPs {valid.realised_flops:.3f}, "
               f"KV mem {valid.realised_mem:.3f}", flush=True)
     if missing:
         print(f"[sweep] {len(missing)} point(s) not finished, left out: {', '.join(missing)}", file=sys.stderr)
@@ -149,17 +167,72 @@ def collect(args, planned: list[tuple[str, dict]], flops_target: float, mem_targ
         return 1
     out = args.output
     write_csv(points, out / "points.csv")
-    matched = [matched_point(pts, flops_target, mem_target, args.tol) for pts in by_system(points).values()]
+    means = average_seeds(points)
+    matched = [matched_point(pts, flops_target, mem_target, args.tol) for pts in by_system(means).values()]
     (out / "table2.md").write_text(table2_markdown(matched, flops_target, mem_target))
     (out / "points.json").write_text(json.dumps([p.__dict__ for p in points], indent=1))
     plots = []
     try:
-        plots = plot_frontiers(points, out, flops_target, mem_target)
+        plots = plot_frontiers(means, out, flops_target, mem_target)
     except RuntimeError as error:
         print(f"[sweep] {error}", file=sys.stderr)
     print((out / "table2.md").read_text())
     print(f"[sweep] wrote {out / 'points.csv'}, {out / 'table2.md'}" + "".join(f", {p}" for p in plots))
     return 0
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_points(args, planned: list[tuple[str, dict, int | None]]) -> int:
+    """Train every planned run not finished earlier, `args.jobs` at a time (each its own process,
+    its log next to its run directory); stops starting new runs after a failure."""
+    python = sys.executable
+    start, done, failed = time.time(), 0, []
+    running: list[tuple[subprocess.Popen, str, Path, object]] = []
+    todo = []
+    for i, (system, knobs, seed) in enumerate(planned):
+        run_dir = run_dir_for(args.output, system, knobs, seed)
+        cmd = [python, "-m", "megatron_triroute.train", "--recipe", recipe_for(args.recipe, system),
+               *train_args(args, knobs, run_dir, seed)]
+        name = f"point {i + 1}/{len(planned)} {system} {knobs or ''}{'' if seed is None else f' seed {seed}'}"
+        if args.dry_run:
+            print(f"[sweep] {name}: {' '.join(cmd)}")
+        elif (run_dir / "summary.json").exists():
+            print(f"[sweep] {name}: finished earlier, {run_dir}")
+        else:
+            todo.append((name, run_dir, cmd))
+    total = len(todo)
+    while todo or running:
+        while todo and len(running) < args.jobs and not failed:
+            name, run_dir, cmd = todo.pop(0)
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
+            env = dict(os.environ, MASTER_PORT=str(_free_port()))  # runs side by side: one rendezvous port each
+            running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), name, run_dir, log))
+        if not running:
+            break
+        time.sleep(0.5)
+        for item in list(running):
+            proc, name, run_dir, log = item
+            if proc.poll() is None:
+                continue
+            running.remove(item)
+            log.close()
+            done += 1
+            elapsed = time.time() - start
+            eta = elapsed / done * (total - done)
+            print(f"[sweep] {name}: exit {proc.returncode} ({done}/{total} trained, {elapsed / 60:.1f} min elapsed, "
+                  f"ETA {eta / 60:.1f} min)", flush=True)
+            if proc.returncode != 0:
+                failed.append(proc.returncode)
+                print(f"[sweep] training failed: see {run_dir.parent / f'{run_dir.name}.log'}", file=sys.stderr)
+    return failed[0] if failed else 0
 
 
 def main(argv=None) -> int:
@@ -171,7 +244,10 @@ def main(argv=None) -> int:
     base = resolve(args.recipe, list(args.overrides)).triroute
     flops_target = base.budget.flops_target if args.flops_target is None else args.flops_target
     mem_target = base.budget.mem_target if args.mem_target is None else args.mem_target
-    planned = plan_points(args, base, flops_target, mem_target)
+    planned = [(system, knobs, seed) for system, knobs in plan_points(args, base, flops_target, mem_target)
+               for seed in seeds_of(args)]
+    if args.jobs < 1:
+        raise SystemExit(f"--jobs {args.jobs}: must be >= 1")
     args.output.mkdir(parents=True, exist_ok=True)
     if args.collect:
         return collect(args, planned, flops_target, mem_target)
@@ -179,37 +255,20 @@ def main(argv=None) -> int:
     if args.slurm:
         plan = args.output / "sweep_plan.tsv"
         lines = []
-        for system, knobs in planned:
-            run_dir = run_dir_for(args.output.resolve(), system, knobs)
-            extra = [a for a in train_args(args, knobs, run_dir) if not a.startswith(("data.path=", "output_dir="))]
+        for system, knobs, seed in planned:
+            run_dir = run_dir_for(args.output.resolve(), system, knobs, seed)
+            extra = [a for a in train_args(args, knobs, run_dir, seed) if not a.startswith(("data.path=", "output_dir="))]
             lines.append(f"{recipe_for(args.recipe, system)}\t{run_dir}\t{' '.join(extra)}")
         plan.write_text("\n".join(lines) + "\n")
         print(f"[sweep] {len(planned)} points in {plan}; submit, then collect when the array has finished:")
         print(f"  PLAN={plan.resolve()} DATA={args.data.resolve()} sbatch --array=0-{len(planned) - 1} slurm/sweep.sh")
         print(f"  {python} -m megatron_triroute.sweep --collect --recipe {args.recipe} --data {args.data} "
-              f"--output {args.output} --systems {args.systems} " + " ".join(args.overrides))
+              f"--output {args.output} --systems {args.systems}" + "".join(f" --grid {g}" for g in args.grid) +
+              (f" --seeds {args.seeds}" if args.seeds else "") + " " + " ".join(args.overrides))
         return 0
-    start = time.time()
-    for i, (system, knobs) in enumerate(planned):
-        run_dir = run_dir_for(args.output, system, knobs)
-        cmd = [python, "-m", "megatron_triroute.train", "--recipe", recipe_for(args.recipe, system),
-               *train_args(args, knobs, run_dir)]
-        if args.dry_run:
-            print(f"[sweep] point {i + 1}/{len(planned)} {system} {knobs or ''}: {' '.join(cmd)}")
-            continue
-        if (run_dir / "summary.json").exists():
-            print(f"[sweep] point {i + 1}/{len(planned)} {system} {knobs or ''}: finished earlier, {run_dir}")
-            continue
-        run_dir.mkdir(parents=True, exist_ok=True)
-        with open(run_dir.parent / f"{run_dir.name}.log", "ab") as log:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-        elapsed = time.time() - start
-        eta = elapsed / (i + 1) * (len(planned) - i - 1)
-        print(f"[sweep] point {i + 1}/{len(planned)} {system} {knobs or ''}: exit {rc} "
-              f"({elapsed / 60:.1f} min elapsed, ETA {eta / 60:.1f} min)", flush=True)
-        if rc != 0:
-            print(f"[sweep] training failed: see {run_dir.parent / f'{run_dir.name}.log'}", file=sys.stderr)
-            return rc
+    rc = train_points(args, planned)
+    if rc != 0:
+        return rc
     if args.dry_run:
         return 0
     return collect(args, planned, flops_target, mem_target)

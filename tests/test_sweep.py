@@ -56,3 +56,22 @@ def test_a_small_sweep_trains_evaluates_and_reads_off_the_point_within_budget(ti
                   "--grid", "kvquant:router.uniform_bits=4,8", "--flops-target", "1.0", "--mem-target", "0.4",
                   *TINY_OVERRIDES, "train.steps=2")
     assert again.returncode == 0 and again.stdout.count("finished earlier") == 2
+
+
+def test_seeds_train_each_point_per_seed_two_at_a_time_and_average(tiny_data, tmp_path):
+    out = tmp_path / "sweep"
+    args = ["--data", str(tiny_data), "--output", str(out), "--systems", "kvquant", "--grid",
+            "kvquant:router.uniform_bits=4", "--seeds", "3,5", "--jobs", "2", "--flops-target", "1.0",
+            "--mem-target", "0.4", *TINY_OVERRIDES, "train.steps=2"]
+    done = sweep(*args)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    rows = list(csv.DictReader(open(out / "points.csv")))
+    assert sorted(r["seed"] for r in rows) == ["3", "5"]
+    for seed in (3, 5):
+        config = (out / "runs" / "kvquant" / "uniform_bits4" / f"seed{seed}" / "config.json").read_text()
+        assert f'"seed": {seed}' in config
+    ppl = sorted(float(r["valid_ppl"]) for r in rows)
+    assert ppl[0] != ppl[1]  # another initialisation
+    table = (out / "table2.md").read_text()
+    line = next(l for l in table.splitlines() if l.startswith("| kvquant |"))
+    assert "| 2 |" in line and f"{sum(ppl) / 2:.2f} ± {(ppl[1] - ppl[0]) / 2:.2f}" in line

@@ -30,6 +30,10 @@ class Point:
     ppl: float
     buckets: dict = field(default_factory=dict)
     """Tail bucket -> perplexity (buckets with no scored token are absent)."""
+    seed: int | None = None
+    """The run's `triroute.seed` when the sweep ran several seeds (None: one run, the recipe's seed)."""
+    spread: dict = field(default_factory=dict)
+    """For a mean over seeds (`average_seeds`): metric -> population std, and "seeds" -> their number."""
 
     def cost(self, resource: str) -> float:
         return {"flops": self.flops, "mem": self.mem}[resource]
@@ -69,6 +73,27 @@ def matched_point(points: list[Point], flops_target: float, mem_target: float, t
     return Matched(points[0].system, cheapest, False)
 
 
+def average_seeds(points: list[Point]) -> list[Point]:
+    """One point per (system, knobs): the mean over its seeds of every cost and perplexity, with the
+    population std of each in `spread` (a bucket counts only if every seed scored it)."""
+    import statistics
+
+    groups: dict[tuple, list[Point]] = {}
+    for p in points:
+        groups.setdefault((p.system, p.label), []).append(p)
+    out = []
+    for runs in groups.values():
+        first = runs[0]
+        metrics = {"flops": [p.flops for p in runs], "mem": [p.mem for p in runs], "ppl": [p.ppl for p in runs]}
+        metrics |= {b: [p.buckets[b] for p in runs] for b in BUCKETS if all(b in p.buckets for p in runs)}
+        mean = {k: statistics.fmean(v) for k, v in metrics.items()}
+        spread = {k: statistics.pstdev(v) for k, v in metrics.items()} | {"seeds": len(runs)}
+        out.append(Point(first.system, first.knobs, str(Path(first.run_dir).parent) if first.seed is not None
+                         else first.run_dir, mean["flops"], mean["mem"], mean["ppl"],
+                         {b: mean[b] for b in BUCKETS if b in mean}, spread=spread))
+    return out
+
+
 def by_system(points: list[Point]) -> dict[str, list[Point]]:
     out: dict[str, list[Point]] = {}
     for p in points:
@@ -79,26 +104,34 @@ def by_system(points: list[Point]) -> dict[str, list[Point]]:
 def write_csv(points: list[Point], path: Path) -> None:
     with open(path, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["system", "knobs", "run_dir", "realised_flops", "realised_mem", "valid_ppl",
+        w.writerow(["system", "knobs", "seed", "run_dir", "realised_flops", "realised_mem", "valid_ppl",
                     *[f"{b}_ppl" for b in BUCKETS]])
         for p in points:
-            w.writerow([p.system, p.label, p.run_dir, f"{p.flops:.4f}", f"{p.mem:.4f}", f"{p.ppl:.4f}",
+            w.writerow([p.system, p.label, "" if p.seed is None else p.seed, p.run_dir, f"{p.flops:.4f}",
+                        f"{p.mem:.4f}", f"{p.ppl:.4f}",
                         *[f"{p.buckets[b]:.4f}" if b in p.buckets else "" for b in BUCKETS]])
 
 
 def table2_markdown(matched: list[Matched], flops_target: float, mem_target: float) -> str:
-    """The paper's Table 2 layout: one row per system at the matched budget."""
-    head = ("| system | knob(s) | FLOPs | KV mem | held-out ppl | "
+    """The paper's Table 2 layout: one row per system at the matched budget; a point averaged over
+    seeds shows mean ± std and the number of seeds."""
+    head = ("| system | knob(s) | seeds | FLOPs | KV mem | held-out ppl | "
             + " | ".join(f"{b.replace('_', ' ')} ppl" for b in BUCKETS) + " |")
     lines = [f"Matched budget: FLOPs ≤ {flops_target:.2f}, KV memory ≤ {mem_target:.2f} of the dense model "
-             "(realised on the hard path; * = no point of the system within the budget, its cheapest shown).", "",
-             head, "|" + "---|" * (5 + len(BUCKETS))]
+             "(realised on the hard path; * = no point of the system within the budget, its cheapest shown; "
+             "mean ± population std over seeds).", "",
+             head, "|" + "---|" * (6 + len(BUCKETS))]
     for m in matched:
         p = m.point
         flag = "" if m.within_budget else "*"
-        cells = [f"{p.buckets[b]:.2f}" if b in p.buckets else "–" for b in BUCKETS]
-        lines.append(f"| {m.system}{flag} | {p.label} | {p.flops:.3f} | {p.mem:.3f} | {p.ppl:.2f} | "
-                     + " | ".join(cells) + " |")
+
+        def cell(key: str, value: float, digits: int) -> str:
+            std = p.spread.get(key)
+            return f"{value:.{digits}f}" + (f" ± {std:.{digits}f}" if std is not None and p.spread["seeds"] > 1 else "")
+
+        cells = [cell(b, p.buckets[b], 2) if b in p.buckets else "–" for b in BUCKETS]
+        lines.append(f"| {m.system}{flag} | {p.label} | {p.spread.get('seeds', 1)} | {cell('flops', p.flops, 3)} | "
+                     f"{cell('mem', p.mem, 3)} | {cell('ppl', p.ppl, 2)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 
