@@ -9,7 +9,8 @@ experts, KV bits, FLOPs, by token category x depth band), `routing_clusters.png`
 routing vectors, with each cluster's most frequent tokens), `routing_mutual_information.png`
 (cross-axis mutual information per layer, against a shuffled baseline), `collapse_cascade.png`
 (per-axis router entropy per layer over training, from the TensorBoard logs of the `--runs` given,
-by default the checkpoint's own run), `routing_report.md` with the same numbers as tables, and
+by default the checkpoint's own run), `expert_load.png` (each expert's load over training, from the
+same logs), `routing_report.md` with the same numbers as tables, and
 `routing_analysis.json`. Needs matplotlib (the `analysis` extra).
 """
 
@@ -53,7 +54,7 @@ def _main(argv=None) -> int:
     from .evaluation.loading import EvaluationSetupError, load_for_evaluation
     from .evaluation.perplexity import evaluation_sets
     from .evaluation.progress import Progress
-    from .evaluation.collapse import entropy_curves
+    from .evaluation.collapse import entropy_curves, expert_load_curves
     from .evaluation.routing_analysis import collect
     from .evaluation.routing_report import analyse, write_report
     from .inference.checkpoint import InferenceCheckpointError
@@ -77,11 +78,12 @@ def _main(argv=None) -> int:
         runs = {own.name: str(own)}
     try:
         collapse = {label: entropy_curves(run_dir) for label, run_dir in runs.items()}
+        loads = {label: expert_load_curves(run_dir) for label, run_dir in runs.items()}
     except FileNotFoundError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
     threshold = float(loaded.tree.get("train", {}).get("collapse_entropy", 0.1))
-    for path in write_report(result, args.output, str(loaded.step_path), loaded.step, collapse, threshold):
+    for path in write_report(result, args.output, str(loaded.step_path), loaded.step, collapse, threshold, loads):
         print(path)
     return 0
 

@@ -38,9 +38,10 @@ def analyse(routing: Routing, pieces: list[str], n_bits: int, n_experts: int, cl
 
 
 def write_report(result: dict, out: Path, checkpoint: str, step: int, collapse: dict | None = None,
-                 threshold: float = 0.1) -> list[Path]:
+                 threshold: float = 0.1, loads: dict | None = None) -> list[Path]:
     """The figures, `routing_analysis.json` and `routing_report.md` under `out`. `collapse`:
-    {run label: `collapse.entropy_curves(run_dir)`} for the collapse-cascade figure and section."""
+    {run label: `collapse.entropy_curves(run_dir)`} for the collapse-cascade figure and section;
+    `loads`: {run label: `collapse.expert_load_curves(run_dir)`} for the expert-load ones."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,6 +103,12 @@ def write_report(result: dict, out: Path, checkpoint: str, step: int, collapse: 
         plot_collapse(collapse, files[-1], threshold)
         summaries = {label: collapse_summary(curves, threshold) for label, curves in collapse.items()}
         result = dict(result, collapse=summaries, collapse_threshold=threshold)
+    if loads and any(loads.values()):
+        from .collapse import load_summary, plot_expert_load
+
+        files.append(out / "expert_load.png")
+        plot_expert_load(loads, files[-1])
+        result = dict(result, expert_load={label: load_summary(curves) for label, curves in loads.items() if curves})
     (out / "routing_analysis.json").write_text(json.dumps(result, indent=1))
     files.append(out / "routing_analysis.json")
     files.append(out / "routing_report.md")
@@ -156,4 +163,14 @@ def markdown(result: dict, checkpoint: str, step: int) -> str:
                 finals = " ".join(f"{v:.2f}" for v in summary["final"].values())
                 first = summary["first_collapse_step"]
                 lines.append(f"| {label} | {axis} | {finals} | {'never' if first is None else first} |")
+    if result.get("expert_load"):
+        options = list(next(iter(result["expert_load"].values()))["final_load"])
+        lines += ["", "## Expert load", "",
+                  "Share of the top-k expert slots each expert takes (all layers; the shares sum to 1) over training, "
+                  "from each run's TensorBoard logs; the table shows the mean over the last 10 % of the logged steps "
+                  "and the ratio of the most to the least loaded real expert.", "", "![expert load](expert_load.png)",
+                  "", "| run | " + " | ".join(options) + " | max / min |", "|---|" + "---:|" * (len(options) + 1)]
+        for label, summary in result["expert_load"].items():
+            cells = " | ".join(f"{summary['final_load'].get(o, float('nan')):.3f}" for o in options)
+            lines.append(f"| {label} | {cells} | {summary['max_over_min']:.2f} |")
     return "\n".join(lines) + "\n"

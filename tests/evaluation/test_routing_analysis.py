@@ -88,7 +88,7 @@ def test_command_writes_figures_and_report(trained_run, tmp_path, capsys):
     out = tmp_path / "analysis"
     assert main(["--checkpoint", str(trained_run / "checkpoints"), "--output", str(out), "--clusters", "4"]) == 0
     names = {"routing_heatmap.png", "routing_clusters.png", "routing_mutual_information.png", "routing_report.md",
-             "routing_analysis.json", "collapse_cascade.png"}
+             "routing_analysis.json", "collapse_cascade.png", "expert_load.png"}
     assert {p.name for p in out.iterdir()} == names
     for name in names:
         if name.endswith(".png"):
@@ -108,3 +108,9 @@ def test_command_writes_figures_and_report(trained_run, tmp_path, capsys):
     n_layers = config["triroute"]["model"]["n_layers"]
     assert set(collapse) == {"attn", "experts", "bits"}
     assert all(len(axis["final"]) == n_layers for axis in collapse.values())
+    # The expert loads too: every real expert and the null expert, shares of the slots summing to 1.
+    load = result["expert_load"]["run"]["final_load"]
+    r = config["triroute"]["router"]
+    assert list(load) == ["null"] + [f"e{i}" for i in range(r["num_experts"])]
+    assert sum(load.values()) == pytest.approx(1.0, rel=1e-4)
+    assert "## Expert load" in report
