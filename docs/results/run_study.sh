@@ -24,7 +24,11 @@ BUDGET=(budget.flops_target=0.55 budget.mem_target=0.4)
     --grid independent:router.mod_capacity=0.45,0.53 --grid independent:router.uniform_bits=4 \
     --grid "triroute:${BUDGET[0]}" --grid "triroute:${BUDGET[1]}" "${COMMON[@]}"
 
-# Table 4: the full method and one switch flipped per row, all at the same budget targets.
+# Table 4: the full method and one switch flipped per row, all at the same budget targets. Its
+# TriRoute row is Table 2's seed-1 run (the same config and seed), linked rather than trained again.
+FULL=runs/triroute/flops_target0.55_mem_target0.4/seed1
+mkdir -p "$OUT/table4/$(dirname "$FULL")"
+[ -e "$OUT/table4/$FULL" ] || ln -s "$(cd "$OUT/table2/$FULL" && pwd)" "$OUT/table4/$FULL"
 VARIANTS=(no_whitening no_entropy_floor no_grad_balance token_attention layer_group_attention separate_routers
           single_head reinforce no_null_expert uniform_bits)
 GRIDS=()
