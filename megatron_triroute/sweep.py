@@ -48,7 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--mem-target", type=float, help="default: the recipe's budget.mem_target")
     p.add_argument("--tol", type=float, default=0.01, help="slack on both targets when reading off")
     p.add_argument("--seeds", default="", help="comma-separated triroute.seed values: every point is trained once per seed")
-    p.add_argument("--jobs", type=int, default=1, help="points trained at once on this machine (local mode)")
+    p.add_argument("--jobs", type=int, default=1, help="points trained at once on this machine (local mode; each gets "
+                   "OMP_NUM_THREADS = cores / jobs unless it is set)")
     p.add_argument("--grid", action="append", default=[], metavar="SYSTEM:PATH=V1,V2",
                    help="a system's values for one knob (PATH relative to triroute., e.g. mod:router.mod_capacity=0.3,0.6)")
     mode = p.add_mutually_exclusive_group()
@@ -214,6 +215,8 @@ def train_points(args, planned: list[tuple[str, dict, int | None]]) -> int:
             run_dir.mkdir(parents=True, exist_ok=True)
             log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
             env = dict(os.environ, MASTER_PORT=str(_free_port()))  # runs side by side: one rendezvous port each
+            if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # and a share of the cores each
+                env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
             running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), name, run_dir, log))
         if not running:
             break
