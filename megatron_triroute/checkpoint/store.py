@@ -80,6 +80,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
+def split_step_dir(path: str | os.PathLike) -> tuple[Path, int | None]:
+    """(checkpoint root, step) for one `step_*` directory; (path, None) for anything else (a root)."""
+    path = Path(path)
+    match = _STEP_DIR.fullmatch(path.name)
+    return (path.parent, int(match.group(1))) if match else (path, None)
+
+
 def shard_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.safetensors"
 

@@ -7,7 +7,6 @@ relative to where the run started), or `data` when given, as in `megatron_trirou
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,11 +36,12 @@ def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) 
     from data_prep.tokenizer import load_processor, tokenizer_path
 
     from ..checkpoint.store import META_FILE, latest_valid_checkpoint
+    from ..checkpoint.store import split_step_dir
     from ..durability import resolve_dir
     from ..inference.checkpoint import build_model, load_inference_checkpoint
 
     path = Path(checkpoint)
-    if re.fullmatch(r"step_(\d{8,})", path.name):
+    if split_step_dir(path)[1] is not None:
         step_path = path
     else:
         if not path.is_dir():

@@ -29,13 +29,11 @@ HF_PREFIX = "model."
 
 
 def checkpoint_step(checkpoint: Path) -> int:
-    import re
+    from ..checkpoint.store import latest_valid_checkpoint, split_step_dir
 
-    from ..checkpoint.store import latest_valid_checkpoint
-
-    match = re.fullmatch(r"step_(\d{8,})", Path(checkpoint).name)
-    if match:
-        return int(match.group(1))
+    _, step = split_step_dir(checkpoint)
+    if step is not None:
+        return step
     info = latest_valid_checkpoint(checkpoint)
     return info.step if info is not None else 0
 

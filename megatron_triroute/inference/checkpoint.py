@@ -22,7 +22,6 @@ map onto `InferenceModel`'s:
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import torch
@@ -43,13 +42,10 @@ def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[d
     checkpoint under `path` (a run's checkpoint root, or one `step_*` directory of it). `copy=False`
     (the exporter's): tensors of a layout-independent checkpoint may be views sharing storage, so
     the model is held once."""
-    from ..checkpoint.store import CheckpointError, load_checkpoint
+    from ..checkpoint.store import CheckpointError, load_checkpoint, split_step_dir
 
     path = Path(path)
-    root, step = path, None
-    match = re.fullmatch(r"step_(\d{8,})", path.name)
-    if match:
-        root, step = path.parent, int(match.group(1))
+    root, step = split_step_dir(path)
     try:
         step, tree, meta = load_checkpoint(root, rank=0, step=step)
     except CheckpointError as error:

@@ -25,7 +25,7 @@ from ..parallel.devices import collective_device
 from ..checkpoint import (CheckpointError, capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state,
                           save_checkpoint)
 from ..checkpoint.sharded import GLOBAL_FORMAT
-from ..checkpoint.store import step_dir_name
+from ..checkpoint.store import split_step_dir, step_dir_name
 from ..durability import resolve_dir
 from .resume_config import check_resume_config
 
@@ -167,7 +167,6 @@ def init_from_checkpoint(path: str, model, groups, config: dict) -> dict:
     parameters and buffers from the newest valid checkpoint under `path` (a checkpoint root or one
     `step_*` directory), read at this run's layout whatever layout wrote it; the optimizer,
     schedule, data position and step counter are this run's own, fresh. Returns the source's meta."""
-    import re
     from pathlib import Path
 
     from ..checkpoint.sharded import load_model
@@ -181,10 +180,7 @@ def init_from_checkpoint(path: str, model, groups, config: dict) -> dict:
         raise CheckpointError(f"train.init_from={path} is a Hugging Face export. Fix: convert it first with "
                               f"`python -m megatron_triroute.export --import {path} --output CKPT_DIR` and pass "
                               "train.init_from=CKPT_DIR.")
-    root, step = source, None
-    match = re.fullmatch(r"step_(\d{8,})", source.name)
-    if match:
-        root, step = source.parent, int(match.group(1))
+    root, step = split_step_dir(source)
     if step is None:
         info = latest_valid_checkpoint(root)
         if info is None:
