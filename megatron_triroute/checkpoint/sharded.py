@@ -206,6 +206,7 @@ def load_model(directory: str | Path, model) -> None:
 
 
 _EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
+_PER_LAYER = re.compile(r"decoder\.layers\.\d+\.")
 
 
 def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, torch.Tensor]:
@@ -233,6 +234,8 @@ def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, t
                 for e in range(tensor.shape[1]):
                     out[f"decoder.layers.{layer}.{expert.group(1)}.deepspeed_experts.{e}.{expert.group(2)}"] = \
                         tensor[layer, e].clone() if copy else tensor[layer, e]
+        elif _PER_LAYER.match(name):  # already one layer's (layer-group controllers, see model/gpt.py)
+            out[name] = tensor
         elif name.startswith("decoder.layers."):  # [layers, ...]
             rest = name[len("decoder.layers."):]
             for layer in range(tensor.shape[0]):

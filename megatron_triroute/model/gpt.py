@@ -62,9 +62,16 @@ class TriRouteGPTModel(GPTModel):
 
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         rank = dist.get_rank() if dist.is_initialized() else 0
+        r = self.triroute.router
+        per_layer = r.attn_routing and r.attn_granularity == "layer_group"
+        stacked = f"{prefix}decoder.layers.controller."
         for key, value in out.items():
-            if isinstance(value, ShardedTensor) and not key[len(prefix):].startswith(self._STAGE_PARTS):
+            if not isinstance(value, ShardedTensor):
+                continue
+            if not key[len(prefix):].startswith(self._STAGE_PARTS):
                 out[key] = replace(value, replica_id=(0, 0, rank))
+            elif per_layer and value.key.startswith(stacked):
+                out[key] = _unstack_layer(value, stacked)
         return out
 
     @property
@@ -116,3 +123,16 @@ class TriRouteGPTModel(GPTModel):
             # Deliver each token's LM loss to the REINFORCE decisions of every layer (see reinforce).
             out = reward_slots_loss(out, routing_rows.unpack(packed, self.layout).reward)
         return out
+
+
+def _unstack_layer(value, stacked: str):
+    """A controller tensor under its own per-layer key (`...decoder.layers.<global layer>.controller...`)
+    instead of Megatron's stack over layers. With layer-group attention only each group's leader
+    has the attention head (and a single shared head differs in size), so a stack over all layers
+    would have holes that no layout could load."""
+    from dataclasses import replace
+
+    layer = value.global_offset[0]
+    return replace(value, key=f"{stacked[:-len('controller.')]}{layer}.controller.{value.key[len(stacked):]}",
+                   global_shape=value.global_shape[1:], global_offset=value.global_offset[1:],
+                   axis_fragmentations=value.axis_fragmentations[1:], prepend_axis_num=value.prepend_axis_num - 1)
