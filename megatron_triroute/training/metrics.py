@@ -48,10 +48,14 @@ def router_scalars(stats: torch.Tensor, config: TriRouteConfig) -> tuple[dict[st
         probs = stats[:, sl[f"{axis}/prob"]] / tokens  # (L, O) marginal soft probabilities
         if len(names) > 1 and probs.sum() > 0:
             p = probs.clamp_min(1e-12)
-            ent = (-(p * p.log()).sum(-1) / math.log(len(names))).tolist()
+            ent = (-(p * p.log()).sum(-1) / math.log(len(names)))
+            # A layer that makes no decision on this axis (a layer-group follower's attention) has no
+            # entropy: NaN, neither logged nor warned about as a collapse.
+            ent = torch.where(probs.sum(-1) > 0, ent, torch.nan).tolist()
             entropies[axis] = ent
             for layer, value in enumerate(ent):
-                scalars[f"router/{axis}/entropy/layer_{layer}"] = value
+                if not math.isnan(value):
+                    scalars[f"router/{axis}/entropy/layer_{layer}"] = value
     return scalars, entropies
 
 
