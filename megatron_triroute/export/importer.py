@@ -90,7 +90,7 @@ def read_export(directory: Path) -> tuple[dict, TriRouteConfig, dict[str, torch.
     return hf, config, state
 
 
-TRAINING_ONLY = IGNORED + ("_extra_state",)
+TRAINING_ONLY = IGNORED + ("_extra_state", "reward_baseline.value", "reward_baseline.steps")
 """Model state an export does not carry (the budget's dual variables, Megatron's extra state): a
 model built from the import keeps their initial values."""
 

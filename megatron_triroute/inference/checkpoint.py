@@ -30,6 +30,8 @@ from ..checkpoint.sharded import GLOBAL_FORMAT
 from ..config import TriRouteConfig
 
 IGNORED = ("budget.targets", "budget.lambdas", "budget.ema", "budget.steps")
+TRAINING_ONLY_LAYER = "reward_baseline."
+"""A layer's training-only buffers (the REINFORCE estimator's reward baseline): not served."""
 """Training-only buffers: the dual variables are not part of the deployed policy (the prices are)."""
 
 
@@ -107,6 +109,7 @@ def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -
 
     for L in range(m.n_layers):
         src, dst = f"decoder.layers.{L}.", f"layers.{L}."
+        used.update(k for k in state if k.startswith(src + TRAINING_ONLY_LAYER))  # REINFORCE's baseline
         qkv = take(src + "self_attention.linear_qkv.weight", ((H + 2 * Hkv) * d, D))
         if qkv is not None:
             grouped = qkv.view(Hkv, G + 2, d, D)  # Megatron's per-KV-group layout
