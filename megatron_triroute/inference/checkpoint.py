@@ -30,9 +30,9 @@ from ..checkpoint.sharded import GLOBAL_FORMAT
 from ..config import TriRouteConfig
 
 IGNORED = ("budget.targets", "budget.lambdas", "budget.ema", "budget.steps")
+"""Training-only buffers: the dual variables are not part of the deployed policy (the prices are)."""
 TRAINING_ONLY_LAYER = "reward_baseline."
 """A layer's training-only buffers (the REINFORCE estimator's reward baseline): not served."""
-"""Training-only buffers: the dual variables are not part of the deployed policy (the prices are)."""
 
 
 class InferenceCheckpointError(ValueError):
