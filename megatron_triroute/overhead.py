@@ -80,29 +80,39 @@ class Overhead:
 def single_process_parallel(backend: str = "gloo") -> Iterator[object]:
     """torch.distributed (`backend`, world of one: gloo for CPU tensors, nccl for CUDA ones) and
     Megatron/DeepSpeed parallel state for building a model in this process, inside the CPU shim;
-    torn down on exit (torch.distributed only if this call created it)."""
+    torn down on exit (torch.distributed only if this call created it). The rendezvous variables are
+    set for the call only, on a fresh port, and restored after: a caller's environment (and every
+    process it starts later) keeps what it had."""
     import torch.distributed as dist
 
     from .parallel import cpu_shim, destroy_parallel, initialize_parallel
 
     created = not dist.is_initialized()
+    saved = {}
     if created:
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
         for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
                             ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(name, value)
-        dist.init_process_group(backend, rank=0, world_size=1)
+            saved[name] = os.environ.get(name)
+            os.environ[name] = value
     try:
+        if created:
+            dist.init_process_group(backend, rank=0, world_size=1)
         with cpu_shim():  # the CPU workarounds for as long as the models built here run
             try:
                 yield initialize_parallel(1, 1, 1)
             finally:
                 destroy_parallel()
     finally:
-        if created:
+        if created and dist.is_initialized():
             dist.destroy_process_group()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 def build_model(cfg: TriRouteConfig, groups, seed: int = 1234):

@@ -121,3 +121,17 @@ def test_configuration_errors_exit_2_with_one_line():
                            "triroute.router.d_routr=8"], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.startswith("error: override 'triroute.router.d_routr': unknown field"), proc.stderr
+
+
+def test_a_process_group_of_one_leaves_the_environment_as_it_was(monkeypatch):
+    """Built in a test process, it must not leave its rendezvous port behind for the processes the
+    next tests start (they would all try the same port)."""
+    import os
+
+    from megatron_triroute.overhead import single_process_parallel
+
+    monkeypatch.setenv("RANK", "7")
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with single_process_parallel():
+        assert os.environ["RANK"] == "0" and os.environ["MASTER_PORT"]
+    assert os.environ["RANK"] == "7" and "MASTER_PORT" not in os.environ
