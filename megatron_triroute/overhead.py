@@ -34,7 +34,6 @@ import contextlib
 import copy
 import json
 import os
-import socket
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Iterator
@@ -85,16 +84,14 @@ def single_process_parallel(backend: str = "gloo") -> Iterator[object]:
     process it starts later) keeps what it had."""
     import torch.distributed as dist
 
+    from .distributed.launch_env import free_local_port
     from .parallel import cpu_shim, destroy_parallel, initialize_parallel
 
     created = not dist.is_initialized()
     saved = {}
     if created:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-            sock.bind(("127.0.0.1", 0))
-            port = sock.getsockname()[1]
-        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(port)), ("RANK", "0"),
-                            ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_local_port())),
+                            ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             saved[name] = os.environ.get(name)
             os.environ[name] = value
     try:

@@ -182,17 +182,11 @@ def collect(args, planned: list[tuple[str, dict, int | None]], flops_target: flo
     return 0
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def train_points(args, planned: list[tuple[str, dict, int | None]]) -> int:
     """Train every planned run not finished earlier, `args.jobs` at a time (each its own process,
     its log next to its run directory); stops starting new runs after a failure."""
+    from .distributed.launch_env import free_local_port
+
     python = sys.executable
     start, done, failed = time.time(), 0, []
     running: list[tuple[subprocess.Popen, str, Path, object]] = []
@@ -214,7 +208,7 @@ def train_points(args, planned: list[tuple[str, dict, int | None]]) -> int:
             name, run_dir, cmd = todo.pop(0)
             run_dir.mkdir(parents=True, exist_ok=True)
             log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
-            env = dict(os.environ, MASTER_PORT=str(_free_port()))  # runs side by side: one rendezvous port each
+            env = dict(os.environ, MASTER_PORT=str(free_local_port()))  # runs side by side: one rendezvous port each
             if args.jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # and a share of the cores each
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // args.jobs))
             running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), name, run_dir, log))

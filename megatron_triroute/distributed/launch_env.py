@@ -187,6 +187,13 @@ def _slurm_local_world_size(environ: Mapping[str, str], world_size: int, *, n_no
     raise LaunchEnvError(_missing("slurm", "SLURM_TASKS_PER_NODE (or SLURM_NTASKS_PER_NODE)"))
 
 
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for a rendezvous on this machine only)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 def port_from_job_id(job_id: int) -> int:
     """The rendezvous port every task of a job derives by itself (`launchers/env.sh` uses the
     same formula). Jobs whose ids differ by a multiple of PORT_SPAN would collide on a shared
