@@ -186,11 +186,12 @@ def train(run: RunConfig, env, tables) -> int:
             break
     else:
         calibration = None
-        if run.triroute.budget.enabled and run.triroute.router.kind == "triroute" and t.steps == 0:
+        priced = run.triroute.budget.enabled and run.triroute.router.kind == "triroute"
+        if priced and t.steps == 0:
             if rank0:
                 log.warning("train.steps=0: no trained batch to calibrate the deployed prices on; the plain "
                             "argmax policy is evaluated")
-        elif run.triroute.budget.enabled and run.triroute.router.kind == "triroute":
+        elif priced:
             r = run.triroute.router
             movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
             calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
