@@ -106,6 +106,31 @@ def model_sharded_state_dict(model) -> dict:
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 
+EARLIER_NAMES = {"decoder.final_layernorm.weight": "decoder.final_layernorm.norm.weight"}
+"""Model tensors renamed since checkpoints were first written (current name: earlier name). The
+final norm was a wrapper that skipped the routing rows until the routing state became typed."""
+
+
+def current_name(name: str) -> str:
+    """A model tensor's current name, whichever name the checkpoint wrote it under."""
+    return {v: k for k, v in EARLIER_NAMES.items()}.get(name, name)
+
+
+def _read_earlier_names(sharded: dict, metadata) -> dict:
+    """`sharded` with each renamed tensor asked for under its earlier name where the checkpoint has
+    only that one."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    stored = metadata.state_dict_metadata
+    out = dict(sharded)
+    for key, value in sharded.items():
+        earlier = EARLIER_NAMES.get(key[len("model."):]) if isinstance(value, ShardedTensor) else None
+        if earlier and value.key not in stored and f"model.{earlier}" in stored:
+            out[key] = replace(value, key=f"model.{earlier}")
+    return out
+
 
 def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool = False) -> dict:
     """ZeRO-1 moments as global tensors: each owned parameter's AdamW moments follow that
@@ -161,13 +186,15 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
+    metadata = read_metadata(directory)
     model_sharded = model_sharded_state_dict(model)
     sharded = dict(model_sharded)
     with_optimizer = optimizer is not None and adam_step is not None
     if with_optimizer:
         sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer, empty=True))
+    sharded = _read_earlier_names(sharded, metadata)
     wanted = sorted({v.key for v in nested_values(_built(sharded)) if isinstance(v, ShardedTensor)})
-    problems = coverage_problems(read_metadata(directory), wanted)
+    problems = coverage_problems(metadata, wanted)
     if problems:
         raise CheckpointError(f"{directory} cannot be loaded into this model: " + "; ".join(problems[:10]) +
                               (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "") +
@@ -227,7 +254,7 @@ def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, t
     dcp.load(stacked, checkpoint_id=str(directory), no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in stacked.items():
-        name = key[len("model."):]
+        name = current_name(key[len("model."):])
         expert = _EXPERT.fullmatch(name)
         if expert:  # [layers, experts, ...]
             for layer in range(tensor.shape[0]):

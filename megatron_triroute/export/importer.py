@@ -28,7 +28,7 @@ def engine_to_megatron(config: TriRouteConfig, state: dict[str, torch.Tensor]) -
     H, Hkv, d, D = m.n_heads, m.n_kv_heads, m.d_head, m.d_model
     G = H // Hkv
     out = {"embedding.word_embeddings.weight": state["embed.weight"],
-           "decoder.final_layernorm.norm.weight": state["final_norm.weight"],
+           "decoder.final_layernorm.weight": state["final_norm.weight"],
            "output_layer.weight": state["lm_head.weight"],
            "token_log_prob": state["token_log_prob"], "token_word_start": state["token_word_start"],
            "budget.prices": state["prices"]}

@@ -26,11 +26,10 @@ import torch
 
 from triroute_kernels import decode_attention_pool, merge_partials
 
-from ..config import ATTN_MODES
+from ..config import FULL, LOCAL, SKIP
 from .audit import CostAudit
 from .kv_cache import PagedKVCache
 
-SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
 SCRATCH_ELEMENTS = 1 << 24
 """Cap on the keys gathered per chunk for one head (rows x slots x d_h floats: 64 MiB in fp32)."""
 

@@ -15,7 +15,7 @@ map onto `InferenceModel`'s:
     decoder.layers.L.mlp.mlp.linear_fc1 / fc2       -> layers.L.ffn.w1, w3 (gate | up halves) / w2
     decoder.layers.L.controller.*                   -> layers.L.controller.*  (whitening and
                                                         gradient-balance running statistics included)
-    decoder.final_layernorm.norm.weight, output_layer.weight -> final_norm.weight, lm_head.weight
+    decoder.final_layernorm.weight, output_layer.weight -> final_norm.weight, lm_head.weight
     budget.prices                                   -> prices   (zero when absent)
     token_log_prob, token_word_start                -> the same names
 """
@@ -71,8 +71,10 @@ def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[d
             f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
             "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
             "parallel.pipeline=parallel.expert=1).")
+    from ..checkpoint.sharded import current_name
+
     config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
-    return tree_config, map_megatron_state(tree["model"], config)
+    return tree_config, map_megatron_state({current_name(k): v for k, v in tree["model"].items()}, config)
 
 
 def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -> dict[str, torch.Tensor]:
@@ -98,7 +100,7 @@ def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -
     G = H // Hkv
     out: dict[str, torch.Tensor] = {}
     out["embed.weight"] = take("embedding.word_embeddings.weight", (V, D))
-    out["final_norm.weight"] = take("decoder.final_layernorm.norm.weight", (D,))
+    out["final_norm.weight"] = take("decoder.final_layernorm.weight", (D,))
     out["lm_head.weight"] = take("output_layer.weight", (V, D))
     out["token_log_prob"] = take("token_log_prob", (V,))
     out["token_word_start"] = take("token_word_start", (V,))

@@ -1,9 +1,16 @@
-"""TriRoute GPT: Megatron-Core's GPTModel with TriRoute layers and the routing rows.
+"""TriRoute GPT: Megatron-Core's GPTModel with TriRoute layers and typed routing state.
 
-The first pipeline stage embeds the tokens and appends the routing rows (psi features, empty
-previous-decision features, the global sample index); every layer reads and rewrites them;
-the last stage drops them before the output layer. The model owns the budget controller, the
-router statistics and the per-step state its layers share.
+One stage's forward (every pipeline stage is given the micro-batch's tokens):
+
+    inputs = RoutingInputs(psi(tokens), sample_index)
+    x, state = embed(tokens), RoutingState.initial     first stage
+             | receive(input tensor)                   later stages (stage_wire.py)
+    x, state = run_layers(layers, x, inputs, state)    block.py
+    send(x, state)                                     not the last stage
+    | loss(output_layer(norm(x))) (+ REINFORCE reward slots)   the last stage
+
+The model owns the budget controller, the router statistics and the per-step state its layers
+share.
 """
 
 from __future__ import annotations
@@ -15,11 +22,12 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..config import TriRouteConfig
 from ..routing.budget import BudgetController
 from ..routing.reinforce import reward_slots_loss
-from ..routing.side_features import TokenTables, static_side_features
-from . import routing_rows
-from .layer import row_layout
-from .spec import get_triroute_block_spec
+from ..routing.side_features import TokenTables
+from . import stage_wire
+from .block import run_layers
+from .routing_state import RoutingInputs, RoutingState
 from .routing_step import RoutingStep
+from .spec import get_triroute_block_spec
 from .step_state import RouterStatistics, RoutingStepState
 
 
@@ -34,7 +42,7 @@ class TriRouteGPTModel(GPTModel):
             position_embedding_type="rope",
         )
         self.triroute = triroute
-        self.layout = row_layout(triroute)
+        self.wire = stage_wire.WireLayout.of(triroute)
         tables = tables or TokenTables.uniform(m.vocab_size)
         if tables.log_prob.numel() != m.vocab_size:
             raise ValueError(f"token tables cover {tables.log_prob.numel()} ids but model.vocab_size={m.vocab_size}; "
@@ -75,53 +83,36 @@ class TriRouteGPTModel(GPTModel):
         return out
 
     @property
-    def routing_seq_len(self) -> int:
-        """Rows of the tensor passed between pipeline stages: tokens + routing rows."""
-        return self.layout.seq_len + self.layout.rows
+    def wire_seq_len(self) -> int:
+        """First dimension of the tensor passed between pipeline stages: tokens + routing state rows."""
+        return self.wire.seq_length
 
     def set_routing_step(self, step: int, tau: float) -> None:
         self.step_state.step, self.step_state.tau = step, tau
 
-    def forward(self, tokens: torch.Tensor | None, sample_index: torch.Tensor, labels: torch.Tensor | None = None):
-        """tokens, labels: (B, T) (tokens may be None on non-first pipeline stages);
-        sample_index: (B,) global sample indices. Returns per-token losses (B, T) when labels
-        are given on the last stage, logits (B, T, V) otherwise, or the stage's output tensor."""
-        decoder_input = None
-        if self.pre_process:
-            if tokens.shape[1] != self.layout.seq_len:
-                raise ValueError(f"sequence length {tokens.shape[1]} != model.seq_len={self.layout.seq_len}")
-            emb = self.embedding(input_ids=tokens, position_ids=None)  # [T, B, d]
-            rows = self._initial_rows(tokens, sample_index)
-            decoder_input = torch.cat([emb, routing_rows.pack(rows, self.layout, emb.dtype)], 0)
-        return super().forward(input_ids=tokens, position_ids=None, attention_mask=None,
-                               decoder_input=decoder_input, labels=labels)
-
-    def _initial_rows(self, tokens: torch.Tensor, sample_index: torch.Tensor) -> routing_rows.RoutingRows:
+    def forward(self, tokens: torch.Tensor, sample_index: torch.Tensor, labels: torch.Tensor | None = None):
+        """tokens, labels: (B, T) (every stage); sample_index: (B,) global sample indices. Returns
+        per-token losses (B, T) when labels are given on the last stage, logits (B, T, V)
+        otherwise, or the tensor this stage sends the next."""
         B, T = tokens.shape
-        lay = self.layout
+        if T != self.wire.seq_len:
+            raise ValueError(f"sequence length {T} != model.seq_len={self.wire.seq_len}")
         tables = TokenTables(self.token_log_prob, self.token_word_start, self.eod_id)
-        rows = routing_rows.RoutingRows(
-            static=static_side_features(tokens, tables, self.triroute.router.max_doc_position),
-            decisions=torch.zeros(B, T, lay.n_decision, device=tokens.device),
-            sample_index=sample_index.to(tokens.device),
-        )
-        if lay.reward:
-            rows.reward = torch.zeros(B, T, 2, device=tokens.device)
-        if lay.leader:
-            H = lay.n_heads
-            rows.leader_y = torch.zeros(B, T, H, 3, device=tokens.device)
-            rows.leader_y_cost = torch.zeros(B, T, H, 3, device=tokens.device)
-            rows.leader_hard = torch.zeros(B, T, H, dtype=torch.long, device=tokens.device)
-        return rows
-
-    def _postprocess(self, hidden_states, *args, **kwargs):
+        inputs = RoutingInputs.of(tokens, sample_index, tables, self.triroute.router.max_doc_position)
+        if self.pre_process:
+            x = self.embedding(input_ids=tokens, position_ids=None)  # [T, B, d]
+            state = RoutingState.initial(self.triroute, B, T, tokens.device)
+        else:
+            x, state = stage_wire.receive(self.decoder.input_tensor, self.wire)
+        rotary_pos_emb = self.rotary_pos_emb(T)
+        x, state = run_layers(self.decoder.layers, x, inputs, state, rotary_pos_emb, self.config, self.training)
         if not self.post_process:
-            return super()._postprocess(hidden_states, *args, **kwargs)
-        tokens, packed = routing_rows.split(hidden_states, self.layout)  # drop the routing rows
-        out = super()._postprocess(tokens, *args, **kwargs)
-        if self.layout.reward and kwargs.get("labels") is not None and self.training:
+            return stage_wire.send(x, state, self.wire)
+        out = self._postprocess(hidden_states=self.decoder.final_layernorm(x), input_ids=tokens, position_ids=None,
+                                labels=labels, rotary_pos_emb=rotary_pos_emb, rotary_pos_cos=None, rotary_pos_sin=None)
+        if state.reward is not None and labels is not None and self.training:
             # Deliver each token's LM loss to the REINFORCE decisions of every layer (see reinforce).
-            out = reward_slots_loss(out, routing_rows.unpack(packed, self.layout).reward)
+            out = reward_slots_loss(out, state.reward)
         return out
 
 

@@ -5,8 +5,9 @@
 
 It plugs into Megatron-Core's TransformerBlock through a ModuleSpec (see `spec.py`) and speaks
 its layer contract: built as (config, layer_number, submodules, ...), called with the block's
-keyword arguments, returns (hidden_states, context). Routing inputs and outputs travel in the
-routing rows after the token rows (see `routing_rows.py`).
+built by Megatron's TransformerBlock from the spec. Called by the thin block (`block.py`) as
+(hidden_states, routing inputs, routing state) -> (hidden_states, next routing state); see
+`routing_state.py`.
 
 Tensor parallel: the controller is replicated and sees the same tokens on every TP rank, so its
 decisions are identical there. Each rank uses only its heads' decisions, so the decisions enter
@@ -40,7 +41,7 @@ from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
-from . import routing_rows
+from .routing_state import RoutingInputs, RoutingState
 from .step_state import RoutingStepState
 
 
@@ -52,17 +53,6 @@ class TriRouteLayerSubmodules:
     mlp: ModuleSpec | type
 
 
-def row_layout(config: TriRouteConfig) -> routing_rows.RowLayout:
-    from ..routing.side_features import STATIC_FEATURES, decision_feature_size
-
-    return routing_rows.RowLayout(
-        seq_len=config.model.seq_len, hidden=config.model.d_model, n_static=STATIC_FEATURES,
-        n_decision=decision_feature_size(len(config.router.bits)), n_heads=config.model.n_heads,
-        leader=config.router.attn_routing and config.router.attn_granularity == "layer_group",
-        reward=config.router.estimator == "reinforce",
-    )
-
-
 class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
     def __init__(self, config: TransformerConfig, submodules: TriRouteLayerSubmodules, layer_number: int = 1,
                  triroute: TriRouteConfig | None = None, pg_collection=None, vp_stage=None, **unused):
@@ -70,7 +60,6 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         assert triroute is not None, "TriRouteTransformerLayer needs the TriRoute config (spec params)"
         self.triroute = triroute
         self.layer_number = layer_number + get_transformer_layer_offset(config, vp_stage)  # 1-based, global
-        self.layout = row_layout(triroute)
         self.controller = build_controller(triroute, self.layer_number - 1)
         d = triroute.model.d_model
         self.input_layernorm = build_module(submodules.input_layernorm, config=config, hidden_size=d,
@@ -81,30 +70,30 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
                                               eps=config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config=config, triroute=triroute)
         self.step_state: RoutingStepState | None = None  # attached by the model after building
-        self.reward_baseline = RewardBaseline() if self.layout.reward else None
+        self.reward_baseline = RewardBaseline() if triroute.router.estimator == "reinforce" else None
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         heads_local = triroute.model.n_heads // config.tensor_model_parallel_size
         self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb=None, **unused):
-        cfg, state = self.triroute, self.step_state
-        x, packed = routing_rows.split(hidden_states, self.layout)  # [T, B, d], [R, B, d]
-        rows = routing_rows.unpack(packed, self.layout)
-        B, T = rows.static.shape[:2]
+    def forward(self, hidden_states: torch.Tensor, inputs: RoutingInputs, state: RoutingState,
+                rotary_pos_emb=None) -> tuple[torch.Tensor, RoutingState]:
+        """hidden_states [T, B, d] -> (hidden_states [T, B, d], the routing state for the next layer)."""
+        cfg, step = self.triroute, self.step_state
+        x = hidden_states
+        B, T = inputs.psi.shape[:2]
         positions = torch.arange(T, device=x.device)
 
         # --- controller (Alg. 1, lines 1-3) ------------------------------------------------
-        prev = _leader_output(rows)
-        side = torch.cat([rows.static, rows.decisions], -1)
-        key = NoiseKey(cfg.seed, state.step, self.layer_number - 1, rows.sample_index, positions)
-        out = self.controller(x.transpose(0, 1), side, key, state.tau, prev)
+        side = torch.cat([inputs.psi, state.decisions], -1)
+        key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions)
+        out = self.controller(x.transpose(0, 1), side, key, step.tau, state.leader_output())
         if not self.training and cfg.router.kind == "triroute":  # the deployed policy: priced argmax
-            out = price_decisions(out, state.budget.prices, positions, cfg.model, cfg.router)
+            out = price_decisions(out, step.budget.prices, positions, cfg.model, cfg.router)
 
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
         modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
         bit_weights = tensor_parallel.copy_to_tensor_model_parallel_region(out.bits.y)
-        hard = not self.training and state.hard_execution
+        hard = not self.training and step.hard_execution
         attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, out.bits.y.argmax(-1),
                                    rotary_pos_emb=rotary_pos_emb, hard=hard)
         x = x + attn
@@ -125,19 +114,17 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         # --- losses and statistics (lines 5-6) -------------------------------------------------
         if self.training:
             x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions))
-        if state.should_record(self.training):
+        if step.should_record(self.training):
             self._record(out, positions, observe_budget=self.training)
 
-        next_rows = routing_rows.RoutingRows(
-            static=rows.static,
-            decisions=decision_features(out, B, T, len(cfg.router.bits), cfg.router.top_k, x.device),
-            sample_index=rows.sample_index,
-        )
-        if self.layout.leader:
-            next_rows.leader_y, next_rows.leader_y_cost, next_rows.leader_hard = out.attn.y, out.attn.y_cost, out.attn.hard
-        if self.layout.reward:
-            next_rows.reward = reward_tap(rows.reward, out, self.reward_baseline) if self.training else rows.reward
-        return torch.cat([x, routing_rows.pack(next_rows, self.layout, x.dtype)], 0), None
+        # --- the routing state the next layer reads -------------------------------------------
+        decisions = decision_features(out, B, T, len(cfg.router.bits), cfg.router.top_k, x.device)
+        # A follower reuses the executed choice only (not the leader's logits or log-probabilities).
+        leader = AxisDecision(out.attn.y, out.attn.y_cost, out.attn.hard) if state.leader is not None else None
+        reward = state.reward
+        if reward is not None and self.training:
+            reward = reward_tap(reward, out, self.reward_baseline)
+        return x, RoutingState(decisions, leader, reward)
 
     def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor) -> torch.Tensor:
         """alpha L_bal + beta L_z + gamma L_ent of this layer, plus its share of
@@ -181,10 +168,3 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         if observe_budget:
             self.step_state.budget.observe(cost, dense_sums)
 
-
-def _leader_output(rows: routing_rows.RoutingRows) -> RouterOutput | None:
-    """The layer-group leader's attention decision, for follower layers (None otherwise)."""
-    if rows.leader_y is None:
-        return None
-    attn = AxisDecision(rows.leader_y, rows.leader_y_cost, rows.leader_hard)
-    return RouterOutput(attn=attn, bits=attn, experts=None)

@@ -114,23 +114,7 @@ def get_triroute_block_spec(config: TriRouteConfig, megatron_config: Transformer
     use_te = HAVE_TE if use_te is None else use_te
     layer = get_triroute_layer_spec(config, groups, use_te)
     n = get_num_layers_to_build(megatron_config, vp_stage=vp_stage)
-    final_norm = ModuleSpec(module=TokenRowsNorm, params={"norm": TENorm if use_te else WrappedTorchNorm,
-                                                          "seq_len": config.model.seq_len})
-    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=final_norm)
-
-
-class TokenRowsNorm(torch.nn.Module):
-    """The block's final norm on the token rows only; the routing rows pass through unchanged
-    (they are data, not hidden states, and the last stage reads the REINFORCE slots from them)."""
-
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, norm=WrappedTorchNorm,
-                 seq_len: int = 0):
-        super().__init__()
-        self.norm = norm(config=config, hidden_size=hidden_size, eps=eps)
-        self.seq_len = seq_len
-
-    def forward(self, hidden):
-        return torch.cat([self.norm(hidden[: self.seq_len]), hidden[self.seq_len :]], 0)
+    return TransformerBlockSubmodules(layer_specs=[layer] * n, layer_norm=TENorm if use_te else WrappedTorchNorm)
 
 
 def transformer_config(config: TriRouteConfig, tensor_parallel: int = 1, pipeline_parallel: int = 1,

@@ -82,7 +82,7 @@ class TrainEngine:
         with self._autocast():
             losses = self.forward_backward(
                 forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
-                num_microbatches=len(micro_batches), seq_length=model.routing_seq_len,
+                num_microbatches=len(micro_batches), seq_length=model.wire_seq_len,
                 micro_batch_size=micro_batches[0].tokens.shape[0], forward_only=False,
             )
         loss_sum, token_count = self._global_loss(losses)
@@ -125,7 +125,7 @@ class TrainEngine:
                 with self._autocast():
                     losses = self.forward_backward(
                         forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
-                        num_microbatches=len(mine), seq_length=model.routing_seq_len,
+                        num_microbatches=len(mine), seq_length=model.wire_seq_len,
                         micro_batch_size=mine[0].tokens.shape[0], forward_only=True,
                     )
             finally:

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ..parallel.devices import collective_device
 from ..checkpoint import (CheckpointError, capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state,
                           save_checkpoint)
-from ..checkpoint.sharded import GLOBAL_FORMAT
+from ..checkpoint.sharded import GLOBAL_FORMAT, current_name
 from ..checkpoint.store import split_step_dir, step_dir_name
 from ..durability import resolve_dir
 from .resume_config import check_resume_config
@@ -137,7 +137,7 @@ def _load_per_rank(root: str, info, meta: dict, model, optimizer, scheduler, gro
     state = shards[source]
     # Budget targets come from the config, never the checkpoint (a resume may change them);
     # checkpoints written while they were a saved buffer still hold them.
-    model_state = {k: v for k, v in state["model"].items() if not k.endswith(STALE_KEYS)}
+    model_state = {current_name(k): v for k, v in state["model"].items() if not k.endswith(STALE_KEYS)}
     missing, unexpected = model.load_state_dict(model_state, strict=False)
     # Checkpoints written before the deployed-policy prices existed hold none: they load as zero.
     missing = [k for k in missing if not k.endswith(("_extra_state", "budget.prices"))]

@@ -94,17 +94,18 @@ def _hand_flops(cfg, modes, index, heads):
 
 
 def _layer(model, tokens, idx, hard):
-    """Layer 0's output (token rows) in eval mode, its input, and the FLOPs of its hard call."""
+    """Layer 0's input, output and routing arguments (inputs, state) in eval mode, and the logits."""
     layer = model.decoder.layers[0]
     captured = {}
-    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw["hidden_states"]), with_kwargs=True)
+    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw), with_kwargs=True)
     h2 = layer.register_forward_hook(lambda m, a, kw, out: captured.__setitem__("out", out[0]), with_kwargs=True)
     model.eval()
     model.step_state.hard_execution = hard
     with torch.no_grad():
         logits = model(tokens, idx)
     h1.remove(), h2.remove()
-    return captured["in"], captured["out"], logits
+    kw = captured["in"]
+    return kw["hidden_states"], captured["out"], logits, {"inputs": kw["inputs"], "state": kw["state"]}
 
 
 def _rel_err(a, b):
@@ -148,8 +149,8 @@ def _checks(rank, world_size, tp):
         for layer in model.decoder.layers:
             layer.controller.register_forward_hook(
                 lambda m, a, out: _override(out, modes, bits, index, weight, len(cfg.router.bits)))
-        x_in, hard_out, hard_logits = _layer(model, tokens, idx, hard=True)
-        _, relaxed_out, relaxed_logits = _layer(model, tokens, idx, hard=False)
+        x_in, hard_out, hard_logits, routing = _layer(model, tokens, idx, hard=True)
+        _, relaxed_out, relaxed_logits, _ = _layer(model, tokens, idx, hard=False)
         where = f"tp={tp_size} rank={rank}"
         assert not torch.allclose(hard_out[:T], x_in[:T], atol=1e-3), where  # the layer did work
 
@@ -162,7 +163,7 @@ def _checks(rank, world_size, tp):
         assert torch.allclose(hard_logits, relaxed_logits, atol=1e-4), (where, (hard_logits - relaxed_logits).abs().max())
         model.step_state.hard_execution = True
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
-            layer(hidden_states=x_in, attention_mask=None, rotary_pos_emb=rope)
+            layer(hidden_states=x_in, rotary_pos_emb=rope, **routing)
         by_module = counter.get_flop_counts()
         total = counter.get_total_flops()
         attn_counted, ffn_counted, ctrl_counted = (

@@ -27,16 +27,17 @@ def _force(layer, attn_mode: int, bit_option: int, expert_option: int):
 
 
 def _layer_io(model, tokens, sample_index):
-    """Input and output of decoder layer 0 in eval mode."""
+    """Input, output and routing arguments (inputs, state) of decoder layer 0 in eval mode."""
     captured = {}
     layer = model.decoder.layers[0]
-    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw["hidden_states"]), with_kwargs=True)
+    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw), with_kwargs=True)
     h2 = layer.register_forward_hook(lambda m, a, kw, out: captured.__setitem__("out", out[0]), with_kwargs=True)
     model.eval()
     with torch.no_grad():
         model(tokens, sample_index)
     h1.remove(), h2.remove()
-    return captured["in"], captured["out"]
+    kw = captured["in"]
+    return kw["hidden_states"], captured["out"], {"inputs": kw["inputs"], "state": kw["state"]}
 
 
 def _checks(rank, world_size):
@@ -56,17 +57,17 @@ def _checks(rank, world_size):
     # --- all skip + null: the layer is the identity; only the controller computes ---------------
     layer = model.decoder.layers[0]
     _force(layer, attn_mode=0, bit_option=0, expert_option=0)
-    x_in, x_out = _layer_io(model, tokens, idx)
+    x_in, x_out, routing = _layer_io(model, tokens, idx)
     assert torch.equal(x_out[:T], x_in[:T])
     with FlopCounterMode(display=False) as whole:
-        layer(hidden_states=x_in, attention_mask=None, rotary_pos_emb=None)
+        layer(hidden_states=x_in, rotary_pos_emb=None, **routing)
     with FlopCounterMode(display=False) as ctrl:
         layer.controller(x_in[:T].transpose(0, 1), torch.zeros(2, T, 3 + 4 + 4), None, 1.0, None)
     assert whole.get_total_flops() == ctrl.get_total_flops() > 0, (whole.get_flop_counts(), ctrl.get_flop_counts())
 
     # --- forced full + 16 bits + one fixed expert (k=1) equals the dense computation ----------
     _force(layer, attn_mode=2, bit_option=3, expert_option=2)  # option 2 = real expert 1
-    x_in, x_out = _layer_io(model, tokens, idx)
+    x_in, x_out, routing = _layer_io(model, tokens, idx)
     model.step_state.hard_execution = False  # the batched eval path gives the same output
     assert torch.allclose(_layer_io(model, tokens, idx)[1][:T], x_out[:T], atol=1e-5)
     x = x_in[:T]
@@ -87,7 +88,7 @@ def _checks(rank, world_size):
     x = x + expert(layer.pre_mlp_layernorm(x))
     assert torch.allclose(x_out[:T], x, atol=1e-5), (x_out[:T] - x).abs().max()
     model.train()  # relaxed path with the same forced decisions gives the same layer output
-    out_train = layer(hidden_states=x_in, attention_mask=None, rotary_pos_emb=rope)[0]
+    out_train = layer(hidden_states=x_in, rotary_pos_emb=rope, **routing)[0]
     assert torch.allclose(out_train[:T], x, atol=1e-5)
 
     # --- causality of the whole GPT in training mode (noise on, no-drop) ----------------------
