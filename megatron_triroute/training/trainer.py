@@ -58,7 +58,7 @@ def train(run: RunConfig, env, tables) -> int:
     from ..model.spec import transformer_config
     from ..parallel import initialize_parallel
     from . import data as data_mod
-    from .calibrate import RealisedTail, calibrate_prices
+    from .calibrate import RealisedTail
     from .engine import TrainEngine
     from .metrics import StepLogger, TensorBoard
     from .run_state import init_from_checkpoint, load_run, save_run
@@ -152,16 +152,8 @@ def train(run: RunConfig, env, tables) -> int:
     for step in range(start, t.steps):
         mbs = data_mod.micro_batches(train_ds, step, run, groups.dp_rank, groups.dp)
         report = engine.train_step(mbs, step)
-        if report.skipped:
-            nonfinite += 1
-            if rank0:
-                log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)", step, nonfinite)
-            if nonfinite >= t.max_nonfinite_steps:
-                raise NonFiniteLossError(
-                    f"{nonfinite} consecutive non-finite steps (last {step}). Fix: lower optim.lr, check the data, "
-                    "or resume from an earlier checkpoint.")
-        else:
-            nonfinite = 0
+        nonfinite = _count_nonfinite(nonfinite, report, t.max_nonfinite_steps, rank0)
+        if not report.skipped:
             tail.add(step, report.realised)
         step_log.step(step, report, scheduler.get_last_lr()[0])
         if (step + 1) % t.eval_interval == 0 and step + 1 < t.steps:
@@ -185,32 +177,59 @@ def train(run: RunConfig, env, tables) -> int:
                          t.exit_interval, step + 1)
             break
     else:
-        calibration = None
-        priced = run.triroute.budget.enabled and run.triroute.router.kind == "triroute"
-        if priced and t.steps == 0:
-            if rank0:
-                log.warning("train.steps=0: no trained batch to calibrate the deployed prices on; the plain "
-                            "argmax policy is evaluated")
-        elif priced:
-            r = run.triroute.router
-            movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
-            calibration = calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
+        calibration = _calibrate(run, model, engine, calibration_batches, rank0)
         results = evaluate(t.steps)
         if start < t.steps:
             save(t.steps)
         if rank0:
-            summary = {"step": t.steps, **results}
-            if report is not None:
-                summary.update({"realised_flops": report.realised[0], "realised_mem": report.realised[1],
-                                "target_flops": run.triroute.budget.flops_target,
-                                "target_mem": run.triroute.budget.mem_target, "lambdas": report.lambdas,
-                                "final_loss": report.loss})
-            if calibration is not None:
-                summary["calibration"] = calibration
-            summary["realised_tail"] = tail.summary()
-            summary["tensorboard"] = str(out / "tensorboard")
-            (out / "summary.json").write_text(json.dumps(summary, indent=2))
-            log.info("finished: %s", json.dumps(summary))
+            _write_summary(out, run, results, report, calibration, tail)
     tb.close()
     dist.barrier()
     return status
+
+
+def _count_nonfinite(in_a_row: int, report, limit: int, rank0: bool) -> int:
+    """Consecutive skipped (non-finite) steps after `report`; raises at `limit` of them."""
+    if not report.skipped:
+        return 0
+    in_a_row += 1
+    if rank0:
+        log.warning("step %d: non-finite loss or gradient; step skipped (%d in a row)", report.step, in_a_row)
+    if in_a_row >= limit:
+        raise NonFiniteLossError(f"{in_a_row} consecutive non-finite steps (last {report.step}). Fix: lower optim.lr, "
+                                 "check the data, or resume from an earlier checkpoint.")
+    return in_a_row
+
+
+def _calibrate(run: RunConfig, model, engine, calibration_batches, rank0: bool) -> dict | None:
+    """Calibrate the deployed policy's prices on the last trained batches (TriRoute with a budget
+    only); None when there is nothing to calibrate."""
+    from .calibrate import calibrate_prices
+
+    if not (run.triroute.budget.enabled and run.triroute.router.kind == "triroute"):
+        return None
+    if run.train.steps == 0:
+        if rank0:
+            log.warning("train.steps=0: no trained batch to calibrate the deployed prices on; the plain "
+                        "argmax policy is evaluated")
+        return None
+    r = run.triroute.router
+    movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
+    return calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
+
+
+def _write_summary(out: Path, run: RunConfig, results: dict, report, calibration: dict | None, tail) -> None:
+    """summary.json: the held-out results, the last step's realised cost against the targets, the
+    price calibration and the realised-cost tail."""
+    summary = {"step": run.train.steps, **results}
+    if report is not None:
+        summary.update({"realised_flops": report.realised[0], "realised_mem": report.realised[1],
+                        "target_flops": run.triroute.budget.flops_target,
+                        "target_mem": run.triroute.budget.mem_target, "lambdas": report.lambdas,
+                        "final_loss": report.loss})
+    if calibration is not None:
+        summary["calibration"] = calibration
+    summary["realised_tail"] = tail.summary()
+    summary["tensorboard"] = str(out / "tensorboard")
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    log.info("finished: %s", json.dumps(summary))
