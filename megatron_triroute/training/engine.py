@@ -7,7 +7,9 @@
 
 Optimizer engine (our choice): a replicated torch optimizer per model-parallel shard. Megatron's
 tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts; gradients
-are reduced by `parallel.reduce_gradients`. Megatron's schedule runs forward/backward for PP = 1
+are reduced by the run's data-parallel engine (`grad_sync`, parallel/megatron_ddp.py: the flat
+`reduce_gradients` after backward, or Megatron-Core's DDP reducing buckets during it), which leaves
+the reduced gradient in every `p.grad`. Megatron's schedule runs forward/backward for PP = 1
 and PP > 1 alike, so there is one code path.
 """
 
