@@ -3,7 +3,7 @@ for the replicated engine (the baseline) and Megatron-Core's DDP without and wit
 
     python benchmarks/bench_dp_overlap.py [--recipe tiny] [key=value ...] [--nprocs 2 4]
                                           [--micro-batch 4] [--micro-batches 2] [--bucket-mb 1]
-                                          [--warmup 2] [--repeats 5] [--json] [--out FILE]
+                                          [--warmup 2] [--repeats 5] [--rounds 2] [--json] [--out FILE]
 
 For each world size and each engine, a fresh group of gloo processes (CPU, one thread each) builds
 the recipe's model at DP = world size, EP = 1, and runs `TrainEngine.train_step` (the trainer's
@@ -13,7 +13,9 @@ processes so that the peak memory is its own.
 
 What is measured, per timed step (after `--warmup` steps), on every rank:
 - step time: wall time of `train_step` (the median over steps, the max over ranks: the slowest
-  rank sets the pace).
+  rank sets the pace). The engines take turns, `--rounds` times over (replicated, megatron,
+  megatron_overlap, replicated, ...), so a change in the machine's load hits them alike; the median
+  is over the steps of every round.
 - communication: each gradient reduction's launch and completion, timestamped with
   `time.perf_counter()`. Replicated engine and Megatron without overlap: the synchronous call's start
   and end. Megatron with overlap: the bucket's asynchronous launch (from the backward hook) and the
@@ -205,10 +207,16 @@ def _run_group(world: int, engine_name: str, args: dict) -> list[dict]:
     return [out[r] for r in range(world)]
 
 
-def summarise(ranks: list[dict]) -> dict:
-    """Median over steps of the slowest rank's step; communication and memory of the worst rank."""
+def summarise(rounds: list[list[dict]]) -> dict:
+    """Median over steps (of every round) of the slowest rank's step; communication and memory of
+    the worst rank. `rounds[k][rank]` is one process group's report."""
+    steps = len(rounds[0][0]["rows"])
+    step_s = statistics.median(max(r["rows"][i]["step_s"] for r in ranks) for ranks in rounds for i in range(steps))
+    ranks = [{"rows": [row for rnd in rounds for row in rnd[rank]["rows"]],
+              **{k: max(rnd[rank][k] for rnd in rounds) for k in ("peak_rss_mib", "rss_growth_mib")},
+              "params": rounds[0][rank]["params"], "dense_buckets": rounds[0][rank]["dense_buckets"]}
+             for rank in range(len(rounds[0]))]
     steps = len(ranks[0]["rows"])
-    step_s = statistics.median(max(r["rows"][i]["step_s"] for r in ranks) for i in range(steps))
     comm = sum(row["comm_s"] for r in ranks for row in r["rows"])
     hidden = sum(row["hidden_s"] for r in ranks for row in r["rows"])
     return {
@@ -232,17 +240,22 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="Megatron gradient bucket size (MB of fp32)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=2, help="times each engine runs, taking turns")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
     shared = {"recipe": args.recipe, "overrides": args.overrides, "micro_batch": args.micro_batch,
               "micro_batches": args.micro_batches, "bucket_mb": args.bucket_mb, "warmup": args.warmup,
-              "repeats": args.repeats}
+              "repeats": args.repeats, "rounds": args.rounds}
     result = {"recipe": args.recipe, "overrides": args.overrides, **{k: v for k, v in shared.items() if k != "overrides"},
               "memory": "peak RSS, resource.getrusage(RUSAGE_SELF).ru_maxrss", "load_average": os.getloadavg()[0],
               "worlds": {}}
     for world in args.nprocs:
-        per = {name: summarise(_run_group(world, name, shared)) for name in ENGINES}
+        reports: dict[str, list] = {name: [] for name in ENGINES}
+        for _ in range(args.rounds):
+            for name in ENGINES:
+                reports[name].append(_run_group(world, name, shared))
+        per = {name: summarise(rounds) for name, rounds in reports.items()}
         base = per["replicated"]
         for row in per.values():
             row["step_ratio"] = row["step_s"] / base["step_s"]
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _print_table(result: dict) -> None:
     print(f"recipe {result['recipe']} {' '.join(result['overrides'])}: {result['micro_batches']} micro-batches of "
           f"{result['micro_batch']} per rank per step, buckets {result['bucket_mb']} MB, {result['repeats']} timed "
-          f"steps after {result['warmup']} warm-up; gloo on CPU, 1 thread per rank; load average {result['load_average']:.2f}")
+          f"steps after {result['warmup']} warm-up, x {result['rounds']} rounds; gloo on CPU, 1 thread per rank; load average {result['load_average']:.2f}")
     print(f"memory: {result['memory']}")
     for world, per in result["worlds"].items():
         print(f"{world} processes (DP={world}), {per['replicated']['params']:,} parameters:")

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def result():
-    cmd = [sys.executable, str(PATH), "--nprocs", "2", "--warmup", "1", "--repeats", "2", "--micro-batch", "1",
+    cmd = [sys.executable, str(PATH), "--nprocs", "2", "--warmup", "1", "--repeats", "1", "--rounds", "1", "--micro-batch", "1",
            "--bucket-mb", "0.05", "--json", *TINY]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -1,7 +1,8 @@
 """`parallel.dp_engine=megatron` (Megatron-Core's DistributedDataParallel, buckets reduced during
 backward) trains the same model as the replicated engine (one flat all-reduce after backward):
 real trainer runs differing only in the switch end with every parameter within 1e-6, at DP2 x EP1,
-DP2 x EP2 and TP2 x EP2 (4 processes), with micro-batch accumulation and several buckets; and a
+DP2 x EP2, TP2 x EP2 and PP2 x DP2 x EP2 (4 processes), with micro-batch accumulation and several
+buckets; and a
 run checkpointed on one engine resumes on the other."""
 
 import shutil
@@ -47,7 +48,8 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     (2, ["parallel.expert=1"]),                                  # DP2 x EP1
     (2, ["parallel.expert=2"]),                                  # DP2 x EP2 (EDP1)
     (4, ["parallel.tensor=2", "parallel.expert=2"]),             # TP2 x EP2 (x DP2)
-], ids=["dp2-ep1", "dp2-ep2", "tp2-ep2"])
+    (4, ["parallel.pipeline=2", "parallel.expert=2"]),           # PP2 x DP2 x EP2 (1F1B schedule)
+], ids=["dp2-ep1", "dp2-ep2", "tp2-ep2", "pp2-dp2-ep2"])
 def test_megatron_engine_updates_equal_the_replicated_engine(tiny_data, tmp_path, nproc, layout):
     replicated, megatron = tmp_path / "replicated", tmp_path / "megatron"
     _run(replicated, tiny_data, nproc, layout + ACCUMULATE)
