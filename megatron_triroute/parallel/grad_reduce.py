@@ -56,16 +56,22 @@ def reduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
         if getattr(param, "allreduce", True):
             dense.append(param.grad)
         else:
-            group_name = getattr(param, "group_name", None)
-            if group_name != groups.ep_group_name:
-                raise ValueError(
-                    f"expert parameter {name} belongs to DeepSpeed expert group {group_name!r} but the run's "
-                    f"groups are {groups.ep_group_name!r}; build expert layers with the same ParallelGroups"
-                )
+            check_expert_group(name, param, groups)
             expert.append(param.grad)
     scale = 1.0 / groups.dp
     _all_reduce_coalesced(dense, groups.dp_group, scale)
     _all_reduce_coalesced(expert, groups.edp_group, scale)
+
+
+def check_expert_group(name: str, param: torch.Tensor, groups: ParallelGroups) -> None:
+    """An expert parameter must belong to the run's DeepSpeed expert group: it is reduced over
+    that layout's expert-data-parallel group."""
+    group_name = getattr(param, "group_name", None)
+    if group_name != groups.ep_group_name:
+        raise ValueError(
+            f"expert parameter {name} belongs to DeepSpeed expert group {group_name!r} but the run's "
+            f"groups are {groups.ep_group_name!r}; build expert layers with the same ParallelGroups"
+        )
 
 
 def _all_reduce_coalesced(grads: Iterable[torch.Tensor], group, scale: float) -> None:

@@ -15,15 +15,16 @@ attribute Megatron's DDP also sorts by) over ``groups.edp_group``. With
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
-from .grad_reduce import reduce_gradients
+from .grad_reduce import check_expert_group, reduce_gradients
 
 if TYPE_CHECKING:
     from .groups import ParallelGroups
+
 
 class ReplicatedGradSync:
     """One flat all-reduce per (group, dtype) after the whole backward (`reduce_gradients`)."""
@@ -59,6 +60,9 @@ class MegatronGradSync:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.model = model
+        for name, param in model.named_parameters():
+            if getattr(param, "allreduce", True) is False:
+                check_expert_group(name, param, groups)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=False, average_in_collective=False, bucket_size=bucket_size,
@@ -116,6 +120,6 @@ def check_scaling(ddp, groups: ParallelGroups) -> None:
     for buffers in (ddp.buffers, ddp.expert_parallel_buffers):
         for buffer in buffers:
             for bucket in buffer.buckets:
-                if not torch.isclose(torch.tensor(bucket.gradient_scaling_factor), torch.tensor(1.0 / groups.dp)):
+                if not math.isclose(bucket.gradient_scaling_factor, 1.0 / groups.dp, rel_tol=1e-12):
                     raise RuntimeError(f"Megatron DDP pre-scales a bucket by {bucket.gradient_scaling_factor}, "
                                        f"expected 1/dp = 1/{groups.dp}: the library changed its convention")
