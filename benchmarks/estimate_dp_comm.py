@@ -36,6 +36,7 @@ BANDWIDTHS = {"400 Gb/s": 400e9 / 8, "3.2 Tb/s": 3.2e12 / 8}
 SCHEMES = {  # name: (formula, grad bytes factor x (n-1)/n, param bytes factor x (n-1)/n, overlap grads, overlap params)
     "before: fp32 all-reduce + ZeRO-1 fp32 broadcasts": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, False, False),
     "megatron DDP (built): same, all-reduce overlapped": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, True, False),
+    "replicated, grad_reduce_dtype=bf16 (built)": ("2(n-1)/n x 2 + (n-1)/n x 4", 4, 4, False, False),
     "dist. optimizer, fp32 grads, bf16 params, overlap": ("(n-1)/n x 4 + (n-1)/n x 2", 4, 2, True, True),
     "dist. optimizer, bf16 grads, bf16 params, overlap": ("(n-1)/n x 2 + (n-1)/n x 2", 2, 2, True, True),
 }

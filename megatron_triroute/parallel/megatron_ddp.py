@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+import torch
 from torch import nn
 
 from .grad_reduce import check_expert_group, reduce_gradients
@@ -29,18 +30,19 @@ if TYPE_CHECKING:
 class ReplicatedGradSync:
     """One flat all-reduce per (group, dtype) after the whole backward (`reduce_gradients`)."""
 
-    def __init__(self, model: nn.Module, groups: ParallelGroups):
-        self.model, self.groups = model, groups
+    def __init__(self, model: nn.Module, groups: ParallelGroups, wire_dtype: torch.dtype | None = None):
+        self.model, self.groups, self.wire_dtype = model, groups, wire_dtype
 
     def describe(self) -> str:
-        return "replicated gradient reduction: one flat all-reduce per group after the backward"
+        wire = "" if self.wire_dtype is None else f", summed in {str(self.wire_dtype).removeprefix('torch.')}"
+        return f"replicated gradient reduction: one flat all-reduce per group after the backward{wire}"
 
     def begin(self) -> None:
         for p in self.model.parameters():
             p.grad = None
 
     def finish(self) -> None:
-        reduce_gradients(self.model, self.groups)
+        reduce_gradients(self.model, self.groups, self.wire_dtype)
 
     def discard(self) -> None:
         self.begin()
@@ -94,11 +96,15 @@ class MegatronGradSync:
 
 
 def build_grad_sync(engine: str, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
-                    bucket_size: int | None = None):
-    """The gradient synchroniser named by `parallel.dp_engine` (training/config.py: DP_ENGINES)."""
+                    bucket_size: int | None = None, wire_dtype: torch.dtype | None = None):
+    """The gradient synchroniser named by `parallel.dp_engine` (training/config.py: DP_ENGINES);
+    `wire_dtype` (replicated engine only) is the dtype gradients are summed in."""
     if engine == "replicated":
-        return ReplicatedGradSync(model, groups)
+        return ReplicatedGradSync(model, groups, wire_dtype)
     if engine == "megatron":
+        if wire_dtype not in (None, torch.float32):
+            raise ValueError(f"parallel.dp_engine='megatron' reduces in the parameters' dtype (fp32), not {wire_dtype}; "
+                             "use parallel.dp_engine=replicated for a bf16 gradient reduction")
         return MegatronGradSync(model, groups, overlap_grad_reduce, bucket_size)
     raise ValueError(f"parallel.dp_engine={engine!r}: use 'replicated' or 'megatron'")
 

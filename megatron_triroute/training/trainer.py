@@ -57,7 +57,8 @@ def build_run_grad_sync(model, run: RunConfig, groups):
 
     p = run.parallel
     bucket = int(p.bucket_mb * 2**20 / 4) if p.bucket_mb > 0 else None  # elements of fp32 gradient
-    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, bucket)
+    wire = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
+    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, bucket, wire)
 
 
 def train(run: RunConfig, env, tables) -> int:
