@@ -14,6 +14,10 @@ from typing import Any
 from ..config import ConfigError, TriRouteConfig, _fail, _from_dict
 
 
+DP_ENGINES = ("replicated", "megatron")
+"""`parallel.dp_engine` values (built by parallel/megatron_ddp.py: build_grad_sync)."""
+
+
 @dataclass
 class ParallelConfig:
     tensor: int = 1
@@ -22,6 +26,21 @@ class ParallelConfig:
     """Pipeline stages; must divide n_layers."""
     expert: int = 1
     """Expert-parallel size (DeepSpeed-MoE); must divide num_experts."""
+    dp_engine: str = "replicated"
+    """Data-parallel gradient reduction: "replicated" (one flat all-reduce after the whole backward,
+    parallel/grad_reduce.py) or "megatron" (Megatron-Core's DistributedDataParallel: contiguous
+    gradient buffers, reduced in buckets; parallel/megatron_ddp.py). Both feed the same ZeRO-1
+    optimizer and give the same update; see docs/parallelism.md."""
+    overlap_grad_reduce: bool = True
+    """dp_engine="megatron" only: launch each bucket's all-reduce during the last micro-batch's
+    backward, as soon as its gradients are complete (False: all buckets after the backward)."""
+    grad_reduce_dtype: str = "fp32"
+    """dp_engine="replicated" only: "bf16" rounds each flat gradient buffer to bf16 and sums it in
+    bf16 (half the bytes of "fp32"; the sum's rounding reaches the update). The "megatron" engine
+    reduces in the parameters' dtype, fp32 here (a bf16 buffer would need bf16 parameters)."""
+    bucket_mb: float = 0.0
+    """dp_engine="megatron" only: gradient bucket size in MB of fp32 gradients (0: Megatron's default,
+    max(40M, 1M x dp) elements). Smaller buckets start reducing earlier in the backward."""
 
 
 @dataclass
@@ -111,6 +130,7 @@ class RunConfig:
         for name in ("tensor", "pipeline", "expert"):
             if getattr(p, name) < 1:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1", "use 1 to disable")
+        _validate_dp_engine(p)
         if m.n_kv_heads % p.tensor:
             divisors = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0]
             _fail("parallel.tensor", p.tensor, f"does not divide n_kv_heads={m.n_kv_heads}",
@@ -193,3 +213,19 @@ def _parse(raw: str, current: Any, key: str) -> Any:
         return raw
     except ValueError:
         raise ConfigError(f"override {key}={raw!r}: cannot parse as {type(current).__name__}") from None
+
+
+def _validate_dp_engine(p: ParallelConfig) -> None:
+    """parallel.dp_engine names a known engine, grad_reduce_dtype one it supports; the bucket size is
+    not negative."""
+    if p.dp_engine not in DP_ENGINES:
+        _fail("parallel.dp_engine", p.dp_engine, "is not a data-parallel engine",
+              f"use one of {', '.join(DP_ENGINES)}")
+    if p.grad_reduce_dtype not in ("fp32", "bf16"):
+        _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "is not a reduction dtype", "use fp32 or bf16")
+    if p.grad_reduce_dtype == "bf16" and p.dp_engine != "replicated":
+        _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
+              f"is not available with parallel.dp_engine={p.dp_engine} (Megatron's DDP reduces in the fp32 "
+              "parameters' dtype)", "use parallel.dp_engine=replicated, or grad_reduce_dtype=fp32")
+    if p.bucket_mb < 0:
+        _fail("parallel.bucket_mb", p.bucket_mb, "must be >= 0", "use 0 for Megatron's default bucket size")

@@ -7,7 +7,9 @@
 
 Optimizer engine (our choice): a replicated torch optimizer per model-parallel shard. Megatron's
 tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts; gradients
-are reduced by `parallel.reduce_gradients`. Megatron's schedule runs forward/backward for PP = 1
+are reduced by the run's data-parallel engine (`grad_sync`, parallel/megatron_ddp.py: the flat
+`reduce_gradients` after backward, or Megatron-Core's DDP reducing buckets during it), which leaves
+the reduced gradient in every `p.grad`. Megatron's schedule runs forward/backward for PP = 1
 and PP > 1 alike, so there is one code path.
 """
 
@@ -62,8 +64,12 @@ class TrainEngine:
     """Owns the step logic; data, checkpoints and logging live in the trainer."""
 
     def __init__(self, model, groups, optimizer: torch.optim.Optimizer, total_steps: int,
-                 clip_grad: float = 1.0, scheduler=None, bf16: bool = False):
+                 clip_grad: float = 1.0, scheduler=None, bf16: bool = False, grad_sync=None):
+        from ..parallel.megatron_ddp import ReplicatedGradSync
+
         self.model, self.groups, self.optimizer = model, groups, optimizer
+        # begin / finish / discard of the data-parallel gradient reduction (parallel/megatron_ddp.py)
+        self.grad_sync = grad_sync if grad_sync is not None else ReplicatedGradSync(model, groups)
         self.bf16 = bf16
         self.scheduler = scheduler
         self.total_steps = total_steps
@@ -72,13 +78,12 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], step: int) -> StepReport:
-        from ..parallel.grad_reduce import clip_gradients, global_grad_norm, reduce_gradients
+        from ..parallel.grad_reduce import clip_gradients, global_grad_norm
 
         model, routing = self.model, self.model.routing_step
         tau = routing.begin(step, self.total_steps, len(micro_batches))
         model.train()
-        for p in model.parameters():
-            p.grad = None
+        self.grad_sync.begin()
         with self._autocast():
             losses = self.forward_backward(
                 forward_step_func=_forward_step, data_iterator=iter(micro_batches), model=model,
@@ -87,13 +92,12 @@ class TrainEngine:
             )
         loss_sum, token_count = self._global_loss(losses)
         loss = loss_sum / max(token_count, 1.0)
-        reduce_gradients(model, self.groups)
+        self.grad_sync.finish()  # waits for the buckets reduced during backward, if any
         grad_norm = global_grad_norm(model, self.groups)
         # Loss and norm are reduced over every rank, so all ranks agree to skip (a NaN or inf in any
         # gradient makes the global norm non-finite).
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            for p in model.parameters():
-                p.grad = None
+            self.grad_sync.discard()
             routing.discard()
             return StepReport(step, float("nan"), True, float("nan"), tau)
         clip_gradients(model, grad_norm, self.clip_grad)

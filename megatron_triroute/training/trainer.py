@@ -51,6 +51,16 @@ def build_optimizer(model, run: RunConfig, groups):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, factor)
 
 
+def build_run_grad_sync(model, run: RunConfig, groups):
+    """The data-parallel gradient reduction `parallel.dp_engine` names (parallel/megatron_ddp.py)."""
+    from ..parallel.megatron_ddp import build_grad_sync
+
+    p = run.parallel
+    bucket = int(p.bucket_mb * 2**20 / 4) if p.bucket_mb > 0 else None  # elements of fp32 gradient
+    wire = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
+    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, bucket, wire)
+
+
 def train(run: RunConfig, env, tables) -> int:
     """Run (or resume) `run` on this process's rank with the tokenizer's token `tables`
     (vocabulary already padded to `run.triroute.model.vocab_size`). Returns the exit status."""
@@ -88,8 +98,11 @@ def train(run: RunConfig, env, tables) -> int:
     if torch.cuda.is_available():
         model.cuda()
     optimizer, scheduler = build_optimizer(model, run, groups)
+    grad_sync = build_run_grad_sync(model, run, groups)
+    if rank0:
+        log.info("%s", grad_sync.describe())
     engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
-                         bf16=run.train.dtype_name == "bf16")
+                         bf16=run.train.dtype_name == "bf16", grad_sync=grad_sync)
     vocab = run.triroute.model.vocab_size
     train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier, data_parallel=groups.dp)
 

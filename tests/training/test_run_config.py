@@ -43,6 +43,26 @@ def test_layout_validation_names_the_fix():
         run.validate(3)  # 8 sequences do not split over 3 data-parallel ranks of micro-batch 8
 
 
+def test_dp_engine_validation_names_the_fix():
+    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.bucket_mb=2.5"])
+    assert run.validate(1).parallel.dp_engine == "megatron"
+    run.parallel.dp_engine = "fsdp"
+    with pytest.raises(ConfigError, match=r"parallel.dp_engine='fsdp': is not a data-parallel engine. "
+                                          r"Fix: use one of replicated, megatron"):
+        run.validate(1)
+    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.grad_reduce_dtype=bf16"])
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
+                                          r"parallel.dp_engine=megatron .* Fix: use parallel.dp_engine=replicated"):
+        run.validate(1)
+    run = apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=fp16"])
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='fp16': is not a reduction dtype. Fix: use fp32 or bf16"):
+        run.validate(1)
+    assert apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=bf16"]).validate(1)
+    run = apply_overrides(get_recipe("tiny"), ["parallel.bucket_mb=-1"])
+    with pytest.raises(ConfigError, match=r"parallel.bucket_mb=-1.0: must be >= 0"):
+        run.validate(1)
+
+
 def test_recipe_steps_follow_twenty_tokens_per_parameter():
     run = get_recipe("410m")
     m = run.triroute.model

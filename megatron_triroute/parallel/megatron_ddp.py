@@ -1,0 +1,131 @@
+"""Gradient synchronisation of a step: today's flat all-reduce, or Megatron-Core's
+`DistributedDataParallel` (contiguous gradient buffers, buckets reduced during backward).
+
+The engine holds one of these objects and calls ``begin`` before the forward-backward schedule,
+``finish`` after it (before the norm) and ``discard`` when the step is skipped. After ``finish``
+every parameter's ``p.grad`` holds the gradient of the global mean loss, as ``reduce_gradients``
+defines it, so the norm, the clip and the optimizer read ``p.grad`` on either engine.
+
+Megatron's DDP is given our groups explicitly (a ``ProcessGroupCollection``): dense parameters are
+reduced over ``groups.dp_group``, DeepSpeed's expert parameters (``allreduce == False``, the
+attribute Megatron's DDP also sorts by) over ``groups.edp_group``. With
+``average_in_collective=False`` both kinds are pre-scaled by ``1 / dp`` and summed, which is exactly
+``reduce_gradients``'s convention (experts: the EDP sum times ``1/dp``, not ``1/edp``).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from .grad_reduce import check_expert_group, reduce_gradients
+
+if TYPE_CHECKING:
+    from .groups import ParallelGroups
+
+
+class ReplicatedGradSync:
+    """One flat all-reduce per (group, dtype) after the whole backward (`reduce_gradients`)."""
+
+    def __init__(self, model: nn.Module, groups: ParallelGroups, wire_dtype: torch.dtype | None = None):
+        self.model, self.groups, self.wire_dtype = model, groups, wire_dtype
+
+    def describe(self) -> str:
+        wire = "" if self.wire_dtype is None else f", summed in {str(self.wire_dtype).removeprefix('torch.')}"
+        return f"replicated gradient reduction: one flat all-reduce per group after the backward{wire}"
+
+    def begin(self) -> None:
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish(self) -> None:
+        reduce_gradients(self.model, self.groups, self.wire_dtype)
+
+    def discard(self) -> None:
+        self.begin()
+
+
+class MegatronGradSync:
+    """Megatron-Core's `DistributedDataParallel` around `model`, reducing into contiguous buffers.
+
+    With ``overlap_grad_reduce`` each bucket's all-reduce is launched (asynchronously) by the
+    backward hook of its last gradient; ``finish`` waits for them. Micro-batch accumulation: the
+    schedule runs every micro-batch but the last inside ``config.no_sync_func`` (set here to the
+    wrapper's ``no_sync``), so buckets are reduced once per step, during the last backward.
+    """
+
+    def __init__(self, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
+                 bucket_size: int | None = None):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        self.model = model
+        for name, param in model.named_parameters():
+            if getattr(param, "allreduce", True) is False:
+                check_expert_group(name, param, groups)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+            use_distributed_optimizer=False, average_in_collective=False, bucket_size=bucket_size,
+        )
+        self.ddp = DistributedDataParallel(model.config, ddp_config, model,
+                                           pg_collection=process_groups(groups))
+        check_scaling(self.ddp, groups)
+        model.config.no_sync_func = self.ddp.no_sync
+
+    def describe(self) -> str:
+        """One line for the log: buckets per group and whether they overlap the backward."""
+        dense = sum(len(g.buckets) for g in self.ddp.bucket_groups)
+        expert = sum(len(g.buckets) for g in self.ddp.expert_parallel_bucket_groups)
+        return (f"Megatron DDP: {dense} dense bucket(s) over the data-parallel group, {expert} expert bucket(s) "
+                f"over the expert-data-parallel group, overlap_grad_reduce={self.ddp.ddp_config.overlap_grad_reduce}")
+
+    def begin(self) -> None:
+        self.ddp.zero_grad_buffer()
+        for p in self.model.parameters():
+            p.grad = None
+
+    def finish(self) -> None:
+        self.ddp.finish_grad_sync()
+        for p in self.ddp.params_with_grad:
+            p.grad = p.main_grad  # a view of the reduced buffer: norm, clip and optimizer read p.grad
+
+    def discard(self) -> None:
+        self.begin()
+
+
+def build_grad_sync(engine: str, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
+                    bucket_size: int | None = None, wire_dtype: torch.dtype | None = None):
+    """The gradient synchroniser named by `parallel.dp_engine` (training/config.py: DP_ENGINES);
+    `wire_dtype` (replicated engine only) is the dtype gradients are summed in."""
+    if engine == "replicated":
+        return ReplicatedGradSync(model, groups, wire_dtype)
+    if engine == "megatron":
+        if wire_dtype not in (None, torch.float32):
+            raise ValueError(f"parallel.dp_engine='megatron' reduces in the parameters' dtype (fp32), not {wire_dtype}; "
+                             "use parallel.dp_engine=replicated for a bf16 gradient reduction")
+        return MegatronGradSync(model, groups, overlap_grad_reduce, bucket_size)
+    raise ValueError(f"parallel.dp_engine={engine!r}: use 'replicated' or 'megatron'")
+
+
+def process_groups(groups: ParallelGroups):
+    """Our groups as the `ProcessGroupCollection` Megatron's DDP takes (no context parallel:
+    dp_cp is dp)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    collection = ProcessGroupCollection()
+    collection.dp = collection.dp_cp = groups.dp_group
+    collection.expt_dp = groups.edp_group
+    collection.tp, collection.pp, collection.ep = groups.tp_group, groups.pp_group, groups.ep_group
+    return collection
+
+
+def check_scaling(ddp, groups: ParallelGroups) -> None:
+    """Every bucket must be pre-scaled by exactly 1/dp (dense over DP, experts over EDP)."""
+    for buffers in (ddp.buffers, ddp.expert_parallel_buffers):
+        for buffer in buffers:
+            for bucket in buffer.buckets:
+                if not math.isclose(bucket.gradient_scaling_factor, 1.0 / groups.dp, rel_tol=1e-12):
+                    raise RuntimeError(f"Megatron DDP pre-scales a bucket by {bucket.gradient_scaling_factor}, "
+                                       f"expected 1/dp = 1/{groups.dp}: the library changed its convention")
