@@ -2,7 +2,7 @@
 
 The noise key's `step`, the Gumbel temperature and the budget multipliers change only between
 optimizer steps, so reading them from one shared object is safe under interleaved pipeline
-schedules and activation recompute. (Per-micro-batch inputs travel in the routing rows.)
+schedules and activation recompute. (Per-micro-batch inputs are `RoutingInputs`, see routing_state.py.)
 
 `RouterStatistics` accumulates, per layer, what the trainer logs and the budget is judged on:
 option counts per axis, summed soft probabilities, noise-free hard costs and dense costs. The
