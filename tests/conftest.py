@@ -10,16 +10,7 @@ REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
-SHARED_FIXTURE_DIRS = ("slurm", "export", "evaluation", "data_prep")
-"""Test folders whose session fixtures are expensive (a Slurm cluster, trained checkpoints, built
-data): under pytest-xdist (`--dist loadgroup`) each runs whole on one worker, so they are built once."""
-
-
 def pytest_collection_modifyitems(config, items):
-    for item in items:
-        folder = Path(item.fspath).relative_to(REPO / "tests").parts[0]
-        if folder in SHARED_FIXTURE_DIRS:
-            item.add_marker(pytest.mark.xdist_group(folder))
     try:
         import torch
 
