@@ -111,9 +111,12 @@ EARLIER_NAMES = {"decoder.final_layernorm.weight": "decoder.final_layernorm.norm
 final norm was a wrapper that skipped the routing rows until the routing state became typed."""
 
 
+_CURRENT_NAMES = {earlier: current for current, earlier in EARLIER_NAMES.items()}
+
+
 def current_name(name: str) -> str:
     """A model tensor's current name, whichever name the checkpoint wrote it under."""
-    return {v: k for k, v in EARLIER_NAMES.items()}.get(name, name)
+    return _CURRENT_NAMES.get(name, name)
 
 
 def _read_earlier_names(sharded: dict, metadata) -> dict:

@@ -25,7 +25,7 @@ from ..routing.reinforce import reward_slots_loss
 from ..routing.side_features import TokenTables
 from . import stage_wire
 from .block import run_layers
-from .routing_state import RoutingInputs, RoutingState
+from .routing_state import RoutingInputs, RoutingState, has_leader
 from .routing_step import RoutingStep
 from .spec import get_triroute_block_spec
 from .step_state import RouterStatistics, RoutingStepState
@@ -70,8 +70,7 @@ class TriRouteGPTModel(GPTModel):
 
         out = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         rank = dist.get_rank() if dist.is_initialized() else 0
-        r = self.triroute.router
-        per_layer = r.attn_routing and r.attn_granularity == "layer_group"
+        per_layer = has_leader(self.triroute)  # only group leaders have the attention head
         stacked = f"{prefix}decoder.layers.controller."
         for key, value in out.items():
             if not isinstance(value, ShardedTensor):

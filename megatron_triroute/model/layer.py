@@ -41,7 +41,7 @@ from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
-from .routing_state import RoutingInputs, RoutingState
+from .routing_state import RoutingInputs, RoutingState, has_reward
 from .step_state import RoutingStepState
 
 
@@ -70,7 +70,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
                                               eps=config.layernorm_epsilon)
         self.mlp = build_module(submodules.mlp, config=config, triroute=triroute)
         self.step_state: RoutingStepState | None = None  # attached by the model after building
-        self.reward_baseline = RewardBaseline() if triroute.router.estimator == "reinforce" else None
+        self.reward_baseline = RewardBaseline() if has_reward(triroute) else None
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         heads_local = triroute.model.n_heads // config.tensor_model_parallel_size
         self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
