@@ -44,6 +44,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
 
         with cpu_shim() if shim else contextlib.nullcontext():  # each rank's entry point (no-op with CUDA)
             fn(rank, world_size, *args)
+        # Leave together: a rank that tears its connections down while a peer is still inside the
+        # last collective can abort in gloo's destructor ("terminate called without an active
+        # exception"), which reads as a failed test although every rank's checks passed.
+        dist.barrier()
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, including asserts
         errors.put((rank, traceback.format_exc()))
         raise SystemExit(1)

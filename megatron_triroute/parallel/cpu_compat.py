@@ -131,6 +131,15 @@ def pipeline_schedules_on_cpu() -> bool:
     return _allocate_on_cpu_in("megatron.core.pipeline_parallel.schedules")
 
 
+def checkpoint_results_queue_is_forked() -> bool:
+    # `dist_checkpointing` collects write results through a queue served by a *spawned* manager
+    # process, which re-imports the trainer: about 3 s of a 2-core machine on each process's first
+    # save, and as long again at exit, where the process waits for it (spawn protects CUDA state,
+    # which a CPU run has none of). A forked manager serves the same queue at once.
+    return _rebind("megatron.core.dist_checkpointing.strategies.filesystem_async", "_get_write_results_queue",
+                   lambda original: _forked_results_queue)
+
+
 # --------------------------------------------------------------------------------------------
 # DeepSpeed
 
@@ -155,6 +164,7 @@ _WORKAROUNDS: tuple[Callable[[], bool], ...] = (
     manual_seed_also_seeds_cpu,
     causal_masks_on_cpu,
     pipeline_schedules_on_cpu,
+    checkpoint_results_queue_is_forked,
     deepspeed_skips_shm_allreduce_op,
     deepspeed_all_gather_into_flat_buffer,
 )
@@ -220,6 +230,19 @@ def _seed_cpu_after(original: Callable) -> Callable:
         torch.manual_seed(seed)
 
     return model_parallel_cuda_manual_seed
+
+
+_RESULTS_QUEUE: Any = None
+
+
+def _forked_results_queue() -> Any:
+    """One manager queue per process, as Megatron keeps one, served by a forked process."""
+    global _RESULTS_QUEUE
+    if _RESULTS_QUEUE is None:
+        import multiprocessing
+
+        _RESULTS_QUEUE = multiprocessing.get_context("fork").Manager().Queue()
+    return _RESULTS_QUEUE
 
 
 def _no_shm_op() -> None:

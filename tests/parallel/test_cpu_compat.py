@@ -38,8 +38,11 @@ def _check_patched_paths(rank, world_size):
         torch.cuda.current_device()
     with pytest.raises(RuntimeError, match="cpu_shim"):  # refused outside the shim on CPU
         initialize_parallel()
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
     originals = (torch.cuda.current_device, torch.cuda.synchronize, transformer_utils.torch,
-                 tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork)
+                 tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork,
+                 filesystem_async._get_write_results_queue)
 
     with cpu_shim() as applied:
         assert applied == tuple(w.__name__ for w in _WORKAROUNDS)
@@ -102,11 +105,31 @@ def _check_patched_paths(rank, world_size):
         _, loss_again = train_step()
         assert torch.isfinite(loss) and torch.equal(loss, loss_again)  # dropout drew from the seeded tracker
         assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+        # A dist_checkpointing save collects its write results through a queue whose manager is
+        # forked (a spawned one re-imports the whole program), and the tensors come back.
+        import multiprocessing
+        import tempfile
+
+        from megatron.core import dist_checkpointing
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+        saved = torch.arange(6.0).view(2, 3)
+        with tempfile.TemporaryDirectory() as directory:
+            dist_checkpointing.save({"w": ShardedTensor.from_rank_offsets("w", saved)}, directory,
+                                    sharded_strategy=("torch_dist", 1))
+            back = dist_checkpointing.load({"w": ShardedTensor.from_rank_offsets("w", torch.empty(2, 3))}, directory)
+        assert torch.equal(back["w"], saved)
+        managers = [p for p in multiprocessing.active_children() if "Manager" in p.name]
+        assert managers and all(type(p).__name__ == "ForkProcess" for p in managers), managers
+        assert filesystem_async._get_write_results_queue() is filesystem_async._get_write_results_queue()
         destroy_parallel()
 
     # Everything the shim replaced is back, and the CUDA-only paths fail again.
     after = (torch.cuda.current_device, torch.cuda.synchronize, transformer_utils.torch,
-             tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork)
+             tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork,
+             filesystem_async._get_write_results_queue)
     assert all(a is b for a, b in zip(after, originals))
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
