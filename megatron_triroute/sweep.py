@@ -34,6 +34,8 @@ import sys
 import time
 from pathlib import Path
 
+from .durability import write_text_atomic
+
 TARGET_OFFSETS = (-0.1, 0.0, 0.1)
 
 
@@ -171,7 +173,7 @@ def collect(args, planned: list[tuple[str, dict, int | None]], flops_target: flo
     means = average_seeds(points)
     matched = [matched_point(pts, flops_target, mem_target, args.tol) for pts in by_system(means).values()]
     (out / "table2.md").write_text(table2_markdown(matched, flops_target, mem_target))
-    (out / "points.json").write_text(json.dumps([p.__dict__ for p in points], indent=1))
+    write_text_atomic(out / "points.json", json.dumps([p.__dict__ for p in points], indent=1))
     plots = []
     try:
         plots = plot_frontiers(means, out, flops_target, mem_target)

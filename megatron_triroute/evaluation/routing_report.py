@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..durability import write_text_atomic
 from .routing_analysis import (CATEGORIES, RESOURCE_LABELS, RESOURCES, Routing, category_band_means, cross_axis_mi,
                                depth_bands, kmeans, routing_vectors)
 
@@ -109,7 +110,7 @@ def write_report(result: dict, out: Path, checkpoint: str, step: int, collapse: 
         files.append(out / "expert_load.png")
         plot_expert_load(loads, files[-1])
         result = dict(result, expert_load={label: load_summary(curves) for label, curves in loads.items() if curves})
-    (out / "routing_analysis.json").write_text(json.dumps(result, indent=1))
+    write_text_atomic(out / "routing_analysis.json", json.dumps(result, indent=1))
     files.append(out / "routing_analysis.json")
     files.append(out / "routing_report.md")
     files[-1].write_text(markdown(result, checkpoint, step))

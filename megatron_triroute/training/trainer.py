@@ -244,5 +244,5 @@ def _write_summary(out: Path, run: RunConfig, results: dict, report, calibration
         summary["calibration"] = calibration
     summary["realised_tail"] = tail.summary()
     summary["tensorboard"] = str(out / "tensorboard")
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    write_text_atomic(out / "summary.json", json.dumps(summary, indent=2))
     log.info("finished: %s", json.dumps(summary))
