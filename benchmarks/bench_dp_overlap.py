@@ -198,13 +198,40 @@ def _run_group(world: int, engine_name: str, args: dict) -> list[dict]:
     procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, engine_name, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = dict(results.get() for _ in procs)
+    out = _collect(results, procs, engine_name, world)
     for p in procs:
         p.join(timeout=60)
     errors = [v["error"] for v in out.values() if "error" in v]
     if errors:
         raise RuntimeError(f"{engine_name} at {world} processes failed:\n{errors[0]}")
     return [out[r] for r in range(world)]
+
+
+def _collect(results, procs, engine_name: str, world: int, timeout_s: float = 1800) -> dict:
+    """Every rank's report; a rank that exits without one (killed, out of memory, a crash in C++)
+    fails the group at once instead of leaving the parent waiting on the queue."""
+    out: dict = {}
+    deadline = time.monotonic() + timeout_s
+    while len(out) < len(procs):
+        while not results.empty():
+            rank, report = results.get()
+            out[rank] = report
+        if len(out) == len(procs):
+            break
+        ended = [r for r, p in enumerate(procs) if p.exitcode is not None]
+        while not results.empty():  # a rank that reported and then exited since the last look
+            rank, report = results.get()
+            out[rank] = report
+        dead = [r for r in ended if r not in out]
+        if dead or time.monotonic() > deadline:
+            codes = [p.exitcode for p in procs]  # None: still running, killed now
+            for p in procs:
+                p.kill()
+                p.join(5)
+            why = f"rank(s) {dead} exited without a report" if dead else f"no report within {timeout_s:.0f} s"
+            raise RuntimeError(f"{engine_name} at {world} processes: {why} (exit codes {codes})")
+        time.sleep(0.1)
+    return out
 
 
 def summarise(rounds: list[list[dict]]) -> dict:

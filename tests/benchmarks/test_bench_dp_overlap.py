@@ -45,3 +45,34 @@ def test_only_the_overlapped_engine_reduces_during_backward(result):
     assert per["megatron"]["hidden_fraction"] == 0.0 and per["megatron"]["dense_buckets"] == 1
     assert per["megatron_overlap"]["dense_buckets"] > 1
     assert per["megatron_overlap"]["hidden_fraction"] > 0.0
+
+
+def _report(results, rank):
+    results.put((rank, {"rank": rank}))
+
+
+def _die(results, rank):
+    import os
+
+    os._exit(3)
+
+
+def test_a_rank_that_dies_without_a_report_fails_the_group_at_once():
+    import importlib.util
+    import multiprocessing
+
+    spec = importlib.util.spec_from_file_location("bench_dp_overlap", PATH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    ctx = multiprocessing.get_context("spawn")
+
+    def group(*targets):
+        results = ctx.SimpleQueue()
+        procs = [ctx.Process(target=t, args=(results, r)) for r, t in enumerate(targets)]
+        for p in procs:
+            p.start()
+        return results, procs
+
+    assert bench._collect(*group(_report, _report), "replicated", 2) == {0: {"rank": 0}, 1: {"rank": 1}}
+    with pytest.raises(RuntimeError, match=r"rank\(s\) \[1\] exited without a report \(exit codes \[(0|None), 3\]\)"):
+        bench._collect(*group(_report, _die), "replicated", 2, timeout_s=120)
