@@ -46,7 +46,10 @@ class BudgetController(nn.Module):
 
     def multipliers(self) -> torch.Tensor:
         """The multipliers the loss applies: [lambda_I + k_P e]_+ with e = EMA(C) - C* (PI form);
-        `lambdas` holds the integral lambda_I. With k_P = 0 this is lambda_I itself."""
+        `lambdas` holds the integral lambda_I. With k_P = 0 this is lambda_I itself. Zero when the
+        budget is off (the loss prices nothing, and the logs say so)."""
+        if not self.config.enabled:
+            return torch.zeros_like(self.lambdas)
         kp = self.config.dual_kp
         if kp == 0.0 or self.steps.item() == 0:
             return self.lambdas

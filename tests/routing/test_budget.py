@@ -29,6 +29,19 @@ def test_dual_update_hand_computation():
     assert math.isclose(pen.item(), b.lambdas[0].item() * 0.2 + b.lambdas[1].item() * 0.1, rel_tol=1e-6)
 
 
+def test_a_budget_that_is_off_applies_and_reports_no_multiplier():
+    # Spending above the targets would move an enabled budget's PI multipliers off zero.
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_kp=0.5, enabled=False))
+    for _ in range(3):
+        b.update(torch.tensor([0.9, 0.8]))
+    assert torch.equal(b.multipliers(), torch.zeros(2, dtype=torch.float64))
+    assert b.penalty(torch.tensor([0.9, 0.8])).item() == 0.0
+    on = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_kp=0.5))
+    for _ in range(3):
+        on.update(torch.tensor([0.9, 0.8]))
+    assert (on.multipliers() > 0).all()
+
+
 def test_tied_knob_uses_one_multiplier_on_the_summed_violation():
     b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.5, tied=True, dual_kp=0.0))
     b.update(torch.tensor([0.7, 0.4]))
