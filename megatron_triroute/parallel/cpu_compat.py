@@ -11,9 +11,10 @@ workaround, and on exit restores every replaced attribute. Nested uses apply onc
 
 Each workaround is one function whose comment gives the reason. They patch the libraries only:
 functions and methods (including the aliases other megatron/deepspeed modules imported), the
-``torch.cuda`` entry points Megatron calls unconditionally, and, in three Megatron modules that
+``torch.cuda`` entry points Megatron calls unconditionally, and, in the Megatron modules that
 hard-code ``device="cuda"``, the module's global ``torch``, replaced by a stand-in whose tensor
-factories allocate on the CPU. ``initialize_parallel`` refuses to run on CPU outside the shim.
+factories allocate on the CPU; ``Tensor.type`` only for the duration of the distributed optimizer's
+constructor. ``initialize_parallel`` refuses to run on CPU outside the shim.
 A version bump of either library starts by re-running ``tests/parallel/test_cpu_compat.py``.
 """
 
@@ -131,6 +132,19 @@ def pipeline_schedules_on_cpu() -> bool:
     return _allocate_on_cpu_in("megatron.core.pipeline_parallel.schedules")
 
 
+def distributed_optimizer_on_cpu() -> bool:
+    # Megatron's distributed optimizer sorts parameters by `param.type()` against the CUDA type names
+    # (any other name is refused) while it builds its shards, its gradient clipping asserts CUDA
+    # gradients the same way, and the optimizer base class, the clipping and the local multi-tensor
+    # L2 norm allocate small buffers with `device="cuda"`.
+    changed = _replace_attr(importlib.import_module("megatron.core.optimizer.distrib_optimizer").DistributedOptimizer,
+                            "__init__", _with_cuda_type_names)
+    changed |= _rebind("megatron.core.optimizer.clip_grads", "clip_grad_by_total_norm_fp32", _with_cuda_type_names)
+    for module in ("megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads", "megatron.core.utils"):
+        changed |= _allocate_on_cpu_in(module)
+    return changed
+
+
 def checkpoint_results_queue_is_forked() -> bool:
     # `dist_checkpointing` collects write results through a queue served by a *spawned* manager
     # process, which re-imports the trainer: about 3 s of a 2-core machine on each process's first
@@ -164,6 +178,7 @@ _WORKAROUNDS: tuple[Callable[[], bool], ...] = (
     manual_seed_also_seeds_cpu,
     causal_masks_on_cpu,
     pipeline_schedules_on_cpu,
+    distributed_optimizer_on_cpu,
     checkpoint_results_queue_is_forked,
     deepspeed_skips_shm_allreduce_op,
     deepspeed_all_gather_into_flat_buffer,
@@ -230,6 +245,29 @@ def _seed_cpu_after(original: Callable) -> Callable:
         torch.manual_seed(seed)
 
     return model_parallel_cuda_manual_seed
+
+
+def _with_cuda_type_names(original: Callable) -> Callable:
+    """`original` run with `Tensor.type()` naming a CPU tensor's type as its CUDA twin
+    (`torch.FloatTensor` -> `torch.cuda.FloatTensor`); conversions (`type(dtype)`) are untouched."""
+
+    @functools.wraps(original)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        real_type = torch.Tensor.type
+
+        def type_named_as_cuda(self: torch.Tensor, *type_args: Any, **type_kwargs: Any) -> Any:
+            name = real_type(self, *type_args, **type_kwargs)
+            if type_args or type_kwargs or not isinstance(name, str) or name.startswith("torch.cuda."):
+                return name
+            return name.replace("torch.", "torch.cuda.", 1)
+
+        torch.Tensor.type = type_named_as_cuda
+        try:
+            return original(*args, **kwargs)
+        finally:
+            torch.Tensor.type = real_type
+
+    return wrapper
 
 
 _RESULTS_QUEUE: Any = None

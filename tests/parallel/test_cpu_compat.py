@@ -39,10 +39,15 @@ def _check_patched_paths(rank, world_size):
     with pytest.raises(RuntimeError, match="cpu_shim"):  # refused outside the shim on CPU
         initialize_parallel()
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron.core.optimizer import clip_grads, distrib_optimizer
 
-    originals = (torch.cuda.current_device, torch.cuda.synchronize, transformer_utils.torch,
-                 tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork,
-                 filesystem_async._get_write_results_queue)
+    def patchable():
+        return (torch.cuda.current_device, torch.cuda.synchronize, transformer_utils.torch,
+                tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork,
+                filesystem_async._get_write_results_queue, distrib_optimizer.DistributedOptimizer.__init__,
+                clip_grads.clip_grad_by_total_norm_fp32, clip_grads.torch, torch.Tensor.type)
+
+    originals = patchable()
 
     with cpu_shim() as applied:
         assert applied == tuple(w.__name__ for w in _WORKAROUNDS)
@@ -127,10 +132,7 @@ def _check_patched_paths(rank, world_size):
         destroy_parallel()
 
     # Everything the shim replaced is back, and the CUDA-only paths fail again.
-    after = (torch.cuda.current_device, torch.cuda.synchronize, transformer_utils.torch,
-             tensor_parallel.model_parallel_cuda_manual_seed, tensor_parallel.random.CudaRNGStatesTracker.fork,
-             filesystem_async._get_write_results_queue)
-    assert all(a is b for a, b in zip(after, originals))
+    assert all(a is b for a, b in zip(patchable(), originals))
     with pytest.raises((AssertionError, RuntimeError)):
         torch.cuda.current_device()
 
