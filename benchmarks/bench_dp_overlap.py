@@ -212,16 +212,14 @@ def _collect(results, procs, engine_name: str, world: int, timeout_s: float = 18
     fails the group at once instead of leaving the parent waiting on the queue."""
     out: dict = {}
     deadline = time.monotonic() + timeout_s
-    while len(out) < len(procs):
+    while True:
+        # Look at the exits before draining: a rank that reported and then exited has its report queued.
+        ended = [r for r, p in enumerate(procs) if p.exitcode is not None]
         while not results.empty():
             rank, report = results.get()
             out[rank] = report
         if len(out) == len(procs):
-            break
-        ended = [r for r, p in enumerate(procs) if p.exitcode is not None]
-        while not results.empty():  # a rank that reported and then exited since the last look
-            rank, report = results.get()
-            out[rank] = report
+            return out
         dead = [r for r in ended if r not in out]
         if dead or time.monotonic() > deadline:
             codes = [p.exitcode for p in procs]  # None: still running, killed now
@@ -231,7 +229,6 @@ def _collect(results, procs, engine_name: str, world: int, timeout_s: float = 18
             why = f"rank(s) {dead} exited without a report" if dead else f"no report within {timeout_s:.0f} s"
             raise RuntimeError(f"{engine_name} at {world} processes: {why} (exit codes {codes})")
         time.sleep(0.1)
-    return out
 
 
 def summarise(rounds: list[list[dict]]) -> dict:

@@ -13,8 +13,8 @@ Each workaround is one function whose comment gives the reason. They patch the l
 functions and methods (including the aliases other megatron/deepspeed modules imported), the
 ``torch.cuda`` entry points Megatron calls unconditionally, and, in the Megatron modules that
 hard-code ``device="cuda"``, the module's global ``torch``, replaced by a stand-in whose tensor
-factories allocate on the CPU; ``Tensor.type`` only for the duration of the distributed optimizer's
-constructor. ``initialize_parallel`` refuses to run on CPU outside the shim.
+factories allocate on the CPU; ``Tensor.type`` only while the distributed optimizer's constructor
+or Megatron's gradient clipping runs. ``initialize_parallel`` refuses to run on CPU outside the shim.
 A version bump of either library starts by re-running ``tests/parallel/test_cpu_compat.py``.
 """
 
