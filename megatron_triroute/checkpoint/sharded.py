@@ -105,6 +105,7 @@ def model_sharded_state_dict(model) -> dict:
 
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
+"""AdamW's per-parameter state tensors (besides its step count), as checkpoints store them."""
 
 EARLIER_NAMES = {"decoder.final_layernorm.weight": "decoder.final_layernorm.norm.weight"}
 """Model tensors renamed since checkpoints were first written (current name: earlier name). The
@@ -136,10 +137,15 @@ def _read_earlier_names(sharded: dict, metadata) -> dict:
 
 
 def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool = False) -> dict:
-    """ZeRO-1 moments as global tensors: each owned parameter's AdamW moments follow that
+    """AdamW moments as global tensors: each owned parameter's whole moments follow that
     parameter's slice (same global shape and offsets, key `optimizer.<moment>.<param key>`). Its
-    owner is the only data-parallel replica that holds them, so it is the main replica (the
-    data-parallel component of the replica id is 0). `empty=True` gives load targets."""
+    owner is the only data-parallel replica that writes them, so it is the main replica (the
+    data-parallel component of the replica id is 0). `empty=True` gives load targets.
+
+    `optimizer` is either engine's (`training/zero.ShardedAdamW`,
+    `parallel/megatron_distopt.MegatronDistributedAdamW`): both own parameters the same way and give
+    whole moments (`owned_moments`, collective for the distributed optimizer), so a checkpoint
+    written by one loads into the other at any layout."""
     from dataclasses import replace
 
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -149,36 +155,31 @@ def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool 
     # size can slice each) describes its moments too: the same build and merge over the moment.
     described = (ShardedTensor, ShardedTensorFactory)
     by_param = {id(v.data): v for v in nested_values(model_sharded) if isinstance(v, described)}
+    moments = {} if empty else optimizer.owned_moments()
     out = {}
     for name, param in optimizer.owned_named_parameters():
         sh = by_param.get(id(param))
         if sh is None:
             raise CheckpointError(f"parameter {name} has no sharded description in the model")
-        state = optimizer.optimizer.state.get(param, {})
         replica = tuple(sh.replica_id)[:-1] + (0,) if isinstance(sh.replica_id, tuple) else 0
         for moment in MOMENTS:
-            data = torch.empty_like(param.detach()) if empty else state[moment]
+            data = torch.empty_like(param.detach()) if empty else moments[name][moment]
             out[f"optimizer.{moment}.{name}"] = replace(sh, key=f"optimizer.{moment}.{sh.key}", data=data,
                                                         replica_id=replica)
     return out
 
 
 def save_state(directory: str | Path, model, optimizer) -> None:
-    """Collective: the model's and the ZeRO-1 moments' global tensors, each stored once."""
+    """Collective: the model's and the optimizer moments' global tensors, each stored once."""
     from megatron.core import dist_checkpointing
 
     model_sharded = model_sharded_state_dict(model)
     sharded = dict(model_sharded)
-    if optimizer is not None and optimizer_initialized(optimizer):
+    if optimizer is not None and optimizer.has_moments():
         sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer))
     Path(directory).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded, str(directory), sharded_strategy=("torch_dist", 1),
                             validate_access_integrity=True)
-
-
-def optimizer_initialized(optimizer) -> bool:
-    """Whether this rank's owned parameters have AdamW moments (from the first step on)."""
-    return any(optimizer.optimizer.state.get(p) for _, p in optimizer.owned_named_parameters())
 
 
 def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int | None = None) -> None:
@@ -209,11 +210,8 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     if missing or unexpected:
         raise CheckpointError(f"{directory}: model keys missing {missing[:5]}, unexpected {unexpected[:5]}")
     if with_optimizer:
-        for name, param in optimizer.owned_named_parameters():
-            optimizer.optimizer.state[param] = {
-                "step": torch.tensor(float(adam_step), dtype=torch.float32),
-                **{m: loaded[f"optimizer.{m}.{name}"] for m in MOMENTS},
-            }
+        optimizer.load_owned_moments({name: {m: loaded[f"optimizer.{m}.{name}"] for m in MOMENTS}
+                                      for name, _ in optimizer.owned_named_parameters()}, adam_step)
 
 
 def _built(sharded: dict) -> dict:

@@ -103,17 +103,24 @@ def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
     """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
     replicated (non-TP) dense parameters count once, experts sum over the expert-parallel group,
     and all of it sums over pipeline stages. Call after `reduce_gradients` (replicas agree)."""
-    parts = torch.zeros(3, dtype=torch.float64, device=module_device(model))  # [tp-sharded, replicated, expert]
+    parts = torch.zeros(3, dtype=torch.float64, device=module_device(model))
     for p in model.parameters():
-        if p.grad is None:
-            continue
-        sq = p.grad.detach().double().pow(2).sum()
-        if getattr(p, "allreduce", True) is False:
-            parts[2] += sq
-        elif getattr(p, "tensor_model_parallel", False):
-            parts[0] += sq
-        else:
-            parts[1] += sq
+        if p.grad is not None:
+            parts[norm_part(p)] += p.grad.detach().double().pow(2).sum()
+    return norm_from_parts(parts, groups)
+
+
+def norm_part(param: torch.Tensor) -> int:
+    """Which sum of squares a parameter's gradient adds to: 0 tensor-parallel shard, 1 replicated
+    dense, 2 expert."""
+    if getattr(param, "allreduce", True) is False:
+        return 2
+    return 0 if getattr(param, "tensor_model_parallel", False) else 1
+
+
+def norm_from_parts(parts: torch.Tensor, groups: ParallelGroups) -> float:
+    """The global norm from this rank's sums of squares [tp-sharded, replicated, expert] (each over
+    whole data-parallel replicas): TP shards summed over TP, experts over EP, then over stages."""
     parts = parts.to(collective_device())  # summed where the gradients live, reduced where the backend can
     sharded = parts[0:1].clone()
     if groups.tp > 1:

@@ -21,13 +21,28 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from .grad_reduce import check_expert_group, reduce_gradients
+from .grad_reduce import check_expert_group, clip_gradients, global_grad_norm, reduce_gradients
 
 if TYPE_CHECKING:
     from .groups import ParallelGroups
 
 
-class ReplicatedGradSync:
+class WholeGradients:
+    """Norm and clip where every rank holds whole reduced gradients in `p.grad` (after `finish`)."""
+
+    model: nn.Module
+    groups: ParallelGroups
+
+    def grad_norm(self) -> float:
+        """The global gradient norm (every rank gets the same value)."""
+        return global_grad_norm(self.model, self.groups)
+
+    def clip(self, norm: float, max_norm: float) -> None:
+        """Scale the gradients so the global norm `norm` is at most `max_norm` (0: no clipping)."""
+        clip_gradients(self.model, norm, max_norm)
+
+
+class ReplicatedGradSync(WholeGradients):
     """One flat all-reduce per (group, dtype) after the whole backward (`reduce_gradients`)."""
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, wire_dtype: torch.dtype | None = None):
@@ -48,7 +63,7 @@ class ReplicatedGradSync:
         self.begin()
 
 
-class MegatronGradSync:
+class MegatronGradSync(WholeGradients):
     """Megatron-Core's `DistributedDataParallel` around `model`, reducing into contiguous buffers.
 
     With ``overlap_grad_reduce`` each bucket's all-reduce is launched (asynchronously) by the
@@ -58,16 +73,18 @@ class MegatronGradSync:
     """
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
-                 bucket_size: int | None = None):
+                 bucket_size: int | None = None, *, use_distributed_optimizer: bool = False,
+                 overlap_param_gather: bool = False):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        self.model = model
+        self.model, self.groups = model, groups
         for name, param in model.named_parameters():
             if getattr(param, "allreduce", True) is False:
                 check_expert_group(name, param, groups)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
-            use_distributed_optimizer=False, average_in_collective=False, bucket_size=bucket_size,
+            use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=overlap_param_gather,
+            average_in_collective=False, bucket_size=bucket_size,
         )
         self.ddp = DistributedDataParallel(model.config, ddp_config, model,
                                            pg_collection=process_groups(groups))

@@ -14,8 +14,8 @@ from typing import Any
 from ..config import ConfigError, TriRouteConfig, _fail, _from_dict
 
 
-DP_ENGINES = ("replicated", "megatron")
-"""`parallel.dp_engine` values (built by parallel/megatron_ddp.py: build_grad_sync)."""
+DP_ENGINES = ("replicated", "megatron", "megatron_distopt")
+"""`parallel.dp_engine` values (built by training/trainer.py: build_optimizer, build_run_grad_sync)."""
 
 
 @dataclass
@@ -29,17 +29,22 @@ class ParallelConfig:
     dp_engine: str = "replicated"
     """Data-parallel gradient reduction: "replicated" (one flat all-reduce after the whole backward,
     parallel/grad_reduce.py) or "megatron" (Megatron-Core's DistributedDataParallel: contiguous
-    gradient buffers, reduced in buckets; parallel/megatron_ddp.py). Both feed the same ZeRO-1
-    optimizer and give the same update; see docs/parallelism.md."""
+    gradient buffers, reduced in buckets; parallel/megatron_ddp.py), both feeding our ZeRO-1 AdamW;
+    or "megatron_distopt" (the same DDP reduce-scattering into Megatron-Core's distributed
+    optimizer; parallel/megatron_distopt.py). All three give the same update and checkpoint the
+    same optimizer state; see docs/parallelism.md."""
     overlap_grad_reduce: bool = True
-    """dp_engine="megatron" only: launch each bucket's all-reduce during the last micro-batch's
-    backward, as soon as its gradients are complete (False: all buckets after the backward)."""
+    """dp_engine="megatron"/"megatron_distopt": launch each bucket's reduction during the last
+    micro-batch's backward, as soon as its gradients are complete (False: all after the backward)."""
+    overlap_param_gather: bool = False
+    """dp_engine="megatron_distopt" only: all-gather the updated parameters bucket by bucket in the
+    next forward's pre-hooks instead of at the end of the optimizer step."""
     grad_reduce_dtype: str = "fp32"
     """dp_engine="replicated" only: "bf16" rounds each flat gradient buffer to bf16 and sums it in
     bf16 (half the bytes of "fp32"; the sum's rounding reaches the update). The "megatron" engine
     reduces in the parameters' dtype, fp32 here (a bf16 buffer would need bf16 parameters)."""
     bucket_mb: float = 0.0
-    """dp_engine="megatron" only: gradient bucket size in MB of fp32 gradients (0: Megatron's default,
+    """dp_engine="megatron"/"megatron_distopt": gradient bucket size in MB of fp32 gradients (0: Megatron's default,
     max(40M, 1M x dp) elements). Smaller buckets start reducing earlier in the backward."""
 
 
@@ -227,5 +232,9 @@ def _validate_dp_engine(p: ParallelConfig) -> None:
         _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
               f"is not available with parallel.dp_engine={p.dp_engine} (Megatron's DDP reduces in the fp32 "
               "parameters' dtype)", "use parallel.dp_engine=replicated, or grad_reduce_dtype=fp32")
+    if p.overlap_param_gather and p.dp_engine != "megatron_distopt":
+        _fail("parallel.overlap_param_gather", p.overlap_param_gather,
+              f"needs the distributed optimizer (parallel.dp_engine={p.dp_engine} keeps whole parameters on "
+              "every rank: nothing to gather)", "set parallel.dp_engine=megatron_distopt, or overlap_param_gather=false")
     if p.bucket_mb < 0:
         _fail("parallel.bucket_mb", p.bucket_mb, "must be >= 0", "use 0 for Megatron's default bucket size")

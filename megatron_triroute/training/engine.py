@@ -5,12 +5,14 @@
     routing.discard) -> clip -> optimizer -> routing.end (the model's routing bookkeeping,
     model/routing_step.py)
 
-Optimizer engine (our choice): a replicated torch optimizer per model-parallel shard. Megatron's
-tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts; gradients
-are reduced by the run's data-parallel engine (`grad_sync`, parallel/megatron_ddp.py: the flat
-`reduce_gradients` after backward, or Megatron-Core's DDP reducing buckets during it), which leaves
-the reduced gradient in every `p.grad`. Megatron's schedule runs forward/backward for PP = 1
-and PP > 1 alike, so there is one code path.
+Megatron's tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts.
+Gradients are reduced by the run's data-parallel engine (`grad_sync`, `parallel.dp_engine`): the
+flat `reduce_gradients` after backward or Megatron-Core's DDP reducing buckets during it, both
+leaving the whole reduced gradient in every `p.grad` for our ZeRO-1 AdamW (training/zero.py); or
+Megatron-Core's DDP reduce-scattering into its distributed optimizer
+(parallel/megatron_distopt.py), which is then both `grad_sync` and `optimizer`. The engine asks
+`grad_sync` for the global norm and the clip, so it never needs to know where gradients live.
+Megatron's schedule runs forward/backward for PP = 1 and PP > 1 alike, so there is one code path.
 """
 
 from __future__ import annotations
@@ -78,8 +80,6 @@ class TrainEngine:
 
     # ------------------------------------------------------------------------------------
     def train_step(self, micro_batches: list[MicroBatch], step: int) -> StepReport:
-        from ..parallel.grad_reduce import clip_gradients, global_grad_norm
-
         model, routing = self.model, self.model.routing_step
         tau = routing.begin(step, self.total_steps, len(micro_batches))
         model.train()
@@ -93,14 +93,14 @@ class TrainEngine:
         loss_sum, token_count = self._global_loss(losses)
         loss = loss_sum / max(token_count, 1.0)
         self.grad_sync.finish()  # waits for the buckets reduced during backward, if any
-        grad_norm = global_grad_norm(model, self.groups)
+        grad_norm = self.grad_sync.grad_norm()  # whole gradients, or the distributed optimizer's shards
         # Loss and norm are reduced over every rank, so all ranks agree to skip (a NaN or inf in any
         # gradient makes the global norm non-finite).
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             self.grad_sync.discard()
             routing.discard()
             return StepReport(step, float("nan"), True, float("nan"), tau)
-        clip_gradients(model, grad_norm, self.clip_grad)
+        self.grad_sync.clip(grad_norm, self.clip_grad)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

@@ -144,7 +144,8 @@ class StepLogger:
         if self.rank0:
             with open(self.out_dir / "steps.jsonl", "a") as f:
                 f.write(json.dumps({"step": step, "loss": report.loss, "skipped": report.skipped,
-                                    "realised": report.realised, "lambdas": report.lambdas}) + "\n")
+                                    "grad_norm": report.grad_norm, "lr": lr, "realised": report.realised,
+                                    "lambdas": report.lambdas}) + "\n")
         if not (not report.skipped and (step + 1) % t.log_interval == 0 or step + 1 == t.steps):
             return
         line, tokens_per_s = self.progress.line(step, report.loss, report.realised, report.lambdas, lr)

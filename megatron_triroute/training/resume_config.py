@@ -42,6 +42,7 @@ MAY_CHANGE: dict[str, str] = {
     "parallel.expert": "parallel layout",
     "parallel.dp_engine": "how gradients are reduced (the same update; the optimizer state is the same)",
     "parallel.overlap_grad_reduce": "when gradients are reduced (same math)",
+    "parallel.overlap_param_gather": "when updated parameters are gathered (same math)",
     "parallel.bucket_mb": "gradient bucket size (same math)",
     "triroute.budget.flops_target": "budget target",
     "triroute.budget.mem_target": "budget target",

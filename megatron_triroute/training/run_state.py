@@ -108,15 +108,45 @@ def _load_global(root: str, info, meta: dict, model, optimizer, scheduler, group
     _, shards, _ = load_shards(root, ranks=[source], step=info.step)
     state = shards[source]
     load_state(Path(info.path) / EXTRA_DIR, model, optimizer, adam_step=meta.get("adam_step"))
-    for group, saved in zip(optimizer.param_groups, state["optimizer_groups"]):
-        group.update({k: v for k, v in saved.items() if k in group})
-    scheduler.load_state_dict(state["scheduler"])
+    restore_learning_rate(optimizer.param_groups, state["optimizer_groups"], info.path)
+    load_scheduler_state(scheduler, state["scheduler"], info.path)
     restore_rng_state(state["rng"])
     old = (layout["tp"], layout["pp"], layout["ep"], layout["dp"])
     new = (groups.tp, groups.pp, groups.ep, groups.dp)
     if old != new and groups.rank == 0:
         log.warning("resumed %s written at tensor/pipeline/expert/data-parallel %s on %s (data-parallel %d -> %d)",
                     info.path, old, new, layout["dp"], groups.dp)
+
+
+def restore_learning_rate(param_groups: list[dict], saved: list[dict], source) -> None:
+    """The scheduled learning rate at the checkpoint (`lr`, `initial_lr`: the same in every group).
+    The other group options come from the config, which a resume may not change (`optim.*`); the
+    groups themselves differ between engines (ZeRO-1: decay / no decay; the distributed optimizer
+    also splits dense / expert), so they are not matched by position."""
+    rates = {(g["lr"], g.get("initial_lr")) for g in saved}
+    if len(rates) != 1:
+        raise CheckpointError(f"{source}: its optimizer groups have different learning rates {sorted(rates)}; this "
+                              "code schedules one rate for every group. Fix: resume with the code that wrote it.")
+    lr, initial = rates.pop()
+    for group in param_groups:
+        group["lr"] = lr
+        if initial is not None:
+            group["initial_lr"] = initial
+
+
+def load_scheduler_state(scheduler, saved: dict, source) -> None:
+    """The LR scheduler's state, with its per-group lists (one entry per optimizer group, all
+    equal) fitted to this run's number of groups, which another engine may make different."""
+    n = len(scheduler.base_lrs)
+    state = dict(saved)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and len(values) != n:
+            if any(v != values[0] for v in values):
+                raise CheckpointError(f"{source}: the scheduler's {key} differ between groups ({values}); they "
+                                      f"cannot be spread over this run's {n} groups")
+            state[key] = [values[0]] * n
+    scheduler.load_state_dict(state)
 
 
 def _load_per_rank(root: str, info, meta: dict, model, optimizer, scheduler, groups) -> None:

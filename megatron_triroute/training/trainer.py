@@ -28,18 +28,26 @@ class NonFiniteLossError(RuntimeError):
 
 
 def build_optimizer(model, run: RunConfig, groups):
-    """AdamW (Appendix B) with no weight decay on norms, biases and gains, its state sharded over
-    data-parallel replicas (ZeRO-1, see zero.py); warmup + cosine schedule."""
+    """AdamW (Appendix B) with no weight decay on norms, biases and gains, and a warmup + cosine
+    schedule. The optimizer is our ZeRO-1 (zero.py: state sharded by parameter over data-parallel
+    replicas), or with `parallel.dp_engine=megatron_distopt` Megatron-Core's distributed optimizer
+    (parallel/megatron_distopt.py), which also reduces the gradients."""
     from .zero import ShardedAdamW
 
-    o = run.optim
+    o, p = run.optim, run.parallel
     decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        (decay if p.dim() >= 2 else no_decay).append((name, p))
-    optimizer = ShardedAdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        groups, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-    )
+    for name, param in model.named_parameters():
+        (decay if param.dim() >= 2 else no_decay).append((name, param))
+    named_groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    adamw = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
+    if p.dp_engine == "megatron_distopt":
+        from ..parallel.megatron_distopt import MegatronDistributedAdamW
+
+        optimizer = MegatronDistributedAdamW(model, named_groups, groups, overlap_grad_reduce=p.overlap_grad_reduce,
+                                             overlap_param_gather=p.overlap_param_gather,
+                                             bucket_size=_bucket_elements(run), **adamw)
+    else:
+        optimizer = ShardedAdamW(named_groups, groups, **adamw)
     total, warmup = run.train.steps, o.warmup_steps
 
     def factor(step: int) -> float:
@@ -51,14 +59,21 @@ def build_optimizer(model, run: RunConfig, groups):
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, factor)
 
 
-def build_run_grad_sync(model, run: RunConfig, groups):
-    """The data-parallel gradient reduction `parallel.dp_engine` names (parallel/megatron_ddp.py)."""
+def _bucket_elements(run: RunConfig) -> int | None:
+    """`parallel.bucket_mb` in elements of fp32 gradient (None: Megatron's default)."""
+    return int(run.parallel.bucket_mb * 2**20 / 4) if run.parallel.bucket_mb > 0 else None
+
+
+def build_run_grad_sync(model, run: RunConfig, groups, optimizer=None):
+    """The data-parallel gradient reduction `parallel.dp_engine` names (parallel/megatron_ddp.py);
+    the distributed optimizer reduces its own gradients, so it is its own."""
     from ..parallel.megatron_ddp import build_grad_sync
 
     p = run.parallel
-    bucket = int(p.bucket_mb * 2**20 / 4) if p.bucket_mb > 0 else None  # elements of fp32 gradient
+    if p.dp_engine == "megatron_distopt":
+        return optimizer
     wire = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
-    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, bucket, wire)
+    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, _bucket_elements(run), wire)
 
 
 def train(run: RunConfig, env, tables) -> int:
@@ -98,7 +113,7 @@ def train(run: RunConfig, env, tables) -> int:
     if torch.cuda.is_available():
         model.cuda()
     optimizer, scheduler = build_optimizer(model, run, groups)
-    grad_sync = build_run_grad_sync(model, run, groups)
+    grad_sync = build_run_grad_sync(model, run, groups, optimizer)
     if rank0:
         log.info("%s", grad_sync.describe())
     engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
@@ -135,6 +150,7 @@ def train(run: RunConfig, env, tables) -> int:
                  t.micro_batch_size, t.eval_batches, groups.dp)
 
     def save(next_step: int) -> None:
+        optimizer.sync_params()  # a parameter all-gather may still be pending (overlap_param_gather)
         save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
                  next_step * t.global_batch_size, t.keep_last)
 

@@ -21,6 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..checkpoint.sharded import MOMENTS
+
 
 def _assign(params: list[tuple[str, nn.Parameter]], size: int) -> list[int]:
     """Owner index (0..size-1) of each parameter: largest first onto the least loaded rank."""
@@ -31,6 +33,29 @@ def _assign(params: list[tuple[str, nn.Parameter]], size: int) -> list[int]:
         owner[i] = r
         load[r] += params[i][1].numel()
     return owner
+
+
+def _ownership(named: list[tuple[str, nn.Parameter]], groups):
+    """(group, its global ranks, parameters, owner index of each) for the dense parameters of
+    `named` (owned within the data-parallel group) and its expert parameters (within the
+    expert-data-parallel group); a kind with no parameter is left out."""
+    for is_expert in (False, True):
+        subset = [(n, p) for n, p in named if (getattr(p, "allreduce", True) is False) == is_expert]
+        if subset:
+            group, ranks = (groups.edp_group, list(groups.edp_ranks)) if is_expert else \
+                (groups.dp_group, list(groups.dp_ranks))
+            yield group, ranks, subset, _assign(subset, len(ranks))
+
+
+def owned_parameters(named_groups: list[dict], groups) -> list[tuple[str, nn.Parameter]]:
+    """The (name, parameter) pairs this rank owns: whose optimizer state it writes to a checkpoint
+    and reads back (every parameter has one owner among its replicas, whatever the engine)."""
+    owned = []
+    for spec in named_groups:
+        for _, ranks, subset, owner in _ownership(spec["params"], groups):
+            me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
+            owned += [subset[i] for i in range(len(subset)) if owner[i] == me]
+    return owned
 
 
 class ShardedAdamW:
@@ -47,15 +72,9 @@ class ShardedAdamW:
         self._broadcasts: list[tuple[object, list[int], list[list[nn.Parameter]]]] = []
         local_groups = []
         for spec in named_groups:
-            named = spec["params"]
             options = {k: v for k, v in spec.items() if k != "params"}
             mine = []
-            for is_expert in (False, True):
-                subset = [(n, p) for n, p in named if (getattr(p, "allreduce", True) is False) == is_expert]
-                if not subset:
-                    continue
-                group, ranks = self._group(is_expert)
-                owner = _assign(subset, len(ranks))
+            for group, ranks, subset, owner in _ownership(spec["params"], groups):
                 me = ranks.index(dist.get_rank()) if len(ranks) > 1 else 0
                 mine += [subset[i] for i in range(len(subset)) if owner[i] == me]
                 per_owner = [[subset[i][1] for i in range(len(subset)) if owner[i] == r] for r in range(len(ranks))]
@@ -65,12 +84,6 @@ class ShardedAdamW:
         self.optimizer = torch.optim.AdamW(local_groups, **adamw_kwargs)
         self.param_groups = self.optimizer.param_groups
         self._names = {id(p): n for n, p in self._owned}
-
-    def _group(self, is_expert: bool):
-        g = self.groups
-        if is_expert:
-            return g.edp_group, list(g.edp_ranks)
-        return g.dp_group, list(g.dp_ranks)
 
     @torch.no_grad()
     def step(self) -> None:
@@ -87,6 +100,9 @@ class ShardedAdamW:
                 for p in params:
                     p.data.copy_(flat[offset : offset + p.numel()].view_as(p))
                     offset += p.numel()
+
+    def sync_params(self) -> None:
+        """Nothing pending: `step` broadcasts the updated parameters before it returns."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -109,6 +125,21 @@ class ShardedAdamW:
             if "step" in state:
                 return int(state["step"])
         return None
+
+    # -- the checkpoint protocol of `checkpoint/sharded.py` (whole moments of owned parameters) --
+    def has_moments(self) -> bool:
+        """Whether this rank's owned parameters have AdamW moments (from the first step on)."""
+        return any(self.optimizer.state.get(p) for _, p in self._owned)
+
+    def owned_moments(self) -> dict[str, dict[str, torch.Tensor]]:
+        """{owned parameter name: {"exp_avg": ..., "exp_avg_sq": ...}}, each of its parameter's shape."""
+        return {n: {m: self.optimizer.state[p][m] for m in MOMENTS} for n, p in self._owned}
+
+    def load_owned_moments(self, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
+        """Set every owned parameter's moments (as `owned_moments` gives them) and the AdamW step."""
+        for name, param in self._owned:
+            self.optimizer.state[param] = {"step": torch.tensor(float(adam_step), dtype=torch.float32),
+                                           **{m: moments[name][m] for m in MOMENTS}}
 
     def load_state_dict(self, state_dicts: Iterable[dict]) -> None:
         """Restore from one or more saved (name-keyed) states: each owned parameter's state is

@@ -45,10 +45,16 @@ def test_nonfinite_loss_skips_the_step_entirely():
     run_distributed(_worker, 1)
 
 
+def _adam_steps(engine) -> list[torch.Tensor]:
+    """Every AdamW state's step count (the distributed optimizer: of this rank's shards)."""
+    inner = getattr(engine.optimizer, "inner", None)
+    states = [engine.optimizer.state] if inner is None else [opt.optimizer.state for opt in inner]
+    return [s["step"].clone() for state in states for s in state.values()]
+
+
 def _snapshot(model, engine):
     state = {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)}
-    steps = [s["step"].clone() for s in engine.optimizer.state.values()]
-    return state, steps
+    return state, _adam_steps(engine)
 
 
 def _assert_untouched(model, engine, before, what):
@@ -58,7 +64,7 @@ def _assert_untouched(model, engine, before, what):
     after = {k: v for k, v in model.state_dict().items() if torch.is_tensor(v)}
     for name, value in state.items():
         assert torch.equal(value, after[name]), (what, name)
-    assert [s["step"] for s in engine.optimizer.state.values()] == steps, what
+    assert steps and _adam_steps(engine) == steps, what
     assert model.router_statistics.sums.abs().sum() == 0 and model.budget._acc.abs().sum() == 0, what
     assert all(stat.pending().abs().sum() == 0 for stat in running_statistics([model])), what
 
@@ -71,17 +77,29 @@ def _same_on_every_rank(t: torch.Tensor) -> bool:
     return all(torch.equal(parts[0], p) for p in parts)
 
 
-def _two_rank_worker(rank, world_size):
+def _two_rank_worker(rank, world_size, engine_name="torch"):
     """Data parallel 2 with expert parallel 2 (each rank holds its own experts, expert-data
     parallel 1, so an expert gradient is never all-reduced): a NaN on rank 1 only, in the loss, in
-    one of its expert gradients, or in a dense gradient, makes both ranks skip the whole step."""
+    one of its expert gradients, or in a dense gradient, makes both ranks skip the whole step.
+    `engine_name="distopt"`: Megatron's distributed optimizer, where each rank sees only its shard
+    of the dense gradients (the NaN may sit in the other rank's shard)."""
     import megatron_triroute.training.engine as engine_mod
     from megatron_triroute.training.engine import MicroBatch, TrainEngine
 
     cfg = tiny_triroute()
     model, groups = build(cfg, ep=2, seed=6)
     assert (groups.dp, groups.ep, groups.edp) == (2, 2, 1)
-    engine = TrainEngine(model, groups, torch.optim.AdamW(model.parameters(), lr=1e-2), total_steps=10)
+    if engine_name == "distopt":
+        from megatron_triroute.parallel.megatron_distopt import MegatronDistributedAdamW
+
+        named = list(model.named_parameters())
+        optimizer = MegatronDistributedAdamW(
+            model, [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
+                    {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}],
+            groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, bucket_size=20000)
+        engine = TrainEngine(model, groups, optimizer, total_steps=10, grad_sync=optimizer)
+    else:
+        engine = TrainEngine(model, groups, torch.optim.AdamW(model.parameters(), lr=1e-2), total_steps=10)
     tokens, labels, idx = batch(cfg, n=2, seed=2 + rank, offset=2 * rank)
     mbs = [MicroBatch(tokens, labels, torch.ones_like(tokens, dtype=torch.float), idx)]
     assert not engine.train_step(mbs, 0).skipped  # one good step so every statistic has moved once
@@ -121,5 +139,6 @@ def _two_rank_worker(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_nan_on_one_of_two_ranks_skips_the_step_on_both():
-    run_distributed(_two_rank_worker, 2, timeout=240)
+@pytest.mark.parametrize("engine_name", ["torch", "distopt"])
+def test_nan_on_one_of_two_ranks_skips_the_step_on_both(engine_name):
+    run_distributed(_two_rank_worker, 2, engine_name, timeout=240)

@@ -1,9 +1,9 @@
 """`parallel.dp_engine=megatron` (Megatron-Core's DistributedDataParallel, buckets reduced during
-backward) trains the same model as the replicated engine (one flat all-reduce after backward):
-real trainer runs differing only in the switch end with every parameter within 1e-6, at DP2 x EP1,
-DP2 x EP2, TP2 x EP2 and PP2 x DP2 x EP2 (4 processes), with micro-batch accumulation and several
-buckets; and a
-run checkpointed on one engine resumes on the other."""
+backward) and `megatron_distopt` (the same DDP reduce-scattering into Megatron-Core's distributed
+optimizer) train the same model as the replicated engine (one flat all-reduce after backward, our
+ZeRO-1 AdamW): real trainer runs differing only in the switch end with every parameter within
+1e-6, at DP2 x EP1, DP2 x EP2, TP2 x EP2 and PP2 x DP2 x EP2 (4 processes), with micro-batch
+accumulation and several buckets; and a run checkpointed on one engine resumes on another."""
 
 import shutil
 from pathlib import Path
@@ -26,6 +26,7 @@ COMMON = [f"train.steps={STEPS}", "triroute.model.n_kv_heads=2", "optim.eps=1e-3
 # reduced while the backward still runs; global batch 8 at DP2 is two micro-batches per rank
 # (gradients accumulate under no_sync on the first).
 MEGATRON = ["parallel.dp_engine=megatron", "parallel.bucket_mb=0.01"]
+DISTOPT = ["parallel.dp_engine=megatron_distopt", "parallel.bucket_mb=0.01"]
 ACCUMULATE = ["train.global_batch_size=8"]
 TOL = 1e-6
 
@@ -44,24 +45,37 @@ def _max_abs_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> flo
     return max((a[k].double() - b[k].double()).abs().max().item() for k in a if k != "budget.prices")
 
 
-@pytest.mark.parametrize("nproc, layout", [
-    (2, ["parallel.expert=1"]),                                  # DP2 x EP1
-    (2, ["parallel.expert=2"]),                                  # DP2 x EP2 (EDP1)
-    (4, ["parallel.tensor=2", "parallel.expert=2"]),             # TP2 x EP2 (x DP2)
-    (4, ["parallel.pipeline=2", "parallel.expert=2"]),           # PP2 x DP2 x EP2 (1F1B schedule)
+@pytest.mark.parametrize("nproc, layout, gather", [
+    (2, ["parallel.expert=1"], []),                                      # DP2 x EP1
+    (2, ["parallel.expert=2"], ["parallel.overlap_param_gather=true"]),  # DP2 x EP2 (EDP1); gather in the forward
+    (4, ["parallel.tensor=2", "parallel.expert=2"], []),                 # TP2 x EP2 (x DP2, EDP2)
+    (4, ["parallel.pipeline=2", "parallel.expert=2"], ["parallel.overlap_param_gather=true"]),  # PP2 x DP2 x EP2 (1F1B)
 ], ids=["dp2-ep1", "dp2-ep2", "tp2-ep2", "pp2-dp2-ep2"])
-def test_megatron_engine_updates_equal_the_replicated_engine(tiny_data, tmp_path, nproc, layout):
-    replicated, megatron = tmp_path / "replicated", tmp_path / "megatron"
-    _run(replicated, tiny_data, nproc, layout + ACCUMULATE)
-    _run(megatron, tiny_data, nproc, layout + ACCUMULATE + MEGATRON)
-    assert "Megatron DDP:" in log_text(megatron) and "Megatron DDP:" not in log_text(replicated)
-    got, ref = steps(megatron), steps(replicated)
-    assert sorted(got) == sorted(ref) == list(range(STEPS))
-    for s in range(STEPS):
-        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=TOL), s
-    diff = _max_abs_diff(_params(megatron), _params(replicated))
-    print(f"max |megatron - replicated| over every parameter after {STEPS} steps: {diff:.3g}")
-    assert diff <= TOL
+def test_engine_updates_equal_the_replicated_engine(tiny_data, tmp_path, nproc, layout, gather):
+    """Three runs differing only in the engine. `megatron`: Megatron's DDP all-reduces buckets
+    into our ZeRO-1 AdamW. `megatron_distopt`: each rank steps only its shard of every bucket, the
+    norm and the clip are taken from the shards, and the parameters are all-gathered.
+    optim.clip_grad=0.5 is below every step's gradient norm here (about 0.7-0.8), so every update
+    is clipped by the norm each engine computes, and the logged norms are compared too."""
+    clip = ["optim.clip_grad=0.5"]
+    runs = {"replicated": [], "megatron": MEGATRON, "megatron_distopt": DISTOPT + gather}
+    for name, engine in runs.items():
+        _run(tmp_path / name, tiny_data, nproc, layout + ACCUMULATE + clip + engine)
+    replicated = tmp_path / "replicated"
+    assert "Megatron DDP:" not in log_text(replicated)
+    assert "Megatron DDP:" in log_text(tmp_path / "megatron")
+    assert "distributed optimizer: this rank updates" in log_text(tmp_path / "megatron_distopt")
+    ref = steps(replicated)
+    assert sorted(ref) == list(range(STEPS)) and all(ref[s]["grad_norm"] > 0.5 for s in ref)  # every step clips
+    for name in ("megatron", "megatron_distopt"):
+        got = steps(tmp_path / name)
+        assert sorted(got) == list(range(STEPS)), name
+        for s in range(STEPS):
+            assert got[s]["loss"] == pytest.approx(ref[s]["loss"], abs=TOL), (name, s)
+            assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=1e-6), (name, s)
+        diff = _max_abs_diff(_params(tmp_path / name), _params(replicated))
+        print(f"max |{name} - replicated| over every parameter after {STEPS} steps: {diff:.3g}")
+        assert diff <= TOL, name
 
 
 def test_a_run_checkpointed_on_one_engine_resumes_on_the_other(tiny_data, tmp_path):
@@ -77,6 +91,28 @@ def test_a_run_checkpointed_on_one_engine_resumes_on_the_other(tiny_data, tmp_pa
     diff = _max_abs_diff(_params(run, 6), _params(uninterrupted, 6))
     print(f"max |resumed on megatron - replicated| after 6 steps: {diff:.3g}")
     assert diff <= TOL
+
+
+def test_the_distributed_optimizer_resumes_a_zero1_checkpoint_and_is_resumed_by_it(tiny_data, tmp_path):
+    """Replicated (ZeRO-1) for steps 0-1, the distributed optimizer at DP2 x EP2 for 2-3 (its
+    moments sliced from ZeRO-1's whole ones), replicated again at DP2 x EP1 for 4-5 (the whole
+    moments gathered from the shards, read at another expert layout): the uninterrupted
+    replicated run's parameters within 1e-6. A moment lost or mis-sliced at either switch moves
+    the next updates far more than that."""
+    common = ["train.save_interval_steps=2", "train.steps=6", "train.exit_interval=2"]
+    uninterrupted, run = tmp_path / "uninterrupted", tmp_path / "run"
+    _run(uninterrupted, tiny_data, 2, ["parallel.expert=2", "train.save_interval_steps=2", "train.steps=6"])
+    _run(run, tiny_data, 2, ["parallel.expert=2"] + common)
+    _run(run, tiny_data, 2, ["parallel.expert=2"] + common + DISTOPT)
+    _run(run, tiny_data, 2, ["parallel.expert=1"] + common)
+    text = log_text(run)
+    assert "resumed from step 2" in text and "resumed from step 4" in text
+    assert "parallel.dp_engine: 'replicated' -> 'megatron_distopt'" in text
+    assert "parallel.dp_engine: 'megatron_distopt' -> 'replicated'" in text
+    for step in (4, 6):
+        diff = _max_abs_diff(_params(run, step), _params(uninterrupted, step))
+        print(f"step {step}: max |engine-switched run - replicated| = {diff:.3g}")
+        assert diff <= TOL, step
 
 
 def test_bf16_gradient_reduction_is_plumbed_and_stays_close_to_fp32(tiny_data, tmp_path):

@@ -48,7 +48,7 @@ def test_dp_engine_validation_names_the_fix():
     assert run.validate(1).parallel.dp_engine == "megatron"
     run.parallel.dp_engine = "fsdp"
     with pytest.raises(ConfigError, match=r"parallel.dp_engine='fsdp': is not a data-parallel engine. "
-                                          r"Fix: use one of replicated, megatron"):
+                                          r"Fix: use one of replicated, megatron, megatron_distopt"):
         run.validate(1)
     run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.grad_reduce_dtype=bf16"])
     with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
@@ -60,6 +60,24 @@ def test_dp_engine_validation_names_the_fix():
     assert apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=bf16"]).validate(1)
     run = apply_overrides(get_recipe("tiny"), ["parallel.bucket_mb=-1"])
     with pytest.raises(ConfigError, match=r"parallel.bucket_mb=-1.0: must be >= 0"):
+        run.validate(1)
+
+
+def test_distributed_optimizer_options_validate():
+    """megatron_distopt takes the DDP options and overlap_param_gather; the other engines refuse
+    overlap_param_gather (nothing to gather) and it refuses a bf16 reduction, each naming the fix."""
+    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.bucket_mb=2.5",
+                                               "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"])
+    p = run.validate(1).parallel
+    assert (p.dp_engine, p.overlap_param_gather, p.overlap_grad_reduce) == ("megatron_distopt", True, False)
+    for engine in ("replicated", "megatron"):
+        run = apply_overrides(get_recipe("tiny"), [f"parallel.dp_engine={engine}", "parallel.overlap_param_gather=true"])
+        with pytest.raises(ConfigError, match=r"parallel.overlap_param_gather=True: needs the distributed optimizer "
+                                              rf"\(parallel.dp_engine={engine} .* Fix: set parallel.dp_engine=megatron_distopt"):
+            run.validate(1)
+    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"])
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
+                                          r"parallel.dp_engine=megatron_distopt"):
         run.validate(1)
 
 
