@@ -1,5 +1,7 @@
-"""Data-parallel gradient reduction: step time, communication hidden behind backward, peak memory,
-for the replicated engine (the baseline) and Megatron-Core's DDP without and with overlap.
+"""Data-parallel engines: step time, communication hidden behind compute, peak memory, for the
+replicated engine (the baseline), Megatron-Core's DDP without and with overlap, and Megatron-Core's
+distributed optimizer without and with overlap (gradient reduce-scatter during the backward,
+parameter all-gather during the next forward).
 
     python benchmarks/bench_dp_overlap.py [--recipe tiny] [key=value ...] [--nprocs 2 4]
                                           [--micro-batch 4] [--micro-batches 2] [--bucket-mb 1]
@@ -8,20 +10,27 @@ for the replicated engine (the baseline) and Megatron-Core's DDP without and wit
 For each world size and each engine, a fresh group of gloo processes (CPU, one thread each) builds
 the recipe's model at DP = world size, EP = 1, and runs `TrainEngine.train_step` (the trainer's
 step: Megatron's schedule over `--micro-batches` accumulated micro-batches, gradient reduction,
-global norm, clip, ZeRO-1 AdamW) on random tokens, each rank its own. Each engine runs in its own
+global norm, clip, AdamW: our ZeRO-1 or Megatron's distributed optimizer) on random tokens, each
+rank its own. Each engine runs in its own
 processes so that the peak memory is its own.
 
 What is measured, per timed step (after `--warmup` steps), on every rank:
 - step time: wall time of `train_step` (the median over steps, the max over ranks: the slowest
   rank sets the pace). The engines take turns, `--rounds` times over (replicated, megatron,
-  megatron_overlap, replicated, ...), so a change in the machine's load hits them alike; the median
-  is over the steps of every round.
-- communication: each gradient reduction's launch and completion, timestamped with
-  `time.perf_counter()`. Replicated engine and Megatron without overlap: the synchronous call's start
-  and end. Megatron with overlap: the bucket's asynchronous launch (from the backward hook) and the
-  moment gloo completes it (a callback on the work's future). Communication time is the union of
-  those intervals; the part of it before the backward ended (when the forward-backward schedule
-  returned) is hidden; the rest is exposed (the step waits for it).
+  megatron_overlap, distopt, distopt_overlap, replicated, ...), so a change in the machine's load
+  hits them alike; the median is over the steps of every round.
+- communication: each gradient reduction's and each parameter update's communication, its launch
+  and completion timestamped with `time.perf_counter()`: the replicated engine's flat all-reduce
+  and, for both ZeRO-1 engines, the owners' broadcasts of updated parameters after AdamW; Megatron's
+  bucket reductions (all-reduce, or reduce-scatter for the distributed optimizer) and the
+  distributed optimizer's parameter all-gathers. A synchronous call counts from its start to its
+  end; an asynchronous one (overlap) from its launch (a backward hook, or a forward pre-hook for the
+  all-gather) to the moment gloo completes it (a callback on the work's future; gloo's coalesced
+  reduce-scatter and all-gather have none, so their end is the first moment they are seen complete,
+  at the end of the backward or when the step waits for them: an upper bound, which can only
+  understate what is hidden). Communication time
+  is the union of those intervals; the part of it before the backward ended (when the
+  forward-backward schedule returned) is hidden; the rest is exposed (the step waits for it).
 - peak memory: the process's peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) at the
   end, and its growth from just before the first step (the gradient buffers, optimizer state and
   activations; the imports and the model are in the baseline of both).
@@ -43,10 +52,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ENGINES = {  # name: (parallel.dp_engine, overlap_grad_reduce)
-    "replicated": ("replicated", False),
-    "megatron": ("megatron", False),
-    "megatron_overlap": ("megatron", True),
+ENGINES = {  # name: (parallel.dp_engine, overlap_grad_reduce, overlap_param_gather)
+    "replicated": ("replicated", False, False),
+    "megatron": ("megatron", False, False),
+    "megatron_overlap": ("megatron", True, False),
+    "distopt": ("megatron_distopt", False, False),
+    "distopt_overlap": ("megatron_distopt", True, True),
 }
 
 
@@ -55,6 +66,7 @@ class CommClock:
 
     def __init__(self) -> None:
         self.intervals: list[list[float]] = []
+        self.unobserved: list[tuple[list[float], object]] = []
         self.backward_end: float | None = None
 
     def synchronous(self, fn):
@@ -65,22 +77,45 @@ class CommClock:
             return out
         return timed
 
-    def asynchronous(self, bucket_group):
-        """Wrap one Megatron bucket group's `start_grad_sync` (this instance only)."""
-        start_grad_sync = bucket_group.start_grad_sync
+    def asynchronous(self, bucket_group, method: str = "start_grad_sync", handle_name: str = "grad_reduce_handle"):
+        """Wrap one Megatron bucket group's `start_grad_sync` (or `start_param_sync`, whose handle
+        is `param_gather_handle`), this instance only."""
+        start_sync = getattr(bucket_group, method)
 
         def timed(*args, **kwargs):
             start = time.perf_counter()
-            start_grad_sync(*args, **kwargs)
-            handle = bucket_group.grad_reduce_handle
+            start_sync(*args, **kwargs)
+            handle = getattr(bucket_group, handle_name)
             if handle is None:  # synchronous: complete on return
                 self.intervals.append([start, time.perf_counter()])
                 return
+            unobserved = []
             for work in handle.works:
                 interval = [start, float("nan")]
                 self.intervals.append(interval)
-                work.get_future().add_done_callback(lambda _f, i=interval: i.__setitem__(1, time.perf_counter()))
-        bucket_group.start_grad_sync = timed
+                try:
+                    work.get_future().add_done_callback(lambda _f, i=interval: i.__setitem__(1, time.perf_counter()))
+                except RuntimeError:  # gloo's coalesced reduce-scatter / all-gather give no future
+                    unobserved.append((interval, work))
+            if unobserved:
+                self.unobserved += unobserved
+                wait = handle.wait
+
+                def timed_wait(*args, **kwargs):
+                    out = wait(*args, **kwargs)
+                    self.observe()
+                    return out
+                handle.wait = timed_wait
+        setattr(bucket_group, method, timed)
+
+    def observe(self) -> None:
+        """Completion of works without a future: the first time they are seen complete (at the end
+        of the backward, or when the step waits for them): an upper bound on their end."""
+        now = time.perf_counter()
+        for interval, work in self.unobserved:
+            if interval[1] != interval[1] and work.is_completed():
+                interval[1] = now
+        self.unobserved = [(i, w) for i, w in self.unobserved if i[1] != i[1]]
 
     def step_summary(self, step_start: float) -> dict:
         """Union of the intervals, and the part of it before the backward ended."""
@@ -107,14 +142,19 @@ def _instrument(engine, clock: CommClock) -> None:
     def timed_schedule(*args, **kwargs):
         out = forward_backward(*args, **kwargs)
         clock.backward_end = time.perf_counter()
+        clock.observe()
         return out
     engine.forward_backward = timed_schedule
     sync = engine.grad_sync
     if hasattr(sync, "ddp"):
         for group in sync.ddp.bucket_groups + sync.ddp.expert_parallel_bucket_groups:
             clock.asynchronous(group)
+            if sync.ddp.ddp_config.use_distributed_optimizer:  # the updated parameters' all-gather
+                clock.asynchronous(group, "start_param_sync", "param_gather_handle")
     else:
         sync.finish = clock.synchronous(sync.finish)
+    if hasattr(engine.optimizer, "_broadcast_updates"):  # ZeRO-1: each owner broadcasts its parameters
+        engine.optimizer._broadcast_updates = clock.synchronous(engine.optimizer._broadcast_updates)
 
 
 def _micro_batches(cfg, n: int, count: int, seed: int):
@@ -146,16 +186,16 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
         from megatron_triroute.training.recipes import resolve
         from megatron_triroute.training.trainer import build_optimizer, build_run_grad_sync
 
-        dp_engine, overlap = ENGINES[engine_name]
+        dp_engine, overlap, gather = ENGINES[engine_name]
         overrides = [*args["overrides"], f"parallel.dp_engine={dp_engine}", f"parallel.overlap_grad_reduce={overlap}",
-                     f"parallel.bucket_mb={args['bucket_mb']}"]
+                     f"parallel.overlap_param_gather={gather}", f"parallel.bucket_mb={args['bucket_mb']}"]
         with cpu_shim():
             run = resolve(args["recipe"], overrides)
             groups = initialize_parallel()
             model = build_model(run.triroute, groups, seed=run.data.seed)
             optimizer, scheduler = build_optimizer(model, run, groups)
             engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
-                                 grad_sync=build_run_grad_sync(model, run, groups))
+                                 grad_sync=build_run_grad_sync(model, run, groups, optimizer))
             clock = CommClock()
             _instrument(engine, clock)
             steps = args["warmup"] + args["repeats"]

@@ -37,6 +37,7 @@ SCHEMES = {  # name: (formula, grad bytes factor x (n-1)/n, param bytes factor x
     "before: fp32 all-reduce + ZeRO-1 fp32 broadcasts": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, False, False),
     "megatron DDP (built): same, all-reduce overlapped": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, True, False),
     "replicated, grad_reduce_dtype=bf16 (built)": ("2(n-1)/n x 2 + (n-1)/n x 4", 4, 4, False, False),
+    "megatron_distopt (built): fp32 grads + params, overlap": ("(n-1)/n x 4 + (n-1)/n x 4", 4, 4, True, True),
     "dist. optimizer, fp32 grads, bf16 params, overlap": ("(n-1)/n x 4 + (n-1)/n x 2", 4, 2, True, True),
     "dist. optimizer, bf16 grads, bf16 params, overlap": ("(n-1)/n x 2 + (n-1)/n x 2", 2, 2, True, True),
 }
@@ -93,7 +94,7 @@ def main(argv: list[str] | None = None) -> dict:
             row[bw] = {"comm_s": t_grads + t_params, "exposed_s": exposed, "step_s": compute_s + exposed}
             cells.append(f"{bw}: comm {t_grads + t_params:5.2f} s, exposed {exposed:5.2f} s, step {compute_s + exposed:5.2f} s")
         out["rows"][name] = row
-        print(f"  {name:<50} {formula:<27} {(grads + params) / 1e9:6.2f} GB/rank  " + " | ".join(cells))
+        print(f"  {name:<55} {formula:<27} {(grads + params) / 1e9:6.2f} GB/rank  " + " | ".join(cells))
     return out
 
 

@@ -88,6 +88,10 @@ class ShardedAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.optimizer.step()
+        self._broadcast_updates()
+
+    def _broadcast_updates(self) -> None:
+        """Every owner sends its updated parameters to the other replicas of its group."""
         for group, ranks, per_owner in self._broadcasts:
             if len(ranks) == 1:
                 continue

@@ -36,6 +36,7 @@ def test_defaults_rows_follow_the_ring_arithmetic(capsys):
         "before: fp32 all-reduce + ZeRO-1 fp32 broadcasts": 2 * 4 + 4,
         "megatron DDP (built): same, all-reduce overlapped": 2 * 4 + 4,
         "replicated, grad_reduce_dtype=bf16 (built)": 2 * 2 + 4,
+        "megatron_distopt (built): fp32 grads + params, overlap": 4 + 4,
         "dist. optimizer, fp32 grads, bf16 params, overlap": 4 + 2,
         "dist. optimizer, bf16 grads, bf16 params, overlap": 2 + 2,
     }
