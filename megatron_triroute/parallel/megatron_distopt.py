@@ -35,6 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..checkpoint.sharded import MOMENTS
+from .devices import collective_device, module_device
 from .grad_reduce import norm_from_parts, norm_part
 from .megatron_ddp import MegatronGradSync, process_groups
 
@@ -103,10 +104,11 @@ class MegatronDistributedAdamW(MegatronGradSync):
         self.chained.prepare_grads()  # shard parameters' .grad: views of those shards (no loss scaling)
 
     def grad_norm(self) -> float:
-        parts = torch.zeros(3, dtype=torch.float64)
+        parts = torch.zeros(3, dtype=torch.float64, device=module_device(self.model))
         for _, model_param, shard in self._shards():
             if shard.grad is not None:
                 parts[norm_part(model_param)] += shard.grad.detach().double().pow(2).sum()
+        parts = parts.to(collective_device())  # summed where the shards live, reduced where the backend can
         dense, expert = parts.clone(), parts.clone()
         dense[2], expert[:2] = 0.0, 0.0
         if self.groups.dp > 1:
@@ -155,13 +157,13 @@ class MegatronDistributedAdamW(MegatronGradSync):
         out: dict[str, dict[str, torch.Tensor]] = {}
         for opt in self.inner:
             params, offsets, total = _buffer_layout(opt)
-            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32)
+            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32, device=collective_device())
             for model_groups, shard_groups in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
                 for p, shard in zip(model_groups, shard_groups):
                     r = opt._get_model_param_range_map(p)["param"]
                     state = opt.optimizer.state[shard]
                     for i, m in enumerate(MOMENTS):
-                        flat[i, offsets[id(p)] + r.start: offsets[id(p)] + r.end] = state[m].detach().view(-1)
+                        flat[i, offsets[id(p)] + r.start: offsets[id(p)] + r.end] = state[m].detach().view(-1).to(flat.device)
             dist.all_reduce(flat, group=opt.data_parallel_group)
             for p in params:
                 if id(p) in owned:
@@ -175,12 +177,12 @@ class MegatronDistributedAdamW(MegatronGradSync):
         by_id = {id(p): moments[n] for n, p in self._owned}
         for opt in self.inner:
             params, offsets, total = _buffer_layout(opt)
-            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32)
+            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32, device=collective_device())
             for p in params:
                 if id(p) in by_id:
                     o = offsets[id(p)]
                     for i, m in enumerate(MOMENTS):
-                        flat[i, o: o + p.numel()] = by_id[id(p)][m].reshape(-1)
+                        flat[i, o: o + p.numel()] = by_id[id(p)][m].reshape(-1).to(flat.device)
             dist.all_reduce(flat, group=opt.data_parallel_group)
             for model_groups, shard_groups in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
                 for p, shard in zip(model_groups, shard_groups):

@@ -71,6 +71,9 @@ def build_run_grad_sync(model, run: RunConfig, groups, optimizer=None):
 
     p = run.parallel
     if p.dp_engine == "megatron_distopt":
+        if optimizer is None:
+            raise ValueError("parallel.dp_engine=megatron_distopt: pass the optimizer build_optimizer made (the "
+                             "distributed optimizer reduces its own gradients)")
         return optimizer
     wire = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
     return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, _bucket_elements(run), wire)

@@ -1,5 +1,6 @@
-"""Megatron-Core's distributed optimizer on CPU/gloo under the shim (groundwork for a third
-data-parallel engine): its DDP reduce-scatters gradient buckets into each rank's shard, each rank
+"""Megatron-Core's distributed optimizer on CPU/gloo under the shim, as the library ships it (the
+`megatron_distopt` engine, parallel/megatron_distopt.py, is built on this; its trainer-level tests
+are in tests/training/test_dp_engine.py): its DDP reduce-scatters gradient buckets into each rank's shard, each rank
 runs AdamW on its shard, the parameters are all-gathered, and after several steps every parameter
 equals torch's AdamW run on the union of both ranks' batches with the same clip, within 1e-6."""
 
