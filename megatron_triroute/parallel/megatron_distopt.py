@@ -80,6 +80,10 @@ class MegatronDistributedAdamW(MegatronGradSync):
                                          use_gloo_process_groups=False, pg_collection=optimizer_process_groups(groups))
         self.inner = list(chained.chained_optimizers)
         self.chained = chained
+        if any(group for opt in self.inner for group in opt.model_float16_groups):
+            raise ValueError("parallel.dp_engine=megatron_distopt steps fp32 parameters only (its norm, clip and "
+                             "checkpoint read the fp32 shards); this model has fp16/bf16 parameters. Fix: keep the "
+                             "parameters fp32 and use train.bf16 (autocast) for bf16 compute")
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
         _set_weight_decay(self.inner, decay)

@@ -80,17 +80,18 @@ def test_engine_updates_equal_the_replicated_engine(tiny_data, tmp_path, nproc, 
 
 def test_a_run_switches_engines_and_layouts_on_resume(tiny_data, tmp_path):
     """Two steps each: replicated (ZeRO-1) at DP2 x EP2, Megatron DDP (same ZeRO-1 state), the
-    distributed optimizer (its shards sliced from ZeRO-1's whole moments), replicated again at
-    DP2 x EP1 (whole moments gathered from the shards, read at another expert layout): after each
-    switch, the parameters of the uninterrupted replicated run within 1e-6. A moment lost or
-    mis-sliced at a switch moves the next updates far more than that."""
+    distributed optimizer on 4 processes (DP4 x EP2: its shards sliced from ZeRO-1's whole moments
+    written at DP2), replicated again at DP2 x EP1 (whole moments gathered from DP4's shards, read
+    at another data-parallel and expert layout): after each switch, the parameters of the
+    uninterrupted replicated run within 1e-6. A moment lost or mis-sliced at a switch moves the next
+    updates far more than that."""
     common = ["train.save_interval_steps=2", "train.steps=8"]
     uninterrupted, run = tmp_path / "uninterrupted", tmp_path / "run"
     _run(uninterrupted, tiny_data, 2, ["parallel.expert=2"] + common)
-    segments = [["parallel.expert=2"], ["parallel.expert=2"] + MEGATRON, ["parallel.expert=2"] + DISTOPT,
-                ["parallel.expert=1"]]
-    for segment in segments:
-        _run(run, tiny_data, 2, segment + common + ["train.exit_interval=2"])
+    segments = [(2, ["parallel.expert=2"]), (2, ["parallel.expert=2"] + MEGATRON),
+                (4, ["parallel.expert=2"] + DISTOPT), (2, ["parallel.expert=1"])]
+    for nproc, segment in segments:
+        _run(run, tiny_data, nproc, segment + common + ["train.exit_interval=2"])
     text = log_text(run)
     assert all(f"resumed from step {s}" in text for s in (2, 4, 6))
     for change in ("'replicated' -> 'megatron'", "'megatron' -> 'megatron_distopt'", "'megatron_distopt' -> 'replicated'"):
