@@ -85,7 +85,7 @@ def test_a_run_switches_engines_and_layouts_on_resume(tiny_data, tmp_path):
     at another data-parallel and expert layout): after each switch, the parameters of the
     uninterrupted replicated run within 1e-6. A moment lost or mis-sliced at a switch moves the next
     updates far more than that."""
-    common = ["train.save_interval_steps=2", "train.steps=8"]
+    common = ["train.save_interval_steps=2", "train.steps=8", "train.global_batch_size=8", "train.eval_batches=4"]
     uninterrupted, run = tmp_path / "uninterrupted", tmp_path / "run"
     _run(uninterrupted, tiny_data, 2, ["parallel.expert=2"] + common)
     segments = [(2, ["parallel.expert=2"]), (2, ["parallel.expert=2"] + MEGATRON),
