@@ -4,10 +4,11 @@ Memory per rank, from the config alone (`estimate_rank_memory`):
 - parameters on the most loaded rank: the pipeline stage holding the embedding and the output
   layer (both, at pipeline 1), its layers' attention and dense FFN divided by tensor parallel, its
   experts divided by expert parallel, the (replicated) controller;
-- model state: fp32 weights and gradients (4 + 4 bytes), the engine's flat gradient all-reduce
-  buffer when data parallel > 1 (4 bytes), the two AdamW moments (8 bytes) divided over the
-  data-parallel replicas by ZeRO-1 (experts over the expert-data-parallel ones); bf16 adds
-  nothing persistent (autocast over fp32 masters);
+- model state: fp32 weights and gradients (4 + 4 bytes), the replicated engine's flat gradient
+  all-reduce buffer when data parallel > 1 (4 bytes; the Megatron engines reduce in their
+  contiguous gradient buffer, which replaces the gradients), the two AdamW moments (8 bytes)
+  divided over the data-parallel replicas by ZeRO-1 or the distributed optimizer (experts over the
+  expert-data-parallel ones); bf16 adds nothing persistent (autocast over fp32 masters);
 - activations kept for backward by the relaxed routed path, per token and layer
   `ACT_D * d + ACT_EXPERT * k * d_e + ACT_SCORES * H * T` values (attention and FFN parts divided
   by tensor parallel), the output layer's `ACT_LOGITS * V` per token, one micro-batch per
@@ -77,7 +78,7 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
     dense_params = layers * (attn + dense_ffn + controller + 2 * m.d_model) + embed_and_output
     expert_params = layers * expert
     params = dense_params + expert_params
-    grad_buffer = 4 if dp > 1 else 0
+    grad_buffer = 4 if dp > 1 and run.parallel.dp_engine == "replicated" else 0  # reduce_gradients' flat copy
     state = dense_params * (8 + grad_buffer + 8 / dp) + expert_params * (8 + grad_buffer + 8 / edp)
 
     bytes_per = 2 if t.dtype_name == "bf16" else 4

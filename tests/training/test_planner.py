@@ -40,6 +40,21 @@ def test_expert_parallelism_divides_expert_state_and_zero_divides_the_moments():
     assert estimate_rank_memory(run, 128)["model_state_gib"] < estimate_rank_memory(run, 16)["model_state_gib"]
 
 
+def test_only_the_replicated_engine_pays_for_a_flat_gradient_copy():
+    """reduce_gradients flattens every gradient into a second buffer (4 bytes a parameter at data
+    parallel > 1); Megatron's DDP, with or without the distributed optimizer, reduces in place in its
+    contiguous gradient buffer, which replaces the gradients."""
+    run = get_recipe("1p3b")
+    replicated = estimate_rank_memory(run, 64)
+    for engine in ("megatron", "megatron_distopt"):
+        run.parallel.dp_engine = engine
+        other = estimate_rank_memory(run, 64)
+        saved = (replicated["model_state_gib"] - other["model_state_gib"]) * 2**30
+        assert saved == pytest.approx(4 * replicated["parameters_per_rank"], rel=1e-9), engine
+    assert estimate_rank_memory(run, 1)["model_state_gib"] == \
+        estimate_rank_memory(apply_overrides(get_recipe("1p3b"), []), 1)["model_state_gib"]  # no copy at DP1
+
+
 def test_plan_for_1p3b_on_8_nodes_of_8_gpus_uses_expert_parallelism_and_fits():
     run = get_recipe("1p3b")
     run.train.bf16 = True
