@@ -104,6 +104,9 @@ def model_sharded_state_dict(model) -> dict:
     return {k: v for k, v in model.sharded_state_dict(prefix="model.").items() if not isinstance(v, ShardedObject)}
 
 
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+"""Parameter dtypes a checkpoint never stores: it stores the fp32 masters instead."""
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
 """AdamW's per-parameter state tensors (besides its step count), as checkpoints store them."""
 
@@ -146,8 +149,6 @@ def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool 
     `parallel/megatron_distopt.MegatronDistributedAdamW`): both own parameters the same way and give
     whole moments (`owned_moments`, collective for the distributed optimizer), so a checkpoint
     written by one loads into the other at any layout."""
-    from dataclasses import replace
-
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
@@ -162,21 +163,49 @@ def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool 
         if sh is None:
             raise CheckpointError(f"parameter {name} has no sharded description in the model")
         replica = tuple(sh.replica_id)[:-1] + (0,) if isinstance(sh.replica_id, tuple) else 0
-        for moment in MOMENTS:
-            data = torch.empty_like(param.detach()) if empty else moments[name][moment]
-            out[f"optimizer.{moment}.{name}"] = replace(sh, key=f"optimizer.{moment}.{sh.key}", data=data,
-                                                        replica_id=replica)
+        for moment in MOMENTS:  # fp32 whatever the parameter's dtype
+            data = torch.empty(param.shape, dtype=torch.float32, device=param.device) if empty else moments[name][moment]
+            out[f"optimizer.{moment}.{name}"] = _describing(sh, data, key=f"optimizer.{moment}.{sh.key}",
+                                                            replica_id=replica)
     return out
 
 
+def _described_with(model_sharded: dict, values: dict[int, torch.Tensor]) -> dict:
+    """The entries of `model_sharded` describing a parameter with a value in `values` (by the
+    parameter's id), each describing that value instead (same key, shape and slice)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    return {k: _describing(v, values[id(v.data)]) for k, v in model_sharded.items()
+            if isinstance(v, (ShardedTensor, ShardedTensorFactory)) and id(v.data) in values}
+
+
+def _describing(described, data: torch.Tensor, **changes):
+    """A copy of a ShardedTensor (or factory) describing `data` instead (its dtype too)."""
+    from dataclasses import replace
+
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    if isinstance(described, ShardedTensor):
+        changes["dtype"] = data.dtype
+    return replace(described, data=data, **changes)
+
+
 def save_state(directory: str | Path, model, optimizer) -> None:
-    """Collective: the model's and the optimizer moments' global tensors, each stored once."""
+    """Collective: the model's and the optimizer moments' global tensors, each stored once. The
+    model is stored in fp32: a bf16 parameter as the optimizer's fp32 master of it."""
     from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
 
     model_sharded = model_sharded_state_dict(model)
     sharded = dict(model_sharded)
-    if optimizer is not None and optimizer.has_moments():
-        sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer))
+    if optimizer is not None:
+        if optimizer.has_moments():
+            sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer))
+        sharded.update(_described_with(model_sharded, optimizer.master_parameters()))
+    low = sorted(v.key for v in nested_values(sharded) if getattr(getattr(v, "data", None), "dtype", None) in LOW_PRECISION)
+    if low:
+        raise CheckpointError(f"{low[:3]} would be stored in low precision; checkpoints store fp32 (an optimizer's "
+                              "masters for bf16 parameters): pass the optimizer that holds them")
     Path(directory).mkdir(parents=True, exist_ok=True)
     dist_checkpointing.save(sharded, str(directory), sharded_strategy=("torch_dist", 1),
                             validate_access_integrity=True)
@@ -185,7 +214,8 @@ def save_state(directory: str | Path, model, optimizer) -> None:
 def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int | None = None) -> None:
     """Collective: fills this rank's slices of the model (and, with `optimizer` and the saved AdamW
     `adam_step`, its owned moments) from a checkpoint written at any layout. Refuses, naming them,
-    tensors the checkpoint lacks or covers only partly."""
+    tensors the checkpoint lacks or covers only partly. A bf16 parameter gets the stored fp32
+    value's rounding, and the optimizer's master of it (if given) the fp32 value itself."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
@@ -196,6 +226,10 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     with_optimizer = optimizer is not None and adam_step is not None
     if with_optimizer:
         sharded.update(optimizer_sharded_state_dict(model_sharded, optimizer, empty=True))
+    low = {id(p): p for p in model.parameters() if p.dtype in LOW_PRECISION}  # read as the stored fp32
+    fp32 = _described_with(model_sharded, {k: torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                                           for k, p in low.items()})
+    sharded.update(fp32)
     sharded = _read_earlier_names(sharded, metadata)
     wanted = sorted({v.key for v in nested_values(_built(sharded)) if isinstance(v, ShardedTensor)})
     problems = coverage_problems(metadata, wanted)
@@ -209,6 +243,8 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     missing = [k for k in missing if not k.endswith("_extra_state")]
     if missing or unexpected:
         raise CheckpointError(f"{directory}: model keys missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if optimizer is not None and fp32:
+        optimizer.load_master_parameters({id(model_sharded[k].data): loaded[k] for k in fp32})
     if with_optimizer:
         optimizer.load_owned_moments({name: {m: loaded[f"optimizer.{m}.{name}"] for m in MOMENTS}
                                       for name, _ in optimizer.owned_named_parameters()}, adam_step)
@@ -229,8 +265,9 @@ def save_model(directory: str | Path, model) -> None:
     save_state(directory, model, None)
 
 
-def load_model(directory: str | Path, model) -> None:
-    load_state(directory, model, None)
+def load_model(directory: str | Path, model, optimizer=None) -> None:
+    """The model only (and, given the optimizer, its fp32 masters of bf16 parameters)."""
+    load_state(directory, model, optimizer)
 
 
 _EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")

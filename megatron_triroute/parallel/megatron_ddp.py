@@ -74,7 +74,7 @@ class MegatronGradSync(WholeGradients):
 
     def __init__(self, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
                  bucket_size: int | None = None, *, use_distributed_optimizer: bool = False,
-                 overlap_param_gather: bool = False):
+                 overlap_param_gather: bool = False, grad_reduce_in_fp32: bool = True):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         self.model, self.groups = model, groups
@@ -82,7 +82,7 @@ class MegatronGradSync(WholeGradients):
             if getattr(param, "allreduce", True) is False:
                 check_expert_group(name, param, groups)
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=overlap_grad_reduce,
+            grad_reduce_in_fp32=grad_reduce_in_fp32, overlap_grad_reduce=overlap_grad_reduce,
             use_distributed_optimizer=use_distributed_optimizer, overlap_param_gather=overlap_param_gather,
             average_in_collective=False, bucket_size=bucket_size,
         )
@@ -95,8 +95,11 @@ class MegatronGradSync(WholeGradients):
         """One line for the log: buckets per group and whether they overlap the backward."""
         dense = sum(len(g.buckets) for g in self.ddp.bucket_groups)
         expert = sum(len(g.buckets) for g in self.ddp.expert_parallel_bucket_groups)
+        dtypes = sorted({str(b.grad_dtype).removeprefix("torch.")
+                         for b in (*self.ddp.buffers, *self.ddp.expert_parallel_buffers)})
         return (f"Megatron DDP: {dense} dense bucket(s) over the data-parallel group, {expert} expert bucket(s) "
-                f"over the expert-data-parallel group, overlap_grad_reduce={self.ddp.ddp_config.overlap_grad_reduce}")
+                f"over the expert-data-parallel group, gradients in {'+'.join(dtypes)}, "
+                f"overlap_grad_reduce={self.ddp.ddp_config.overlap_grad_reduce}")
 
     def begin(self) -> None:
         self.ddp.zero_grad_buffer()

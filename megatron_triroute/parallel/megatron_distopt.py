@@ -24,17 +24,25 @@ of `checkpoint/sharded.py`). What it keeps of ours:
 - checkpoints: whole per-parameter moments of the parameters `training/zero.owned_parameters`
   gives this rank, under the keys `ShardedAdamW` writes (gathered from the shards on save,
   re-sliced on load), so a run resumes at any layout and on either optimizer.
+
+With ``bf16=True`` (`parallel.grad_reduce_dtype=bf16`) this is Megatron's mixed-precision
+recipe: the backbone's and experts' matrices (`low_precision_parameters`) become bf16, so their
+gradient buckets are bf16 and are reduce-scattered in bf16, and the updated parameters are
+all-gathered in bf16 (half the bytes of each collective); Megatron's optimizer keeps an fp32
+master copy of each rank's shard, which AdamW steps. The routers and the 1-D gains stay fp32
+(the router computes in fp32). Checkpoints hold the fp32 masters (`master_parameters`), so they
+are the same format as an fp32 run's and a resume continues from the exact masters.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint.sharded import MOMENTS
+from ..checkpoint.sharded import LOW_PRECISION, MOMENTS
 from .devices import collective_device, module_device
 from .grad_reduce import norm_from_parts, norm_part
 from .megatron_ddp import MegatronGradSync, process_groups
@@ -56,34 +64,51 @@ class ParamGroupsView(torch.optim.Optimizer):
         return None
 
 
+def low_precision_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters a bf16-gradient run holds in bf16: every matrix (>= 2-D) of the backbone and
+    the experts. The routing modules' parameters (controllers, MoD routers) stay fp32, as their
+    computation does, and so do the 1-D gains and biases (a negligible share of the bytes)."""
+    from .. import routing
+
+    in_router = {id(p) for m in model.modules() if type(m).__module__.startswith(routing.__name__ + ".")
+                 for p in m.parameters()}
+    return [(n, p) for n, p in model.named_parameters() if p.dim() >= 2 and id(p) not in in_router]
+
+
 class MegatronDistributedAdamW(MegatronGradSync):
     """Megatron-Core's DDP (reduce-scatter) and distributed AdamW over `model`.
 
     `named_groups` are the trainer's AdamW groups of (name, parameter) pairs with their
-    ``weight_decay``; `lr`, `betas`, `eps` as torch AdamW takes them.
+    ``weight_decay``; `lr`, `betas`, `eps` as torch AdamW takes them. `bf16`: turn
+    `low_precision_parameters(model)` to bf16 (bf16 gradient buckets and parameter all-gathers,
+    fp32 master shards); the model must then run its forward under bf16 autocast.
     """
 
     def __init__(self, model: nn.Module, named_groups: list[dict], groups: ParallelGroups, *, lr: float,
                  betas: tuple[float, float], eps: float, overlap_grad_reduce: bool = True,
-                 overlap_param_gather: bool = False, bucket_size: int | None = None):
+                 overlap_param_gather: bool = False, bucket_size: int | None = None, bf16: bool = False):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
 
         from ..training.zero import owned_parameters
 
+        if not bf16 and any(p.dtype != torch.float32 for p in model.parameters()):
+            raise ValueError("parallel.dp_engine=megatron_distopt with fp32 gradients steps fp32 parameters (its "
+                             "norm, clip and checkpoint read fp32 shards); this model has fp16/bf16 parameters. "
+                             "Fix: keep the parameters fp32 (train.bf16 runs the forward under autocast), or set "
+                             "parallel.grad_reduce_dtype=bf16 for bf16 parameters with fp32 master shards")
+        if bf16:
+            for _, param in low_precision_parameters(model):
+                param.data = param.data.to(torch.bfloat16)
         super().__init__(model, groups, overlap_grad_reduce, bucket_size, use_distributed_optimizer=True,
-                         overlap_param_gather=overlap_param_gather)
+                         overlap_param_gather=overlap_param_gather, grad_reduce_in_fp32=not bf16)
         decay = {id(p): spec["weight_decay"] for spec in named_groups for _, p in spec["params"]}
         config = OptimizerConfig(optimizer="adam", lr=lr, weight_decay=max(decay.values(), default=0.0),
                                  adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps, clip_grad=0.0,
-                                 use_distributed_optimizer=True)
+                                 use_distributed_optimizer=True, bf16=bf16)
         chained = get_megatron_optimizer(config, [self.ddp], config_overrides=get_standard_config_overrides(config),
                                          use_gloo_process_groups=False, pg_collection=optimizer_process_groups(groups))
         self.inner = list(chained.chained_optimizers)
         self.chained = chained
-        if any(group for opt in self.inner for group in opt.model_float16_groups):
-            raise ValueError("parallel.dp_engine=megatron_distopt steps fp32 parameters only (its norm, clip and "
-                             "checkpoint read the fp32 shards); this model has fp16/bf16 parameters. Fix: keep the "
-                             "parameters fp32 and use train.bf16 (autocast) for bf16 compute")
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
         _set_weight_decay(self.inner, decay)
@@ -92,11 +117,13 @@ class MegatronDistributedAdamW(MegatronGradSync):
         """Successful optimizer steps (AdamW's step count), restored on resume."""
 
     def describe(self) -> str:
-        mine = sum(s.numel() for opt in self.inner for group in opt.shard_fp32_groups for s in group)
+        mine = sum(shard.numel() for _, _, shard in self._shards())
         total = sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+        low = sum(p.numel() for p in self.model.parameters() if p.dtype == torch.bfloat16)
+        masters = f"; {low:,} bf16 parameters, stepped as fp32 master shards" if low else ""
         return (f"{super().describe()}; distributed optimizer: this rank updates {mine:,} of {total:,} parameters "
                 f"(reduce-scatter, then all-gather; overlap_param_gather="
-                f"{self.ddp.ddp_config.overlap_param_gather})")
+                f"{self.ddp.ddp_config.overlap_param_gather}){masters}")
 
     # -- grad_sync ------------------------------------------------------------------------
     def begin(self) -> None:
@@ -155,48 +182,44 @@ class MegatronDistributedAdamW(MegatronGradSync):
         return self._steps > 0  # the same on every rank: owned_moments is collective
 
     def owned_moments(self) -> dict[str, dict[str, torch.Tensor]]:
-        """Collective: whole moments of this rank's owned parameters, gathered from the shards
-        (one all-reduce of a zero-filled flat buffer per inner optimizer and moment)."""
+        """Collective: whole moments of this rank's owned parameters, gathered from the shards."""
         owned = {id(p): n for n, p in self._owned}
         out: dict[str, dict[str, torch.Tensor]] = {}
         for opt in self.inner:
-            params, offsets, total = _buffer_layout(opt)
-            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32, device=collective_device())
-            for model_groups, shard_groups in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
-                for p, shard in zip(model_groups, shard_groups):
-                    r = opt._get_model_param_range_map(p)["param"]
-                    state = opt.optimizer.state[shard]
-                    for i, m in enumerate(MOMENTS):
-                        flat[i, offsets[id(p)] + r.start: offsets[id(p)] + r.end] = state[m].detach().view(-1).to(flat.device)
-            dist.all_reduce(flat, group=opt.data_parallel_group)
-            for p in params:
-                if id(p) in owned:
-                    o = offsets[id(p)]
-                    out[owned[id(p)]] = {m: flat[i, o: o + p.numel()].view_as(p).clone() for i, m in enumerate(MOMENTS)}
+            whole = _whole_from_shards(opt, lambda shard: [opt.optimizer.state[shard][m] for m in MOMENTS],
+                                       rows=len(MOMENTS), wanted=owned)
+            for key, rows in whole.items():
+                out[owned[key]] = dict(zip(MOMENTS, rows))
         return out
 
     def load_owned_moments(self, moments: dict[str, dict[str, torch.Tensor]], adam_step: int) -> None:
         """Collective: every rank brings its owned parameters' whole moments; each shard takes
-        its slice (one all-reduce per inner optimizer, as in `owned_moments`)."""
-        by_id = {id(p): moments[n] for n, p in self._owned}
+        its slice."""
+        by_id = {id(p): [moments[n][m] for m in MOMENTS] for n, p in self._owned}
         for opt in self.inner:
-            params, offsets, total = _buffer_layout(opt)
-            flat = torch.zeros(len(MOMENTS), total, dtype=torch.float32, device=collective_device())
-            for p in params:
-                if id(p) in by_id:
-                    o = offsets[id(p)]
-                    for i, m in enumerate(MOMENTS):
-                        flat[i, o: o + p.numel()] = by_id[id(p)][m].reshape(-1).to(flat.device)
-            dist.all_reduce(flat, group=opt.data_parallel_group)
-            for model_groups, shard_groups in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
-                for p, shard in zip(model_groups, shard_groups):
-                    r = opt._get_model_param_range_map(p)["param"]
-                    o = offsets[id(p)]
-                    opt.optimizer.state[shard] = {
-                        "step": torch.tensor(float(adam_step), dtype=torch.float32),
-                        **{m: flat[i, o + r.start: o + r.end].clone().to(shard.device) for i, m in enumerate(MOMENTS)},
-                    }
+            for shard, rows in _shards_from_whole(opt, by_id, rows=len(MOMENTS)):
+                opt.optimizer.state[shard] = {"step": torch.tensor(float(adam_step), dtype=torch.float32),
+                                              **{m: row.to(shard.device) for m, row in zip(MOMENTS, rows)}}
         self._steps = int(adam_step)
+
+    def master_parameters(self) -> dict[int, torch.Tensor]:
+        """Collective: {id(bf16 parameter): its whole fp32 master}, gathered from the ranks' master
+        shards: what a checkpoint stores for it. Empty without bf16 parameters (the fp32 parameters
+        are their own masters)."""
+        low = {id(p): p for p in self.model.parameters() if p.dtype in LOW_PRECISION}
+        out: dict[int, torch.Tensor] = {}
+        for opt in self.inner if low else ():  # every inner optimizer on every rank: collective
+            got = _whole_from_shards(opt, lambda shard: [shard], rows=1, wanted=low)
+            out.update({key: rows[0].to(low[key].device) for key, rows in got.items()})
+        return out
+
+    @torch.no_grad()
+    def load_master_parameters(self, values: dict[int, torch.Tensor]) -> None:
+        """Each master shard of a bf16 parameter takes its slice of the parameter's whole fp32 value
+        in `values` (by parameter id; every rank brings its own parameters': a checkpoint's)."""
+        for opt in self.inner:
+            for shard, rows in _shards_from_whole(opt, {k: [v] for k, v in values.items()}, rows=1, broadcast=False):
+                shard.copy_(rows[0])
 
     def load_state_dict(self, state_dicts) -> None:
         from ..checkpoint import CheckpointError
@@ -206,11 +229,10 @@ class MegatronDistributedAdamW(MegatronGradSync):
                               "checkpoint is layout-independent), then switch to megatron_distopt.")
 
     def _shards(self):
-        """(inner optimizer, model parameter, its shard parameter) over this rank's shards."""
+        """(inner optimizer, model parameter, its fp32 shard) over this rank's shards."""
         for opt in self.inner:
-            for model_groups, shard_groups in zip(opt.model_fp32_groups, opt.shard_fp32_groups):
-                for p, shard in zip(model_groups, shard_groups):
-                    yield opt, p, shard
+            for p, shard in _main_shards(opt):
+                yield opt, p, shard
 
 
 def optimizer_process_groups(groups: ParallelGroups):
@@ -225,6 +247,55 @@ def optimizer_process_groups(groups: ParallelGroups):
     collection.tp_ep_pp = parallel_state.get_expert_tensor_model_pipeline_parallel_group()
     collection.intra_dist_opt = parallel_state.get_intra_distributed_optimizer_instance_group()
     return collection
+
+
+def _main_shards(opt) -> Iterator[tuple[nn.Parameter, torch.Tensor]]:
+    """(model parameter, the fp32 shard AdamW steps) over one inner optimizer's shards on this
+    rank: views of fp32 parameters, master copies of bf16 ones."""
+    for model_groups, shard_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                       (opt.model_fp32_groups, opt.shard_fp32_groups)):
+        for model_group, shard_group in zip(model_groups, shard_groups):
+            yield from zip(model_group, shard_group)
+
+
+def _whole_from_shards(opt, values: Callable[[torch.Tensor], list[torch.Tensor]], *, rows: int,
+                       wanted: dict[int, object]) -> dict[int, list[torch.Tensor]]:
+    """Collective over `opt`'s group: each rank writes `values(shard)` (`rows` tensors of the
+    shard's size) at its shard's place in a zero-filled flat fp32 buffer of every parameter the
+    optimizer steps; one all-reduce makes them whole. Returns, for the parameters whose id is in
+    `wanted`, their whole rows (each of the parameter's shape)."""
+    params, offsets, total = _buffer_layout(opt)
+    flat = torch.zeros(rows, total, dtype=torch.float32, device=collective_device())
+    for p, shard in _main_shards(opt):
+        r = opt._get_model_param_range_map(p)["param"]
+        at = offsets[id(p)]
+        for i, value in enumerate(values(shard)):
+            flat[i, at + r.start: at + r.end] = value.detach().view(-1).to(flat.device)
+    dist.all_reduce(flat, group=opt.data_parallel_group)
+    return {id(p): [flat[i, offsets[id(p)]: offsets[id(p)] + p.numel()].view_as(p).clone() for i in range(rows)]
+            for p in params if id(p) in wanted}
+
+
+def _shards_from_whole(opt, whole: dict[int, list[torch.Tensor]], *, rows: int,
+                       broadcast: bool = True) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+    """The reverse of `_whole_from_shards`: (shard, its slice of each of the `rows` whole
+    tensors) for this rank's shards of `opt`. With `broadcast` (collective) each parameter's whole
+    tensors need only be on one rank of the group (its owner: one all-reduce spreads them);
+    without it every rank brings every parameter's."""
+    params, offsets, total = _buffer_layout(opt)
+    if broadcast:
+        flat = torch.zeros(rows, total, dtype=torch.float32, device=collective_device())
+        for p in params:
+            if id(p) in whole:
+                at = offsets[id(p)]
+                for i, value in enumerate(whole[id(p)]):
+                    flat[i, at: at + p.numel()] = value.reshape(-1).to(flat.device)
+        dist.all_reduce(flat, group=opt.data_parallel_group)
+        whole = {id(p): [flat[i, offsets[id(p)]: offsets[id(p)] + p.numel()] for i in range(rows)] for p in params}
+    for p, shard in _main_shards(opt):
+        if id(p) in whole:
+            r = opt._get_model_param_range_map(p)["param"]
+            yield shard, [value.reshape(-1)[r.start: r.end].clone() for value in whole[id(p)]]
 
 
 def _buffer_layout(opt) -> tuple[list[nn.Parameter], dict[int, int], int]:
@@ -243,8 +314,8 @@ def _set_weight_decay(inner: list, decay: dict[int, float]) -> None:
     Megatron's standard overrides split the groups (wd_mult 0 for 1-D parameters and biases), and a
     group whose parameters the trainer decays differently is refused."""
     for opt in inner:
-        for group, model_params in zip(opt.optimizer.param_groups, opt.model_fp32_groups):
-            values = {decay[id(p)] for p in model_params}
+        for group, low, full in zip(opt.optimizer.param_groups, opt.model_float16_groups, opt.model_fp32_groups):
+            values = {decay[id(p)] for p in (*low, *full)}
             if len(values) > 1:
                 raise ValueError(f"a Megatron optimizer group mixes weight decays {sorted(values)}: its standard "
                                  "overrides split parameters otherwise than the trainer (decay on >= 2-D tensors)")

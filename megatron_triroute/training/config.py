@@ -40,9 +40,12 @@ class ParallelConfig:
     """dp_engine="megatron_distopt" only: all-gather the updated parameters bucket by bucket in the
     next forward's pre-hooks instead of at the end of the optimizer step."""
     grad_reduce_dtype: str = "fp32"
-    """dp_engine="replicated" only: "bf16" rounds each flat gradient buffer to bf16 and sums it in
-    bf16 (half the bytes of "fp32"; the sum's rounding reaches the update). The "megatron" engine
-    reduces in the parameters' dtype, fp32 here (a bf16 buffer would need bf16 parameters)."""
+    """"bf16" halves the gradient bytes. dp_engine="replicated": each flat gradient buffer is rounded
+    to bf16 and summed in bf16 (the sum's rounding reaches the update). dp_engine="megatron_distopt":
+    Megatron's mixed precision: the backbone's and experts' matrices are bf16 parameters with bf16
+    gradient buckets (reduce-scattered in bf16) and bf16 all-gathers, stepped as fp32 master shards
+    (checkpoints store the masters); needs the bf16 forward (train.bf16). Not with
+    dp_engine="megatron", which reduces in the parameters' dtype and keeps no master copy."""
     bucket_mb: float = 0.0
     """dp_engine="megatron"/"megatron_distopt": gradient bucket size in MB of fp32 gradients (0: Megatron's default,
     max(40M, 1M x dp) elements). Smaller buckets start reducing earlier in the backward."""
@@ -136,6 +139,10 @@ class RunConfig:
             if getattr(p, name) < 1:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1", "use 1 to disable")
         _validate_dp_engine(p)
+        if p.grad_reduce_dtype == "bf16" and p.dp_engine == "megatron_distopt" and t.bf16 is False:
+            _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
+                  "with parallel.dp_engine=megatron_distopt makes the matrices bf16 parameters, which need the bf16 "
+                  "forward (train.bf16=false)", "set train.bf16=true, or grad_reduce_dtype=fp32")
         if m.n_kv_heads % p.tensor:
             divisors = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0]
             _fail("parallel.tensor", p.tensor, f"does not divide n_kv_heads={m.n_kv_heads}",
@@ -228,10 +235,12 @@ def _validate_dp_engine(p: ParallelConfig) -> None:
               f"use one of {', '.join(DP_ENGINES)}")
     if p.grad_reduce_dtype not in ("fp32", "bf16"):
         _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "is not a reduction dtype", "use fp32 or bf16")
-    if p.grad_reduce_dtype == "bf16" and p.dp_engine != "replicated":
+    if p.grad_reduce_dtype == "bf16" and p.dp_engine == "megatron":
         _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
-              f"is not available with parallel.dp_engine={p.dp_engine} (Megatron's DDP reduces in the fp32 "
-              "parameters' dtype)", "use parallel.dp_engine=replicated, or grad_reduce_dtype=fp32")
+              f"is not available with parallel.dp_engine={p.dp_engine} (Megatron's DDP reduces in the parameters' "
+              "dtype, and bf16 parameters need the fp32 master copies only the distributed optimizer keeps)",
+              "use parallel.dp_engine=megatron_distopt (bf16 buckets, fp32 master shards) or replicated, "
+              "or grad_reduce_dtype=fp32")
     if p.overlap_param_gather and p.dp_engine != "megatron_distopt":
         _fail("parallel.overlap_param_gather", p.overlap_param_gather,
               f"needs the distributed optimizer (parallel.dp_engine={p.dp_engine} keeps whole parameters on "

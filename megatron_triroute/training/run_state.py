@@ -192,11 +192,12 @@ INIT_FROM_MUST_MATCH = ("triroute.model.", "triroute.router.")
 were trained for this shape and these routing decisions."""
 
 
-def init_from_checkpoint(path: str, model, groups, config: dict) -> dict:
+def init_from_checkpoint(path: str, model, groups, config: dict, optimizer=None) -> dict:
     """A new run's start from another checkpoint's weights (`train.init_from`): the model's
     parameters and buffers from the newest valid checkpoint under `path` (a checkpoint root or one
     `step_*` directory), read at this run's layout whatever layout wrote it; the optimizer,
-    schedule, data position and step counter are this run's own, fresh. Returns the source's meta."""
+    schedule, data position and step counter are this run's own, fresh (given the `optimizer`, its
+    fp32 masters of bf16 parameters take the stored values). Returns the source's meta."""
     from pathlib import Path
 
     from ..checkpoint.sharded import load_model
@@ -229,7 +230,7 @@ def init_from_checkpoint(path: str, model, groups, config: dict) -> dict:
                           "\n  ".join(differ) + "\nFix: start from a checkpoint of this shape, or set these "
                           "fields to the checkpoint's values.")
     directory = root / step_dir_name(step)
-    load_model(resolve_dir(directory) / EXTRA_DIR, model)
+    load_model(resolve_dir(directory) / EXTRA_DIR, model, optimizer)
     if groups.rank == 0:
         log.info("initialised from %s (step %d; written at tensor/pipeline/expert/data-parallel %s): weights, "
                  "running statistics and budget multipliers; optimizer, schedule and data start fresh",

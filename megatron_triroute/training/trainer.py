@@ -43,9 +43,15 @@ def build_optimizer(model, run: RunConfig, groups):
     if p.dp_engine == "megatron_distopt":
         from ..parallel.megatron_distopt import MegatronDistributedAdamW
 
+        if p.grad_reduce_dtype == "bf16" and run.train.dtype_name != "bf16":
+            raise ValueError("parallel.grad_reduce_dtype=bf16 with parallel.dp_engine=megatron_distopt makes the "
+                             "matrices bf16 parameters, which need the bf16 forward; this run computes in fp32 "
+                             "(train.bf16 unset runs fp32 without CUDA). Fix: set train.bf16=true")
+
         optimizer = MegatronDistributedAdamW(model, named_groups, groups, overlap_grad_reduce=p.overlap_grad_reduce,
                                              overlap_param_gather=p.overlap_param_gather,
-                                             bucket_size=_bucket_elements(run), **adamw)
+                                             bucket_size=_bucket_elements(run),
+                                             bf16=p.grad_reduce_dtype == "bf16", **adamw)
     else:
         optimizer = ShardedAdamW(named_groups, groups, **adamw)
     total, warmup = run.train.steps, o.warmup_steps
@@ -129,7 +135,7 @@ def train(run: RunConfig, env, tables) -> int:
     if rank0:  # after the resume check: a refused config never replaces the run's config.json
         write_text_atomic(out / "config.json", run.to_json())
     if meta is None and run.train.init_from:
-        init_from_checkpoint(run.train.init_from, model, groups, run.to_dict())
+        init_from_checkpoint(run.train.init_from, model, groups, run.to_dict(), optimizer)
     start = 0 if meta is None else int(meta["step"])
     model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:

@@ -135,6 +135,15 @@ class ShardedAdamW:
         """Whether this rank's owned parameters have AdamW moments (from the first step on)."""
         return any(self.optimizer.state.get(p) for _, p in self._owned)
 
+    def master_parameters(self) -> dict[int, torch.Tensor]:
+        """The parameters are fp32, their own masters: no other value to store."""
+        return {}
+
+    def load_master_parameters(self, values: dict[int, torch.Tensor]) -> None:
+        if values:
+            raise ValueError("ZeRO-1 AdamW steps fp32 parameters and keeps no master copy; bf16 parameters need "
+                             "parallel.dp_engine=megatron_distopt")
+
     def owned_moments(self) -> dict[str, dict[str, torch.Tensor]]:
         """{owned parameter name: {"exp_avg": ..., "exp_avg_sq": ...}}, each of its parameter's shape."""
         return {n: {m: self.optimizer.state[p][m] for m in MOMENTS} for n, p in self._owned}

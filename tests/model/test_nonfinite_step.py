@@ -82,22 +82,28 @@ def _two_rank_worker(rank, world_size, engine_name="torch"):
     parallel 1, so an expert gradient is never all-reduced): a NaN on rank 1 only, in the loss, in
     one of its expert gradients, or in a dense gradient, makes both ranks skip the whole step.
     `engine_name="distopt"`: Megatron's distributed optimizer, where each rank sees only its shard
-    of the dense gradients (the NaN may sit in the other rank's shard)."""
+    of the dense gradients (the NaN may sit in the other rank's shard); "distopt_bf16": the same
+    with bf16 matrices and gradient buckets over fp32 master shards (bf16 forward), whose masters
+    stay untouched too."""
     import megatron_triroute.training.engine as engine_mod
     from megatron_triroute.training.engine import MicroBatch, TrainEngine
 
     cfg = tiny_triroute()
     model, groups = build(cfg, ep=2, seed=6)
     assert (groups.dp, groups.ep, groups.edp) == (2, 2, 1)
-    if engine_name == "distopt":
+    masters = lambda: {}  # noqa: E731 - fp32 parameters are their own masters
+    if engine_name.startswith("distopt"):
         from megatron_triroute.parallel.megatron_distopt import MegatronDistributedAdamW
 
+        bf16 = engine_name == "distopt_bf16"
         named = list(model.named_parameters())
         optimizer = MegatronDistributedAdamW(
             model, [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": 0.1},
                     {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}],
-            groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, bucket_size=20000)
-        engine = TrainEngine(model, groups, optimizer, total_steps=10, grad_sync=optimizer)
+            groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, bucket_size=20000, bf16=bf16)
+        engine = TrainEngine(model, groups, optimizer, total_steps=10, grad_sync=optimizer, bf16=bf16)
+        masters = optimizer.master_parameters
+        assert bool(masters()) == bf16
     else:
         engine = TrainEngine(model, groups, torch.optim.AdamW(model.parameters(), lr=1e-2), total_steps=10)
     tokens, labels, idx = batch(cfg, n=2, seed=2 + rank, offset=2 * rank)
@@ -122,7 +128,7 @@ def _two_rank_worker(rank, world_size, engine_name="torch"):
 
     for step, (what, inject) in enumerate(
             (("loss", nan_loss), ("expert gradient", nan_grads(expert)), ("dense gradient", nan_grads(dense))), 1):
-        before = _snapshot(model, engine)
+        before, masters_before = _snapshot(model, engine), masters()
         undo = inject()
         try:
             report = engine.train_step(mbs, step)
@@ -131,6 +137,7 @@ def _two_rank_worker(rank, world_size, engine_name="torch"):
         assert report.skipped, (what, rank, report)
         assert _same_on_every_rank(torch.tensor([float(report.skipped)])), what
         _assert_untouched(model, engine, before, f"{what} (rank {rank})")
+        assert all(torch.equal(m, masters_before[k]) for k, m in masters().items()), what
     report = engine.train_step(mbs, 4)  # and training goes on, on both ranks alike
     assert not report.skipped and report.loss == report.loss
     for name, p in named.items():
@@ -139,6 +146,6 @@ def _two_rank_worker(rank, world_size, engine_name="torch"):
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("engine_name", ["torch", "distopt"])
+@pytest.mark.parametrize("engine_name", ["torch", "distopt", "distopt_bf16"])
 def test_nan_on_one_of_two_ranks_skips_the_step_on_both(engine_name):
     run_distributed(_two_rank_worker, 2, engine_name, timeout=240)

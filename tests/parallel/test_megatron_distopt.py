@@ -4,6 +4,8 @@ are in tests/training/test_dp_engine.py): its DDP reduce-scatters gradient bucke
 runs AdamW on its shard, the parameters are all-gathered, and after several steps every parameter
 equals torch's AdamW run on the union of both ranks' batches with the same clip, within 1e-6."""
 
+import math
+
 import pytest
 import torch
 
@@ -94,3 +96,120 @@ def _distributed_optimizer_matches_adamw(rank, world):
 @pytest.mark.distributed
 def test_megatron_distributed_optimizer_on_two_cpu_ranks_equals_adamw_on_the_union_batch():
     run_distributed(_distributed_optimizer_matches_adamw, 2, timeout=240)
+
+
+BF16_STEPS = 2
+
+
+def _hand_gradient(param: torch.Tensor, index: int, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(10_000 * step + 100 * index + rank)
+    return (torch.randn(param.shape, generator=g) * 1e-2).to(param.dtype)  # as this rank's buffer holds it
+
+
+def _hand_bf16_reference(named: list[tuple[str, torch.Tensor]], dtypes: dict[str, torch.dtype], world: int,
+                         sum_in_bf16: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+    """By hand: each rank's gradient pre-scaled by 1/world in its buffer's dtype and summed over
+    ranks (in bf16 for bf16 buffers: each addition rounded to bf16, or, with `sum_in_bf16=False`,
+    exactly in fp32), the global-norm clip, torch AdamW on fp32 masters (a bf16 parameter's
+    master starts at its bf16 value). Returns the masters and the norm of each step."""
+    masters = {n: p.detach().float().clone().requires_grad_(True) for n, p in named}
+    adamw = torch.optim.AdamW([{"params": [masters[n] for n, p in named if p.dim() >= 2], "weight_decay": WD},
+                               {"params": [masters[n] for n, p in named if p.dim() < 2], "weight_decay": 0.0}],
+                              lr=LR, eps=EPS)
+    norms = []
+    for step in range(BF16_STEPS):
+        reduced = {}
+        for i, (n, p) in enumerate(named):
+            parts = [_hand_gradient(torch.empty(p.shape, dtype=dtypes[n]), i, r, step) * (1.0 / world)
+                     for r in range(world)]
+            total = parts[0] if sum_in_bf16 else parts[0].float()
+            for part in parts[1:]:
+                total = total + (part if sum_in_bf16 else part.float())
+            reduced[n] = total.float()
+        norm = math.sqrt(sum(g.double().pow(2).sum().item() for g in reduced.values()))
+        scale = CLIP / (norm + 1e-6) if norm > CLIP else 1.0
+        for n, _ in named:
+            masters[n].grad = reduced[n] * scale
+        adamw.step()
+        norms.append(norm)
+    return {n: m.detach() for n, m in masters.items()}, norms
+
+
+def _bf16_engine(seed: int = 3):
+    from megatron_triroute.parallel.megatron_distopt import MegatronDistributedAdamW
+    from tests.model.harness import build, tiny_triroute
+
+    model, groups = build(tiny_triroute(), seed=seed)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decay = [{"params": [(n, p) for n, p in named if p.dim() >= 2], "weight_decay": WD},
+             {"params": [(n, p) for n, p in named if p.dim() < 2], "weight_decay": 0.0}]
+    engine = MegatronDistributedAdamW(model, decay, groups, lr=LR, betas=(0.9, 0.999), eps=EPS,
+                                      overlap_grad_reduce=False, bucket_size=4000, bf16=True)
+    return model, engine
+
+
+def _bf16_engine_matches_hand_reference(rank, world, directory):
+    from megatron_triroute.checkpoint import CheckpointError
+    from megatron_triroute.checkpoint.sharded import load_model, save_model, save_state
+    from megatron_triroute.parallel import destroy_parallel
+    from megatron_triroute.parallel.megatron_distopt import low_precision_parameters
+
+    model, engine = _bf16_engine()
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    low = {n for n, _ in low_precision_parameters(model)}
+    dtypes = {n: p.dtype for n, p in named}
+    assert {n for n, d in dtypes.items() if d == torch.bfloat16} == low and len(low) > 0
+    assert any("controller" in n for n in dtypes) and all(dtypes[n] == torch.float32 for n in dtypes if "controller" in n)
+    assert "gradients in bfloat16+float32" in engine.describe()
+    initial = {n: p.detach().clone() for n, p in named}
+    expected, norms = _hand_bf16_reference([(n, initial[n]) for n, _ in named], dtypes, world, sum_in_bf16=True)
+    fp32_sum, _ = _hand_bf16_reference([(n, initial[n]) for n, _ in named], dtypes, world, sum_in_bf16=False)
+    for step in range(BF16_STEPS):
+        engine.begin()
+        for i, (_, p) in enumerate(named):
+            p.main_grad.copy_(_hand_gradient(p, i, rank, step))  # what this rank's backward would have left
+        engine.finish()  # the bf16 buckets reduce-scattered in bf16
+        norm = engine.grad_norm()
+        assert norm == pytest.approx(norms[step], rel=1e-6) and norm > CLIP
+        engine.clip(norm, CLIP)
+        engine.step()  # AdamW on the fp32 master shards, then the bf16 all-gather
+    masters = engine.master_parameters()
+    assert set(masters) == {id(p) for n, p in named if n in low}
+    worst = 0.0
+    for n, p in named:
+        master = masters[id(p)] if n in low else p.detach()
+        assert master.dtype == torch.float32
+        worst = max(worst, (master - expected[n]).abs().max().item())
+        if n in low:  # the parameter is its master's rounding, from whichever rank stepped it
+            assert torch.equal(p.detach(), master.to(torch.bfloat16)), n
+    assert worst <= 1e-6, worst
+    # the hand reference can tell: summing in fp32 instead moves the masters by far more
+    assert max((fp32_sum[n] - expected[n]).abs().max().item() for n in low) > 1e-5
+
+    # A checkpoint stores the masters; loading it (as train.init_from does) restores them exactly.
+    with pytest.raises(CheckpointError, match="would be stored in low precision"):
+        save_model(directory, model)  # without the optimizer that holds the masters
+    save_state(directory, model, engine)
+    destroy_parallel()
+    fresh, fresh_engine = _bf16_engine(seed=4)
+    assert any(not torch.equal(a, b) for a, b in zip(fresh.parameters(), model.parameters()))
+    load_model(directory, fresh, fresh_engine)
+    restored = fresh_engine.master_parameters()
+    by_name = dict(fresh.named_parameters())
+    for n, p in named:
+        if n in low:
+            assert torch.equal(restored[id(by_name[n])], masters[id(p)]), n
+        assert torch.equal(by_name[n].detach(), p.detach()), n
+    destroy_parallel()
+
+
+@pytest.mark.distributed
+def test_bf16_parameters_reduce_in_bf16_and_step_fp32_masters(tmp_path):
+    """`MegatronDistributedAdamW(bf16=True)` on two gloo ranks, with gradients written by hand
+    into Megatron's buffers: the backbone's and experts' matrices are bf16 parameters (the
+    routers' and the 1-D gains fp32), each bf16 bucket is reduce-scattered in bf16, the norm and
+    clip read the fp32 master shards, AdamW steps the masters, and every bf16 parameter is its
+    master's rounding. Two steps equal the hand computation within 1e-6 (the masters gathered by
+    `master_parameters`, what checkpoints store); a checkpoint written from them loads them back
+    exactly into a fresh engine (`load_model` with the optimizer: the `train.init_from` path)."""
+    run_distributed(_bf16_engine_matches_hand_reference, 2, str(tmp_path / "ckpt"), timeout=240)

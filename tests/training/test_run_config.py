@@ -1,6 +1,7 @@
 import math
 
 import pytest
+import torch
 
 from megatron_triroute.config import ConfigError
 from megatron_triroute.training.config import RunConfig, apply_overrides
@@ -52,7 +53,7 @@ def test_dp_engine_validation_names_the_fix():
         run.validate(1)
     run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.grad_reduce_dtype=bf16"])
     with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
-                                          r"parallel.dp_engine=megatron .* Fix: use parallel.dp_engine=replicated"):
+                                          r"parallel.dp_engine=megatron .* Fix: use parallel.dp_engine=megatron_distopt"):
         run.validate(1)
     run = apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=fp16"])
     with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='fp16': is not a reduction dtype. Fix: use fp32 or bf16"):
@@ -65,7 +66,8 @@ def test_dp_engine_validation_names_the_fix():
 
 def test_distributed_optimizer_options_validate():
     """megatron_distopt takes the DDP options and overlap_param_gather; the other engines refuse
-    overlap_param_gather (nothing to gather) and it refuses a bf16 reduction, each naming the fix."""
+    overlap_param_gather (nothing to gather); its bf16 gradients (bf16 parameters) need the bf16
+    forward, each refusal naming the fix."""
     run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.bucket_mb=2.5",
                                                "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"])
     p = run.validate(1).parallel
@@ -75,10 +77,24 @@ def test_distributed_optimizer_options_validate():
         with pytest.raises(ConfigError, match=r"parallel.overlap_param_gather=True: needs the distributed optimizer "
                                               rf"\(parallel.dp_engine={engine} .* Fix: set parallel.dp_engine=megatron_distopt"):
             run.validate(1)
-    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"])
-    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
-                                          r"parallel.dp_engine=megatron_distopt"):
+    bf16 = ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"]
+    assert apply_overrides(get_recipe("tiny"), bf16 + ["train.bf16=true"]).validate(1)
+    run = apply_overrides(get_recipe("tiny"), bf16 + ["train.bf16=false"])
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': with parallel.dp_engine=megatron_distopt "
+                                          r"makes the matrices bf16 parameters, .* Fix: set train.bf16=true"):
         run.validate(1)
+
+
+def test_bf16_distributed_optimizer_refuses_an_fp32_forward_at_start(monkeypatch):
+    """train.bf16 unset computes in fp32 without CUDA: the trainer refuses bf16 parameters then,
+    before building anything, naming the fix."""
+    from megatron_triroute.training.trainer import build_optimizer
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"])
+    assert run.validate(1).train.bf16 is None
+    with pytest.raises(ValueError, match=r"this run computes in fp32 .* Fix: set train.bf16=true"):
+        build_optimizer(torch.nn.Linear(2, 2), run, groups=None)
 
 
 def test_recipe_steps_follow_twenty_tokens_per_parameter():
