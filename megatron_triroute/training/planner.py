@@ -8,7 +8,10 @@ Memory per rank, from the config alone (`estimate_rank_memory`):
   all-reduce buffer when data parallel > 1 (4 bytes; the Megatron engines reduce in their
   contiguous gradient buffer, which replaces the gradients), the two AdamW moments (8 bytes)
   divided over the data-parallel replicas by ZeRO-1 or the distributed optimizer (experts over the
-  expert-data-parallel ones); bf16 adds nothing persistent (autocast over fp32 masters);
+  expert-data-parallel ones); bf16 autocast adds nothing persistent (the parameters stay fp32),
+  but the distributed optimizer with bf16 gradients (`grad_reduce_dtype=bf16`) holds the
+  matrices outside the routers as bf16 weights and gradients (2 + 2 bytes) with fp32 master
+  shards (4 bytes) next to the moments, both divided over the replicas;
 - activations kept for backward by the relaxed routed path, per token and layer
   `ACT_D * d + ACT_EXPERT * k * d_e + ACT_SCORES * H * T` values (attention and FFN parts divided
   by tensor parallel), the output layer's `ACT_LOGITS * V` per token, one micro-batch per
@@ -79,7 +82,14 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
     expert_params = layers * expert
     params = dense_params + expert_params
     grad_buffer = 4 if dp > 1 and run.parallel.dp_engine == "replicated" else 0  # reduce_gradients' flat copy
-    state = dense_params * (8 + grad_buffer + 8 / dp) + expert_params * (8 + grad_buffer + 8 / edp)
+    bf16_masters = run.parallel.dp_engine == "megatron_distopt" and run.parallel.grad_reduce_dtype == "bf16"
+    fp32_dense = layers * (controller + 2 * m.d_model) if bf16_masters else dense_params  # routers, gains
+
+    def state_bytes(n: float, replicas: int, low: bool) -> float:
+        return n * ((2 + 2 + 12 / replicas) if low else (8 + grad_buffer + 8 / replicas))
+
+    state = (state_bytes(fp32_dense, dp, False) + state_bytes(dense_params - fp32_dense, dp, True)
+             + state_bytes(expert_params, edp, bf16_masters))
 
     bytes_per = 2 if t.dtype_name == "bf16" else 4
     tokens = t.micro_batch_size * m.seq_len

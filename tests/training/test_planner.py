@@ -55,6 +55,29 @@ def test_only_the_replicated_engine_pays_for_a_flat_gradient_copy():
         estimate_rank_memory(apply_overrides(get_recipe("1p3b"), []), 1)["model_state_gib"]  # no copy at DP1
 
 
+def test_bf16_masters_halve_weights_and_gradients_and_shard_the_fp32_copy():
+    """The distributed optimizer with bf16 gradients: every matrix outside the routers costs 2 + 2
+    bytes of bf16 weight and gradient plus 12 / replicas of fp32 master and moments, instead of
+    4 + 4 + 8 / replicas; the routers and gains stay fp32."""
+    from megatron_triroute.routing.controller import controller_input_width
+    from megatron_triroute.routing.cost import expert_width
+
+    run = apply_overrides(get_recipe("1p3b"), ["parallel.dp_engine=megatron_distopt", "parallel.expert=8"])
+    fp32 = estimate_rank_memory(run, 64)
+    run.parallel.grad_reduce_dtype = "bf16"
+    bf16 = estimate_rank_memory(run, 64)
+    m, r = run.triroute.model, run.triroute.router
+    dp, edp = 64, 8  # TP1 PP1: dp 64; experts over 64 / 8
+    d_in = controller_input_width(m.d_model, len(r.bits))
+    routers = m.n_layers * (d_in * r.d_router + r.d_router**2 + r.d_router * (m.n_heads * 3 + r.num_experts + 1 + len(r.bits))
+                            + 2 * m.d_model)
+    experts = m.n_layers * r.num_experts / 8 * 3 * m.d_model * expert_width(m, r)
+    dense_low = fp32["parameters_per_rank"] - routers - experts
+    saved = (8 + 8 / dp - 4 - 12 / dp) * dense_low + (8 + 8 / edp - 4 - 12 / edp) * experts
+    assert bf16["parameters_per_rank"] == fp32["parameters_per_rank"]
+    assert (fp32["model_state_gib"] - bf16["model_state_gib"]) * 2**30 == pytest.approx(saved, rel=1e-9)
+
+
 def test_plan_for_1p3b_on_8_nodes_of_8_gpus_uses_expert_parallelism_and_fits():
     run = get_recipe("1p3b")
     run.train.bf16 = True
