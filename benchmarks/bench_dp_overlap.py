@@ -1,7 +1,10 @@
 """Data-parallel engines: step time, communication hidden behind compute, peak memory, for the
 replicated engine (the baseline), Megatron-Core's DDP without and with overlap, and Megatron-Core's
 distributed optimizer without and with overlap (gradient reduce-scatter during the backward,
-parameter all-gather during the next forward).
+parameter all-gather during the next forward), and with overlap and bf16 gradients
+(`parallel.grad_reduce_dtype=bf16`: bf16 matrices, buckets and all-gathers, fp32 master shards).
+That engine needs the bf16 forward (autocast), which on a CPU is several times slower than fp32,
+so its baseline is the replicated engine under the same autocast (`replicated_bf16`).
 
     python benchmarks/bench_dp_overlap.py [--recipe tiny] [key=value ...] [--nprocs 2 4]
                                           [--micro-batch 4] [--micro-batches 2] [--bucket-mb 1]
@@ -17,7 +20,7 @@ processes so that the peak memory is its own.
 What is measured, per timed step (after `--warmup` steps), on every rank:
 - step time: wall time of `train_step` (the median over steps, the max over ranks: the slowest
   rank sets the pace). The engines take turns, `--rounds` times over (replicated, megatron,
-  megatron_overlap, distopt, distopt_overlap, replicated, ...), so a change in the machine's load
+  megatron_overlap, distopt, distopt_overlap, replicated_bf16, distopt_bf16_overlap, replicated, ...), so a change in the machine's load
   hits them alike; the median is over the steps of every round.
 - communication: each gradient reduction's and each parameter update's communication, its launch
   and completion timestamped with `time.perf_counter()`: the replicated engine's flat all-reduce
@@ -34,7 +37,8 @@ What is measured, per timed step (after `--warmup` steps), on every rank:
 - peak memory: the process's peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) at the
   end, and its growth from just before the first step (the gradient buffers, optimizer state and
   activations; the imports and the model are in the baseline of both).
-Ratios are against the replicated engine measured in the same command.
+Ratios are against the replicated engine with the same forward precision, measured in the same
+command (each row names its baseline).
 """
 
 from __future__ import annotations
@@ -52,13 +56,18 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-ENGINES = {  # name: (parallel.dp_engine, overlap_grad_reduce, overlap_param_gather)
-    "replicated": ("replicated", False, False),
-    "megatron": ("megatron", False, False),
-    "megatron_overlap": ("megatron", True, False),
-    "distopt": ("megatron_distopt", False, False),
-    "distopt_overlap": ("megatron_distopt", True, True),
+BF16 = ["parallel.grad_reduce_dtype=bf16", "train.bf16=true"]
+ENGINES = {  # name: (parallel.dp_engine, overlap_grad_reduce, overlap_param_gather, other overrides)
+    "replicated": ("replicated", False, False, []),
+    "megatron": ("megatron", False, False, []),
+    "megatron_overlap": ("megatron", True, False, []),
+    "distopt": ("megatron_distopt", False, False, []),
+    "distopt_overlap": ("megatron_distopt", True, True, []),
+    "replicated_bf16": ("replicated", False, False, ["train.bf16=true"]),
+    "distopt_bf16_overlap": ("megatron_distopt", True, True, BF16),
 }
+BASELINE = {"replicated_bf16": "replicated_bf16", "distopt_bf16_overlap": "replicated_bf16"}
+"""An engine's baseline (the replicated engine with its forward precision); the others': replicated."""
 
 
 class CommClock:
@@ -186,15 +195,16 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
         from megatron_triroute.training.recipes import resolve
         from megatron_triroute.training.trainer import build_optimizer, build_run_grad_sync
 
-        dp_engine, overlap, gather = ENGINES[engine_name]
+        dp_engine, overlap, gather, other = ENGINES[engine_name]
         overrides = [*args["overrides"], f"parallel.dp_engine={dp_engine}", f"parallel.overlap_grad_reduce={overlap}",
-                     f"parallel.overlap_param_gather={gather}", f"parallel.bucket_mb={args['bucket_mb']}"]
+                     f"parallel.overlap_param_gather={gather}", f"parallel.bucket_mb={args['bucket_mb']}", *other]
         with cpu_shim():
             run = resolve(args["recipe"], overrides)
             groups = initialize_parallel()
             model = build_model(run.triroute, groups, seed=run.data.seed)
             optimizer, scheduler = build_optimizer(model, run, groups)
             engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
+                                 bf16=run.train.dtype_name == "bf16",
                                  grad_sync=build_run_grad_sync(model, run, groups, optimizer))
             clock = CommClock()
             _instrument(engine, clock)
@@ -320,8 +330,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name in ENGINES:
                 reports[name].append(_run_group(world, name, shared))
         per = {name: summarise(rounds) for name, rounds in reports.items()}
-        base = per["replicated"]
-        for row in per.values():
+        for name, row in per.items():
+            row["baseline"] = BASELINE.get(name, "replicated")
+            base = per[row["baseline"]]
             row["step_ratio"] = row["step_s"] / base["step_s"]
             row["peak_rss_ratio"] = row["peak_rss_mib"] / base["peak_rss_mib"]
         result["worlds"][str(world)] = per
@@ -342,7 +353,7 @@ def _print_table(result: dict) -> None:
     for world, per in result["worlds"].items():
         print(f"{world} processes (DP={world}), {per['replicated']['params']:,} parameters:")
         for name, row in per.items():
-            print(f"  {name:<17} step {1e3 * row['step_s']:8.1f} ms (x{row['step_ratio']:.2f})  "
+            print(f"  {name:<20} step {1e3 * row['step_s']:8.1f} ms (x{row['step_ratio']:.2f} {row['baseline']:<15})  "
                   f"comm {1e3 * row['comm_s_per_step']:7.1f} ms, exposed {1e3 * row['exposed_comm_s_per_step']:7.1f} ms, "
                   f"hidden {row['hidden_fraction']:6.1%}  buckets {row['dense_buckets']:3d}  "
                   f"peak RSS {row['peak_rss_mib']:7.1f} MiB (x{row['peak_rss_ratio']:.3f}, +{row['rss_growth_mib']:.1f} MiB in the steps)")

@@ -26,9 +26,11 @@ def result():
 
 def test_every_engine_is_measured_against_the_same_baseline(result):
     per = result["worlds"]["2"]
-    assert sorted(per) == ["distopt", "distopt_overlap", "megatron", "megatron_overlap", "replicated"]
-    base = per["replicated"]
-    for name, row in per.items():
+    assert sorted(per) == ["distopt", "distopt_bf16_overlap", "distopt_overlap", "megatron", "megatron_overlap",
+                           "replicated", "replicated_bf16"]
+    for name, row in per.items():  # bf16-forward engines against the replicated engine's bf16 forward
+        assert row["baseline"] == ("replicated_bf16" if "bf16" in name else "replicated"), name
+        base = per[row["baseline"]]
         assert row["step_s"] > 0 and row["peak_rss_mib"] > 0 and row["comm_s_per_step"] > 0, name
         assert row["step_ratio"] == pytest.approx(row["step_s"] / base["step_s"])
         assert row["peak_rss_ratio"] == pytest.approx(row["peak_rss_mib"] / base["peak_rss_mib"])
@@ -41,10 +43,10 @@ def test_every_engine_is_measured_against_the_same_baseline(result):
 def test_only_the_overlapped_engines_communicate_during_backward(result):
     per = result["worlds"]["2"]
     # communication launched after the schedule returned hides nothing, by the measurement's definition
-    assert per["replicated"]["hidden_fraction"] == 0.0
+    assert per["replicated"]["hidden_fraction"] == 0.0 and per["replicated_bf16"]["hidden_fraction"] == 0.0
     for name in ("megatron", "distopt"):
         assert per[name]["hidden_fraction"] == 0.0 and per[name]["dense_buckets"] == 1, name
-    for name in ("megatron_overlap", "distopt_overlap"):
+    for name in ("megatron_overlap", "distopt_overlap", "distopt_bf16_overlap"):
         assert per[name]["dense_buckets"] > 1 and per[name]["hidden_fraction"] > 0.0, name
 
 

@@ -38,7 +38,7 @@ def test_defaults_rows_follow_the_ring_arithmetic(capsys):
         "replicated, grad_reduce_dtype=bf16 (built)": 2 * 2 + 4,
         "megatron_distopt (built): fp32 grads + params, overlap": 4 + 4,
         "dist. optimizer, fp32 grads, bf16 params, overlap": 4 + 2,
-        "dist. optimizer, bf16 grads, bf16 params, overlap": 2 + 2,
+        "distopt + grad_reduce_dtype=bf16 (built), overlap": 2 + 2,
     }
     assert set(out["rows"]) == set(bytes_per_param)
     for name, factor in bytes_per_param.items():
