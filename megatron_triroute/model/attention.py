@@ -28,7 +28,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..config import ATTN_MODES, FULL, LOCAL, SKIP, TriRouteConfig
+from ..config import FULL, LOCAL, TriRouteConfig
 from ..routing.quant import fake_quantize, relaxed_kv_write
 
 

@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import ATTN_MODES, FULL, LOCAL, SKIP
+from ..config import FULL, LOCAL, SKIP
 
 
 

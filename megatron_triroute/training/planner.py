@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 
 from ..routing.controller import controller_input_width
 from ..routing.cost import expert_width

@@ -5,7 +5,6 @@ ZeRO-1 AdamW): real trainer runs differing only in the switch end with every par
 1e-6, at DP2 x EP1, DP2 x EP2, TP2 x EP2 and PP2 x DP2 x EP2 (4 processes), with micro-batch
 accumulation and several buckets; and a run switches engines (and layouts) on resume."""
 
-import shutil
 from pathlib import Path
 
 import pytest
