@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -45,7 +44,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
-    import torch
 
     from data_prep.tables import load_token_tables
     from data_prep.tokenizer import load_processor, tokenizer_path
@@ -99,4 +97,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())

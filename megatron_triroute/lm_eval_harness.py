@@ -12,7 +12,6 @@ Every argument is lm_eval's own (`lm-eval --help`); this only imports
 from __future__ import annotations
 
 import json
-import sys
 
 
 def main() -> int:
@@ -30,4 +29,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())

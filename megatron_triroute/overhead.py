@@ -268,4 +268,6 @@ def library_logs_to_stderr() -> Iterator[None]:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())

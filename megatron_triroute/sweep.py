@@ -274,4 +274,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())

@@ -122,4 +122,6 @@ if __name__ == "__main__":
 
         for signum in signals.STOP_SIGNALS:
             signal.signal(signum, signal.SIG_IGN)
-    sys.exit(status)
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(status)

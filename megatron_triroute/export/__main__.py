@@ -74,8 +74,12 @@ def main(argv=None) -> int:
 
 
 def cli() -> None:
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from megatron_triroute.process_exit import exit_process
+
+    exit_process(main())
