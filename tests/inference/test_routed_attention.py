@@ -5,7 +5,6 @@ local windows cut at t - w, K/V at 2, 4, 8 and 16 bits; as one prefill and token
 cost audit equals `routing.cost.hard_cost` of the same decisions and the bytes at rest equal the
 sum of `kv_bits_per_token / 8`."""
 
-
 import pytest
 import torch
 import torch.nn.functional as F
