@@ -52,6 +52,7 @@ META_FILE = "meta.json"
 EXTRA_DIR = "sharded"
 TMP_PREFIX = ".tmp-"
 TRASH_PREFIX = ".trash-"
+SET_ASIDE_MARK = ".set-aside-"
 _STEP_DIR = re.compile(r"step_(\d{8,})")
 _ASIDE_DIR = re.compile(r"(step_\d{8,})" + re.escape(ASIDE_MARK))
 
@@ -67,6 +68,11 @@ class CheckpointError(RuntimeError):
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
     """No valid checkpoint exists under the root."""
+
+
+class NoVerifiedCheckpointError(CheckpointNotFoundError):
+    """The root holds checkpoints (or a `latest` pointer) but none of them verifies: a run must not
+    silently start again from step 0 over them. The message names each and why it failed."""
 
 
 @dataclass(frozen=True)
@@ -209,13 +215,51 @@ def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int) -> N
 
 
 def _prune(root: Path, latest_step: int, keep_last: int) -> None:
+    """Removes checkpoints older than the `keep_last` newest at or below `latest_step` when they
+    still verify (sizes against their manifest): superseded, whole copies. Anything else it would
+    drop is set aside instead (`set_aside`): a directory newer than `latest` (never committed, or a
+    timeline a resume abandoned) and one that fails verification may be the only copy of work
+    someone needs, so pruning never deletes it."""
     steps = sorted(_step_dirs(root))
-    older = [s for s in steps if s <= latest_step]
-    doomed = [s for s in steps if s > latest_step] + older[: max(0, len(older) - keep_last)]
-    for step in doomed:
-        if step != latest_step:
-            log.info("pruning checkpoint %s (keep_last=%d)", root / step_dir_name(step), keep_last)
-            _discard(root / step_dir_name(step))
+    older = [s for s in steps if s < latest_step]
+    superseded = older[: max(0, len(older) - (keep_last - 1))]
+    for step in steps:
+        path = root / step_dir_name(step)
+        if step > latest_step:
+            set_aside(path, f"newer than {LATEST_FILE} ({step_dir_name(latest_step)}): never committed or abandoned")
+        elif step in superseded:
+            problem, _ = _verify(path, step, hashes=False)
+            if problem is None:
+                log.info("pruning checkpoint %s (keep_last=%d)", path, keep_last)
+                _discard(path)
+            else:
+                set_aside(path, f"failed verification ({problem})")
+
+
+def set_aside(path: Path, why: str) -> Path:
+    """Renames a `step_*` directory to `<name>.set-aside-<unix time>`: never read as a checkpoint,
+    never deleted by this code; the user decides. Returns the new path."""
+    target = path.with_name(f"{path.name}{SET_ASIDE_MARK}{int(time.time())}")
+    n = 0
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}{SET_ASIDE_MARK}{int(time.time())}.{n}")
+    os.rename(path, target)
+    fsync_dir(path.parent)
+    log.warning("set aside %s as %s: %s. It is not read or deleted again; inspect it, then delete it "
+                "or rename it back.", path, target.name, why)
+    return target
+
+
+def set_aside_all(root: str | os.PathLike, why: str) -> list[Path]:
+    """Sets aside every checkpoint under `root` and removes the `latest` pointer (a run that starts
+    fresh on purpose over checkpoints it cannot or will not use). Returns the new paths."""
+    root = Path(root)
+    moved = [set_aside(path, why) for _, path in sorted(_step_dirs(root).items())]
+    (root / LATEST_FILE).unlink(missing_ok=True)
+    if root.is_dir():
+        fsync_dir(root)
+    return moved
 
 
 def _discard(path: Path) -> None:
@@ -296,21 +340,20 @@ def list_checkpoints(root: str | os.PathLike, *, verify: bool = False) -> list[C
 
 
 def latest_valid_checkpoint(root: str | os.PathLike) -> CheckpointInfo | None:
-    """What `load_checkpoint` would load, or None for a fresh run (no checkpoint at all)."""
+    """What `load_checkpoint` would load, or None for a fresh run (no checkpoint and no `latest`
+    pointer). Raises `NoVerifiedCheckpointError` when checkpoints exist but none verifies."""
     try:
         return _select(Path(root), None)
+    except NoVerifiedCheckpointError:
+        raise
     except CheckpointNotFoundError:
         return None
 
 
-def _select(root: Path, step: int | None) -> CheckpointInfo:
-    if step is not None:
-        path = resolve_dir(root / step_dir_name(step)) or root / step_dir_name(step)
-        problem, manifest = _verify(path, step)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
-        return CheckpointInfo(step, path, manifest["world_size"])
-
+def checkpoint_candidates(root: str | os.PathLike) -> list[tuple[int, Path]]:
+    """The `step_*` directories a resume tries, in order: the one `latest` names, then older ones,
+    newest first (all of them newest first without a usable pointer). Empty for a fresh root."""
+    root = Path(root)
     dirs = _step_dirs(root)
     pointed = _read_latest(root)
     if pointed is None:
@@ -325,10 +368,28 @@ def _select(root: Path, step: int | None) -> CheckpointInfo:
                 ", ".join(step_dir_name(s) for s in newer), LATEST_FILE, step_dir_name(pointed),
             )
         candidates = [pointed] + sorted((s for s in dirs if s < pointed), reverse=True)
+    return [(step, dirs.get(step, root / step_dir_name(step))) for step in candidates]
+
+
+def no_verified_checkpoint(root: str | os.PathLike, problems: list[str]) -> NoVerifiedCheckpointError:
+    """The error for a root whose checkpoints all failed verification: each, why, and the fixes."""
+    return NoVerifiedCheckpointError(
+        f"no valid checkpoint under {root}: " + "; ".join(problems) + ". Nothing was deleted. Fix: restore the "
+        "files (e.g. from a copy), or resume from a checkpoint elsewhere with train.init_from=PATH and another "
+        "output_dir, or start this run again from step 0 on purpose with train.start_fresh=true (the "
+        "checkpoints are set aside as step_*" + SET_ASIDE_MARK + "*, not deleted).")
+
+
+def _select(root: Path, step: int | None) -> CheckpointInfo:
+    if step is not None:
+        path = resolve_dir(root / step_dir_name(step)) or root / step_dir_name(step)
+        problem, manifest = _verify(path, step)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is unusable: {problem}")
+        return CheckpointInfo(step, path, manifest["world_size"])
 
     problems = []
-    for candidate in candidates:
-        path = dirs.get(candidate, root / step_dir_name(candidate))
+    for candidate, path in checkpoint_candidates(root):
         problem, manifest = _verify(path, candidate)
         if problem is None:
             if problems:
@@ -338,10 +399,40 @@ def _select(root: Path, step: int | None) -> CheckpointInfo:
         problems.append(f"{path.name}: {problem}")
     if not problems:
         raise CheckpointNotFoundError(f"no checkpoint under {root}")
-    raise CheckpointNotFoundError(f"no valid checkpoint under {root}; " + "; ".join(problems))
+    raise no_verified_checkpoint(root, problems)
 
 
-def _verify(path: Path, step: int, *, hashes: bool = True) -> tuple[str | None, dict]:
+_VERIFIED: dict[str, tuple] = {}
+"""Checkpoint directories this process has verified in full, by path: the (size, mtime, inode) of
+the manifest and every file at that time. A later check of an unchanged directory is a stat of
+each file, not another read of every byte (resume and export look at one checkpoint several times)."""
+
+
+def _fingerprint(path: Path, names: Iterable[str]) -> tuple:
+    stats = [os.stat(path / name) for name in [MANIFEST_FILE, *names]]
+    return tuple((s.st_size, s.st_mtime_ns, s.st_ino) for s in stats)
+
+
+def verify_checkpoint(path: str | os.PathLike, step: int, *, share: tuple[int, int] | None = None,
+                      hashes: bool = True) -> tuple[str | None, dict]:
+    """(None, manifest) when the checkpoint verifies, else (what is wrong, {}).
+
+    Sizes are always checked against the manifest. `share=(k, n)`: only the sha256 of every n-th
+    file from the k-th (the manifest's sorted order) is checked, so n ranks that each check their
+    share and agree (all-reduce) check every byte once between them; the caller then calls
+    `trust_verified` on every rank. Without `share` every checksum is checked here."""
+    return _verify(Path(path), step, hashes=hashes, share=share)
+
+
+def trust_verified(path: str | os.PathLike) -> None:
+    """Records `path` as verified in full (by ranks that checked it between them)."""
+    path = Path(path)
+    manifest = json.loads((path / MANIFEST_FILE).read_text())
+    _VERIFIED[str(path)] = _fingerprint(path, manifest["files"])
+
+
+def _verify(path: Path, step: int, *, hashes: bool = True,
+            share: tuple[int, int] | None = None) -> tuple[str | None, dict]:
     """(None, manifest) when every file matches the manifest, else (what is wrong, {})."""
     if not path.is_dir():
         return "directory is missing", {}
@@ -366,10 +457,22 @@ def _verify(path: Path, step: int, *, hashes: bool = True) -> tuple[str | None, 
     for name in required:
         if name not in files:
             return f"{MANIFEST_FILE} does not list {name}", {}
-    for name, expected in files.items():
-        problem = check_file(path / name, expected, hashes=hashes)
+    names = sorted(files)
+    for name in names:  # sizes first: a truncated file is found without reading anything
+        problem = check_file(path / name, files[name], hashes=False)
         if problem is not None:
             return problem, {}
+    if not hashes:
+        return None, manifest
+    if _VERIFIED.get(str(path)) == _fingerprint(path, names):
+        return None, manifest
+    k, n = share if share is not None else (0, 1)
+    for name in names[k::n]:
+        problem = check_file(path / name, files[name], hashes=True)
+        if problem is not None:
+            return problem, {}
+    if share is None:
+        _VERIFIED[str(path)] = _fingerprint(path, names)
     return None, manifest
 
 

@@ -14,6 +14,9 @@ from typing import Any
 from ..config import ConfigError, TriRouteConfig, _fail, _from_dict
 
 
+CHECKPOINT_CHECKS = ("shared", "full")
+"""`train.checkpoint_check` values (training/run_state.py: find_resume_checkpoint)."""
+
 DP_ENGINES = ("replicated", "megatron", "megatron_distopt")
 """`parallel.dp_engine` values (built by training/trainer.py: build_optimizer, build_run_grad_sync)."""
 
@@ -85,6 +88,16 @@ class TrainConfig:
     save_interval_steps: int = 1000
     save_interval_minutes: float = 30.0
     keep_last: int = 3
+    """Checkpoints kept at or below the newest; older ones are removed once superseded, and only when
+    they still verify (anything else is set aside as `step_*.set-aside-*`, never deleted)."""
+    start_fresh: bool = False
+    """When the run's checkpoint directory holds checkpoints none of which verifies, set them aside
+    (`step_*.set-aside-*`, nothing deleted) and train from step 0 instead of refusing to start.
+    A verified checkpoint is always resumed: the flag cannot throw progress away on a requeue."""
+    checkpoint_check: str = "shared"
+    """How a resume verifies its checkpoint: "shared" (every rank checks every file's size and the
+    sha256 of its share of the files, so each byte is read once over all ranks) or "full" (every
+    rank checks every sha256)."""
     exit_interval: int = 0
     """Checkpoint and exit (status 0) after the first step that is a multiple of this, before the
     end of the schedule (Megatron's --exit-interval); 0: off. A resume continues the same schedule."""
@@ -139,6 +152,9 @@ class RunConfig:
             if getattr(p, name) < 1:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1", "use 1 to disable")
         _validate_dp_engine(p)
+        if t.checkpoint_check not in CHECKPOINT_CHECKS:
+            _fail("train.checkpoint_check", t.checkpoint_check, f"must be one of {CHECKPOINT_CHECKS}",
+                  "use shared (the default) or full")
         if p.grad_reduce_dtype == "bf16" and p.dp_engine == "megatron_distopt" and t.bf16 is False:
             _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
                   "with parallel.dp_engine=megatron_distopt makes the matrices bf16 parameters, which need the bf16 "

@@ -29,6 +29,8 @@ MAY_CHANGE: dict[str, str] = {
     "train.save_interval_steps": "interval",
     "train.save_interval_minutes": "interval",
     "train.keep_last": "checkpoint retention",
+    "train.start_fresh": "what a start over unverifiable checkpoints does",
+    "train.checkpoint_check": "how a resume verifies its checkpoint",
     "train.exit_interval": "when this run stops",
     "train.init_from": "read only when a run starts",
     "train.eval_batches": "evaluation size",

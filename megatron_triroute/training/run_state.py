@@ -16,7 +16,9 @@ whatever layout it resumes on. Checkpoints written before this format are read b
 
 from __future__ import annotations
 
+import json
 import logging
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -25,7 +27,8 @@ from ..parallel.devices import collective_device
 from ..checkpoint import (CheckpointError, capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state,
                           save_checkpoint)
 from ..checkpoint.sharded import GLOBAL_FORMAT, current_name
-from ..checkpoint.store import split_step_dir, step_dir_name
+from ..checkpoint.store import (CheckpointInfo, checkpoint_candidates, no_verified_checkpoint, split_step_dir,
+                                step_dir_name, trust_verified, verify_checkpoint)
 from ..durability import resolve_dir
 from .resume_config import check_resume_config
 
@@ -68,13 +71,56 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
                     write_extra=lambda directory: save_state(directory, model, optimizer))
 
 
-def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None = None) -> dict | None:
+def find_resume_checkpoint(root: str, groups, *, full_check: bool = False) -> CheckpointInfo | None:
+    """Collective: the checkpoint every rank resumes from, verified once. Rank 0's list of
+    candidates (`checkpoint_candidates`) is broadcast; for each in turn every rank checks every
+    file's size and the sha256 of its share of the files (with `full_check`, of all of them), and
+    the ranks agree by an all-reduce. None for a fresh root; `NoVerifiedCheckpointError` (every
+    rank) when checkpoints exist but none verifies."""
+    device = collective_device()
+    listed = [[step, str(path)] for step, path in checkpoint_candidates(root)] if groups.rank == 0 else None
+    candidates = broadcast_json(listed, device)
+    problems = []
+    for step, path in candidates:
+        share = None if full_check else (groups.rank, groups.world_size)
+        problem, manifest = verify_checkpoint(path, step, share=share)
+        failed = torch.zeros(groups.world_size, device=device)
+        failed[groups.rank] = float(problem is not None)
+        dist.all_reduce(failed)
+        if not failed.any():
+            trust_verified(path)
+            if problems and groups.rank == 0:
+                log.warning("falling back to checkpoint %s", path)
+            return CheckpointInfo(step, Path(path), manifest["world_size"])
+        ranks = failed.nonzero().flatten().tolist()
+        if problem is not None:
+            log.warning("checkpoint %s is unusable (rank %d's check): %s", path, groups.rank, problem)
+        problems.append(f"{Path(path).name}: " + (problem if problem is not None else
+                                                   f"failed verification on rank(s) {ranks} (see their logs)"))
+    if not problems:
+        return None
+    raise no_verified_checkpoint(root, problems)
+
+
+def broadcast_json(value, device):
+    """Rank 0's JSON-serialisable `value` on every rank (no pickle on the wire)."""
+    data = torch.tensor(list(json.dumps(value).encode()) if dist.get_rank() == 0 else [], dtype=torch.uint8)
+    size = torch.tensor([data.numel()], dtype=torch.long, device=device)
+    dist.broadcast(size, 0)
+    buffer = data.to(device) if dist.get_rank() == 0 else torch.empty(int(size), dtype=torch.uint8, device=device)
+    dist.broadcast(buffer, 0)
+    return json.loads(bytes(buffer.cpu().tolist()).decode())
+
+
+def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None = None, *,
+             full_check: bool = False) -> dict | None:
     """Restore the newest valid checkpoint under `root`; returns its meta, or None if none.
 
     With `config` (the new run's `RunConfig.to_dict()`), first compares it with the checkpoint's:
     changes a resume may make are logged (rank 0), any other is refused (see resume_config.py).
+    The checkpoint is verified once, its checksums shared between the ranks (`find_resume_checkpoint`).
     """
-    info = latest_valid_checkpoint(root)
+    info = find_resume_checkpoint(root, groups, full_check=full_check)
     if info is None:
         return None
     _, headers, meta = load_shards(root, ranks=[], step=info.step)
@@ -98,8 +144,6 @@ def _load_global(root: str, info, meta: dict, model, optimizer, scheduler, group
     """Any layout: every rank reads its slices of the global tensors; the scheduler and optimizer
     options are the same on every old rank; RNG states come from the same old rank where it
     exists (the routing noise is keyed by global coordinates, not by these generators)."""
-    from pathlib import Path
-
     from ..checkpoint.sharded import load_state
     from ..checkpoint.store import EXTRA_DIR
 
@@ -198,8 +242,6 @@ def init_from_checkpoint(path: str, model, groups, config: dict, optimizer=None)
     `step_*` directory), read at this run's layout whatever layout wrote it; the optimizer,
     schedule, data position and step counter are this run's own, fresh (given the `optimizer`, its
     fp32 masters of bf16 parameters take the stored values). Returns the source's meta."""
-    from pathlib import Path
-
     from ..checkpoint.sharded import load_model
     from ..checkpoint.store import EXTRA_DIR
     from ..config import ConfigError

@@ -95,7 +95,7 @@ def train(run: RunConfig, env, tables) -> int:
     from .calibrate import RealisedTail
     from .engine import TrainEngine
     from .metrics import StepLogger, TensorBoard
-    from .run_state import init_from_checkpoint, load_run, save_run
+    from .run_state import init_from_checkpoint, save_run
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
@@ -131,7 +131,7 @@ def train(run: RunConfig, env, tables) -> int:
     train_ds, valid_ds = data_mod.build_datasets(run, tables.eod_id, vocab, barrier=dist.barrier, data_parallel=groups.dp)
 
     ckpt_dir = str(out / "checkpoints")
-    meta = load_run(ckpt_dir, model, optimizer, scheduler, groups, config=run.to_dict())
+    meta = _resume(ckpt_dir, run, model, optimizer, scheduler, groups)
     if rank0:  # after the resume check: a refused config never replaces the run's config.json
         write_text_atomic(out / "config.json", run.to_json())
     if meta is None and run.train.init_from:
@@ -224,6 +224,27 @@ def train(run: RunConfig, env, tables) -> int:
     tb.close()
     dist.barrier()
     return status
+
+
+def _resume(ckpt_dir: str, run: RunConfig, model, optimizer, scheduler, groups) -> dict | None:
+    """The run's own newest verified checkpoint, restored; None for a fresh start. A directory
+    whose checkpoints all fail verification is refused (every rank raises), unless
+    `train.start_fresh` sets them aside and starts from step 0."""
+    from ..checkpoint import NoVerifiedCheckpointError
+    from ..checkpoint.store import set_aside_all
+    from .run_state import load_run
+
+    full = run.train.checkpoint_check == "full"
+    try:
+        return load_run(ckpt_dir, model, optimizer, scheduler, groups, config=run.to_dict(), full_check=full)
+    except NoVerifiedCheckpointError as error:
+        if not run.train.start_fresh:
+            raise
+        if groups.rank == 0:
+            log.warning("train.start_fresh=true: %s; setting them aside and training from step 0", error)
+            set_aside_all(ckpt_dir, "train.start_fresh=true over checkpoints none of which verifies")
+        dist.barrier()
+        return None
 
 
 def _count_nonfinite(in_a_row: int, report, limit: int, rank0: bool) -> int:

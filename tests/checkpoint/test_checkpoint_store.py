@@ -4,6 +4,7 @@ pruning. Multi-rank saving is in test_checkpoint_distributed.py."""
 import json
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -15,13 +16,15 @@ import torch
 from megatron_triroute.checkpoint import (
     CheckpointError,
     CheckpointNotFoundError,
+    NoVerifiedCheckpointError,
     latest_valid_checkpoint,
     list_checkpoints,
     load_checkpoint,
     load_shards,
     save_checkpoint,
 )
-from megatron_triroute.checkpoint.store import CRASH_ENV, CRASH_EXIT_CODE
+from megatron_triroute.checkpoint.store import (CRASH_ENV, CRASH_EXIT_CODE, SET_ASIDE_MARK, set_aside_all,
+                                                verify_checkpoint)
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "megatron_triroute.checkpoint.store"
@@ -191,16 +194,86 @@ def test_keep_last_prunes_but_keeps_latest(tmp_path):
     save_checkpoint(tmp_path, 50, {}, {}, keep_last=1)
     assert [c.step for c in list_checkpoints(tmp_path, verify=True)] == [50]
     assert load_checkpoint(tmp_path)[0] == 50
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000050"]  # verified, superseded
 
 
-def test_resume_from_older_discards_abandoned_newer_checkpoints(tmp_path, caplog):
-    # 300 got corrupted, the run resumed from 200 and now saves 250: 300 belongs to a dead timeline.
+def test_resume_from_older_sets_aside_abandoned_newer_checkpoints(tmp_path, caplog):
+    # 300 got corrupted, the run resumed from 200 and now saves 250: 300 belongs to a dead timeline,
+    # but it is set aside (its bytes kept for the user), not deleted.
     for step in (100, 200, 300):
         save_checkpoint(tmp_path, step, {"w": torch.tensor([float(step)])}, {})
     _flip_byte(tmp_path / "step_00000300" / "rank_00000.safetensors", -1)
     assert load_checkpoint(tmp_path)[0] == 200
     save_checkpoint(tmp_path, 250, {"w": torch.tensor([250.0])}, {}, keep_last=2)
     assert [c.step for c in list_checkpoints(tmp_path)] == [200, 250]
+    aside = [p for p in tmp_path.iterdir() if p.name.startswith("step_00000300" + SET_ASIDE_MARK)]
+    assert len(aside) == 1 and (aside[0] / "rank_00000.safetensors").is_file()
+
+
+def test_every_checkpoint_corrupt_is_refused_and_nothing_is_deleted(tmp_path):
+    _two_checkpoints(tmp_path)
+    _flip_byte(tmp_path / "step_00000100" / "rank_00000.safetensors", 50)
+    (tmp_path / "step_00000200" / "manifest.json").write_text(
+        (tmp_path / "step_00000200" / "manifest.json").read_text().replace('"format_version": 1', '"format_version": 9'))
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    with pytest.raises(NoVerifiedCheckpointError, match="step_00000200: format_version 9.*step_00000100: "
+                       "rank_00000.safetensors sha256.*Nothing was deleted.*train.start_fresh=true"):
+        latest_valid_checkpoint(tmp_path)
+    assert sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*")) == before
+
+
+def test_latest_naming_a_missing_checkpoint_is_refused(tmp_path):
+    _two_checkpoints(tmp_path)
+    for step in (100, 200):
+        shutil.rmtree(tmp_path / f"step_{step:08d}")
+    with pytest.raises(NoVerifiedCheckpointError, match="step_00000200: directory is missing"):
+        latest_valid_checkpoint(tmp_path)
+
+
+def test_prune_sets_aside_an_old_checkpoint_that_fails_verification(tmp_path):
+    for step in (10, 20):
+        save_checkpoint(tmp_path, step, {"w": torch.full((4,), float(step))}, {})
+    shard = tmp_path / "step_00000010" / "rank_00000.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated: not a whole superseded copy
+    save_checkpoint(tmp_path, 30, {"w": torch.full((4,), 30.0)}, {}, keep_last=1)
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert "step_00000020" not in names  # verified and superseded: removed
+    assert [n for n in names if n.startswith("step_00000010" + SET_ASIDE_MARK)]  # kept aside
+    assert [c.step for c in list_checkpoints(tmp_path)] == [30]
+
+
+def test_set_aside_all_keeps_every_byte_and_starts_the_root_fresh(tmp_path):
+    _two_checkpoints(tmp_path)
+    moved = set_aside_all(tmp_path, "starting fresh on purpose")
+    assert len(moved) == 2 and all((m / "manifest.json").is_file() for m in moved)
+    assert latest_valid_checkpoint(tmp_path) is None
+    save_checkpoint(tmp_path, 1, {"w": torch.ones(1)}, {}, keep_last=1)  # the set-aside ones stay
+    assert all(m.is_dir() for m in moved)
+
+
+def test_each_file_is_hashed_once_across_shares_and_once_per_process(tmp_path, monkeypatch):
+    import megatron_triroute.durability as durability
+
+    path = _two_checkpoints(tmp_path)
+    manifest = json.loads((path / "manifest.json").read_text())
+    hashed = []
+    real = durability.sha256_file
+    monkeypatch.setattr(durability, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a))
+    for k in range(3):  # three ranks, each its share
+        assert verify_checkpoint(path, 200, share=(k, 3))[0] is None
+    assert sorted(hashed) == sorted(manifest["files"])
+    hashed.clear()
+    assert verify_checkpoint(path, 200)[0] is None and len(hashed) == len(manifest["files"])
+    hashed.clear()
+    assert load_checkpoint(tmp_path)[0] == 200 and hashed == []  # unchanged since: stats only
+    _flip_byte(path / "rank_00000.safetensors", 60)  # rewritten in place: its mtime moves
+    os.utime(path / "rank_00000.safetensors", ns=(1, 1))
+    assert "sha256" in verify_checkpoint(path, 200)[0]
+    # a share that does not hold the corrupt file passes; the one that does finds it
+    names = sorted(manifest["files"])
+    holder = names.index("rank_00000.safetensors") % 2
+    assert verify_checkpoint(path, 200, share=(1 - holder, 2))[0] is None
+    assert "sha256" in verify_checkpoint(path, 200, share=(holder, 2))[0]
 
 
 def test_resaving_a_step_replaces_it(tmp_path):

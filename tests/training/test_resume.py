@@ -111,6 +111,35 @@ def test_corrupted_latest_checkpoint_falls_back_to_previous(reference, tiny_data
     assert [got[s]["loss"] for s in range(8, STEPS)] == [ref[s]["loss"] for s in range(8, STEPS)]
 
 
+def test_every_checkpoint_corrupt_is_refused_and_start_fresh_keeps_them(reference, tiny_data, tmp_path):
+    """A run whose checkpoints all fail verification must not start again at step 0 and prune
+    them: it exits 2 naming each, nothing is touched; train.start_fresh=true sets them aside."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    ckpt = run / "checkpoints"
+    saved = sorted(p for p in ckpt.iterdir() if p.name.startswith("step_"))
+    assert len(saved) >= 2
+    for directory in saved:
+        shard = next(directory.glob("rank_*.safetensors"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    listing = sorted((str(p.relative_to(ckpt)), p.stat().st_size) for p in ckpt.rglob("*"))
+    assert run_to_end(run, tiny_data, extra=COMMON) == 2
+    text = log_text(run)
+    assert "no valid checkpoint under" in text and "train.start_fresh=true" in text, text[-3000:]
+    for directory in saved:
+        assert f"{directory.name}: rank_00000.safetensors sha256" in text
+    assert sorted((str(p.relative_to(ckpt)), p.stat().st_size) for p in ckpt.rglob("*")) == listing
+
+    assert run_to_end(run, tiny_data, extra=["train.steps=1", "train.start_fresh=true"]) == 0, log_text(run)[-3000:]
+    aside = sorted(p.name.split(".")[0] for p in ckpt.iterdir() if ".set-aside-" in p.name)
+    assert aside == [d.name for d in saved]  # every byte kept, under names no resume reads
+    assert [p.name for p in ckpt.iterdir() if p.name.startswith("step_") and "." not in p.name] == ["step_00000001"]
+
+
 @pytest.mark.distributed
 def test_resume_on_fewer_data_parallel_ranks_continues_the_same_batches(reference, tiny_data, tmp_path):
     run = tmp_path / "run"
