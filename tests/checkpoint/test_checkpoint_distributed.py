@@ -48,6 +48,55 @@ def _save_and_load(rank: int, world_size: int, root: str) -> None:
         request_stop()
     assert stop_agreed(reduce_max) is True
     dist.barrier()
+    _resume_check_is_shared(rank, world_size, root)
+
+
+def _resume_check_is_shared(rank: int, world_size: int, root: str) -> None:
+    """A resume reads each file's bytes once over all ranks, and every rank takes the same decision."""
+    import json
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    import megatron_triroute.durability as durability
+    from megatron_triroute.checkpoint import NoVerifiedCheckpointError, load_checkpoint
+    from megatron_triroute.checkpoint import store
+    from megatron_triroute.training.run_state import find_resume_checkpoint
+
+    groups = SimpleNamespace(rank=rank, world_size=world_size)
+    hashed, real = [], durability.sha256_file
+    durability.sha256_file = lambda path, *a: hashed.append(Path(path).name) or real(path, *a)
+    store._VERIFIED.clear()
+    assert find_resume_checkpoint(root, groups).step == 3
+    names = sorted(json.loads((Path(root) / "step_00000003" / "manifest.json").read_text())["files"])
+    assert hashed == names[rank::world_size]
+    hashed.clear()
+    assert load_checkpoint(root, rank)[0] == 3 and hashed == []  # verified once: not read again
+    dist.barrier()
+    # A file only rank 1 checks is corrupt: both ranks fall back to step 2 together.
+    if rank == 0:
+        _flip(Path(root) / "step_00000003" / names[1])
+    dist.barrier()
+    store._VERIFIED.clear()
+    assert find_resume_checkpoint(root, groups).step == 2
+    if rank == 0:
+        _flip(Path(root) / "step_00000002" / "meta.json")
+    dist.barrier()
+    store._VERIFIED.clear()
+    try:
+        find_resume_checkpoint(root, groups, full_check=True)
+        raise AssertionError("a root whose checkpoints all fail verification must be refused")
+    except NoVerifiedCheckpointError as error:
+        assert "step_00000003" in str(error) and "step_00000002" in str(error)
+    durability.sha256_file = real
+    dist.barrier()
+
+
+def _flip(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
 
 
 def test_two_ranks_save_and_load_their_shards(tmp_path):
