@@ -6,12 +6,11 @@ into one call rather than spawn once per check.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import faulthandler
+import gc
 import os
 import socket
-import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -48,31 +47,16 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, er
 
         with cpu_shim() if shim else contextlib.nullcontext():  # each rank's entry point (no-op with CUDA)
             fn(rank, world_size, *args)
-        # Leave together: after this barrier no collective of this group is in flight.
+        # Leave together: after this barrier no collective of this group is in flight. The groups are
+        # then torn down by Python, as the trainer does, not by C++ destructors at interpreter exit.
         dist.barrier()
+        dist.destroy_process_group()
+        gc.freeze()  # the interpreter's exit then skips its collections over every live object (process_exit.py)
     except BaseException:  # noqa: BLE001 - everything goes back to the parent, including asserts
         errors.put((rank, traceback.format_exc()))
         if dist.is_initialized():
             dist.destroy_process_group()
         raise SystemExit(1)
-    _leave()
-
-
-def _leave() -> None:
-    """End a rank whose checks all passed with status 0, without tearing torch's C++ state down.
-
-    Twice in recent full-suite runs a rank aborted after its test had passed, at teardown ("terminate
-    called without an active exception", what C++ prints when a thread object is destroyed while its
-    thread still runs), which read as a failed test. Past the final barrier nothing is in flight, so
-    the rank skips the process groups' destructors and the interpreter's finalisation. Python's exit
-    handlers still run first (multiprocessing's shut down the managers a test started instead of
-    orphaning them; logging's flush). A failing rank leaves through the normal exit, so nothing
-    about a failure is hidden.
-    """
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120,
@@ -80,8 +64,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo processes.
 
     ``torch.distributed`` is initialised (gloo, localhost, a free port) before ``fn`` runs; the ranks
-    then meet at a barrier and leave (``_leave``), or a failing rank destroys its process groups and
-    exits 1; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it).
+    then meet at a barrier and destroy their process groups before they exit, or a failing rank
+    destroys its process groups and exits 1; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it).
     ``backend="nccl"`` (GPU machines) gives rank r the CUDA device r. ``fn`` must be a module-level function (spawn pickles it by name). The first
     rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
     without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.

@@ -417,11 +417,24 @@ def verify_checkpoint(path: str | os.PathLike, step: int, *, share: tuple[int, i
                       hashes: bool = True) -> tuple[str | None, dict]:
     """(None, manifest) when the checkpoint verifies, else (what is wrong, {}).
 
-    Sizes are always checked against the manifest. `share=(k, n)`: only the sha256 of every n-th
-    file from the k-th (the manifest's sorted order) is checked, so n ranks that each check their
-    share and agree (all-reduce) check every byte once between them; the caller then calls
+    Sizes are always checked against the manifest. `share=(k, n)`: only the sha256 of rank k's
+    share of the files (`checksum_share`, balanced by bytes) is checked, so n ranks that each check
+    their share and agree (all-reduce) read every byte once between them; the caller then calls
     `trust_verified` on every rank. Without `share` every checksum is checked here."""
     return _verify(Path(path), step, hashes=hashes, share=share)
+
+
+def checksum_share(files: dict[str, dict], k: int, n: int) -> list[str]:
+    """The files whose sha256 rank `k` of `n` checks: the manifest's files, largest first, each to
+    the rank with the fewest bytes so far (the same split on every rank; each byte on one rank)."""
+    load = [0] * n
+    mine = []
+    for name in sorted(files, key=lambda f: (-files[f]["bytes"], f)):
+        owner = min(range(n), key=lambda r: (load[r], r))
+        load[owner] += files[name]["bytes"]
+        if owner == k:
+            mine.append(name)
+    return sorted(mine)
 
 
 def trust_verified(path: str | os.PathLike) -> None:
@@ -466,8 +479,7 @@ def _verify(path: Path, step: int, *, hashes: bool = True,
         return None, manifest
     if _VERIFIED.get(str(path)) == _fingerprint(path, names):
         return None, manifest
-    k, n = share if share is not None else (0, 1)
-    for name in names[k::n]:
+    for name in names if share is None else checksum_share(files, *share):
         problem = check_file(path / name, files[name], hashes=True)
         if problem is not None:
             return problem, {}

@@ -87,7 +87,27 @@ def build_run_grad_sync(model, run: RunConfig, groups, optimizer=None):
 
 def train(run: RunConfig, env, tables) -> int:
     """Run (or resume) `run` on this process's rank with the tokenizer's token `tables`
-    (vocabulary already padded to `run.triroute.model.vocab_size`). Returns the exit status."""
+    (vocabulary already padded to `run.triroute.model.vocab_size`). Returns the exit status.
+    Initialises torch.distributed and destroys every process group before it returns or raises."""
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
+    # the launcher (torchrun's agent, srun --kill-on-bad-exit), not by this timeout.
+    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30))
+    try:
+        status = _train(run, env, tables)
+        dist.barrier()  # leave together: no collective of any group is in flight past this point
+        return status
+    finally:
+        # Torch's process groups torn down here, by Python, not by C++ static destructors at exit
+        # (their worker threads destroyed while running abort the process: exit 134, not 0).
+        from ..parallel import destroy_parallel
+
+        destroy_parallel()
+        dist.destroy_process_group()
+
+
+def _train(run: RunConfig, env, tables) -> int:
+    """The run itself, between the process group's set-up and tear-down (`train`)."""
     from ..model.gpt import TriRouteGPTModel
     from ..model.spec import transformer_config
     from ..parallel import initialize_parallel
@@ -97,10 +117,6 @@ def train(run: RunConfig, env, tables) -> int:
     from .metrics import StepLogger, TensorBoard
     from .run_state import init_from_checkpoint, save_run
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
-    # the launcher (torchrun's agent, srun --kill-on-bad-exit), not by this timeout.
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30))
     if torch.cuda.is_available():
         torch.cuda.set_device(env.local_rank)
     p = run.parallel
@@ -222,7 +238,6 @@ def train(run: RunConfig, env, tables) -> int:
         if rank0:
             _write_summary(out, run, results, report, calibration, tail)
     tb.close()
-    dist.barrier()
     return status
 
 

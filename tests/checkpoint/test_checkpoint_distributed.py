@@ -69,14 +69,15 @@ def _resume_check_is_shared(rank: int, world_size: int, root: str) -> None:
     durability.sha256_file = lambda path, *a: hashed.append(Path(path).name) or real(path, *a)
     store._VERIFIED.clear()
     assert find_resume_checkpoint(root, groups).step == 3
-    names = sorted(json.loads((Path(root) / "step_00000003" / "manifest.json").read_text())["files"])
-    assert hashed == names[rank::world_size]
+    files = json.loads((Path(root) / "step_00000003" / "manifest.json").read_text())["files"]
+    assert sorted(hashed) == store.checksum_share(files, rank, world_size)
+    assert set(store.checksum_share(files, 0, 2)).isdisjoint(store.checksum_share(files, 1, 2))
     hashed.clear()
     assert load_checkpoint(root, rank)[0] == 3 and hashed == []  # verified once: not read again
     dist.barrier()
     # A file only rank 1 checks is corrupt: both ranks fall back to step 2 together.
     if rank == 0:
-        _flip(Path(root) / "step_00000003" / names[1])
+        _flip(Path(root) / "step_00000003" / store.checksum_share(files, 1, world_size)[0])
     dist.barrier()
     store._VERIFIED.clear()
     assert find_resume_checkpoint(root, groups).step == 2

@@ -23,8 +23,8 @@ from megatron_triroute.checkpoint import (
     load_shards,
     save_checkpoint,
 )
-from megatron_triroute.checkpoint.store import (CRASH_ENV, CRASH_EXIT_CODE, SET_ASIDE_MARK, set_aside_all,
-                                                verify_checkpoint)
+from megatron_triroute.checkpoint.store import (CRASH_ENV, CRASH_EXIT_CODE, SET_ASIDE_MARK, checksum_share,
+                                                set_aside_all, verify_checkpoint)
 
 REPO = Path(__file__).resolve().parents[2]
 LOGGER = "megatron_triroute.checkpoint.store"
@@ -270,10 +270,17 @@ def test_each_file_is_hashed_once_across_shares_and_once_per_process(tmp_path, m
     os.utime(path / "rank_00000.safetensors", ns=(1, 1))
     assert "sha256" in verify_checkpoint(path, 200)[0]
     # a share that does not hold the corrupt file passes; the one that does finds it
-    names = sorted(manifest["files"])
-    holder = names.index("rank_00000.safetensors") % 2
+    holder = int("rank_00000.safetensors" not in checksum_share(manifest["files"], 0, 2))
     assert verify_checkpoint(path, 200, share=(1 - holder, 2))[0] is None
     assert "sha256" in verify_checkpoint(path, 200, share=(holder, 2))[0]
+
+
+def test_checksum_shares_split_the_bytes_evenly_and_cover_every_file_once():
+    files = {"a": {"bytes": 10}, "b": {"bytes": 10}, "c": {"bytes": 1}, "d": {"bytes": 1}, "e": {"bytes": 0}}
+    shares = [checksum_share(files, k, 2) for k in range(2)]
+    assert shares == [["a", "c", "e"], ["b", "d"]]  # by hand: a->0, b->1, c->0 (tie: lowest), d->1, e->0
+    assert sorted(shares[0] + shares[1]) == sorted(files)
+    assert checksum_share(files, 0, 1) == sorted(files)
 
 
 def test_resaving_a_step_replaces_it(tmp_path):
