@@ -5,9 +5,10 @@
 A run that finishes must exit 0 on every launch: an abort in a process's teardown (torch's C++
 destructors, "terminate called without an active exception") turns a finished run into exit 134,
 which a Slurm script reads as a failure and does not requeue. Each launch is torchrun with
-`--nproc` ranks of the `tiny` recipe at a two-layer width-64 shape for `--steps` steps (a fresh
+`--nproc` ranks (one process each, as srun starts them: each rank's own status is counted) of the `tiny` recipe at a two-layer width-64 shape for `--steps` steps (a fresh
 output directory each time); `--signal-at` sends SIGUSR1 once that many steps are logged, and the
-launch must then exit 75 (checkpointed, wants a requeue). Prints the exit statuses, their counts,
+launch's every rank must then exit 75 (checkpointed, wants a requeue). Prints the launches' statuses (a
+launch's status is its first rank's unexpected one, else the expected one), their counts,
 the launches per second, and a failing launch's log tail; exits 1 unless every launch ended as
 expected.
 """
@@ -19,6 +20,7 @@ import collections
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -33,15 +35,22 @@ SHAPE = [
 ]
 
 
-def launch(data: Path, out: Path, nproc: int, steps: int) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "megatron_triroute.train", "--recipe", "tiny", f"data.path={data}", f"output_dir={out}",
-           f"train.steps={steps}", *SHAPE]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    log = open(out.with_suffix(".log"), "wb")
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+def launch(data: Path, out: Path, nproc: int, steps: int) -> list[subprocess.Popen]:
+    """`nproc` trainer processes, one per rank (RANK/WORLD_SIZE/MASTER_* as torchrun or srun would
+    set them), so each rank's exit status is the trainer's own."""
+    cmd = [sys.executable, "-m", "megatron_triroute.train", "--recipe", "tiny", f"data.path={data}",
+           f"output_dir={out}", f"train.steps={steps}", *SHAPE]
+    with socket.socket() as sock:  # a port that was free a moment ago
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    procs = []
+    for rank in range(nproc):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", RANK=str(rank), LOCAL_RANK=str(rank),
+                   WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        log = open(out.parent / f"{out.name}.rank{rank}.log", "wb")
+        procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                      start_new_session=True))
+    return procs
 
 
 def logged_steps(out: Path) -> int:
@@ -49,21 +58,26 @@ def logged_steps(out: Path) -> int:
     return len(path.read_text().splitlines()) if path.exists() else 0
 
 
-def one(data: Path, work: Path, index: int, nproc: int, steps: int, signal_at: int, timeout: float) -> int:
+def one(data: Path, work: Path, index: int, nproc: int, steps: int, signal_at: int, timeout: float) -> list[int]:
+    """Every rank's exit status (-9: killed at the timeout)."""
     out = work / f"launch_{index:03d}"
-    proc = launch(data, out, nproc, steps)
+    procs = launch(data, out, nproc, steps)
     deadline = time.monotonic() + timeout
     sent = False
-    while proc.poll() is None:
+    while any(p.poll() is None for p in procs):
         if time.monotonic() > deadline:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            return -9
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+                    p.wait()
+            break
         if signal_at and not sent and logged_steps(out) >= signal_at:
-            os.killpg(proc.pid, signal.SIGUSR1)
+            for p in procs:  # the job's signal reaches every task, as Slurm delivers it
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGUSR1)
             sent = True
         time.sleep(0.1)
-    return proc.returncode
+    return [p.returncode for p in procs]
 
 
 def main(argv=None) -> int:
@@ -82,15 +96,18 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="stress_exit_") as tmp:
         work = Path(tmp)
         for i in range(args.launches):
-            status = one(args.data.resolve(), work, i, args.nproc, args.steps, args.signal_at, args.timeout)
+            ranks = one(args.data.resolve(), work, i, args.nproc, args.steps, args.signal_at, args.timeout)
+            status = next((s for s in ranks if s != expected), expected)
             statuses.append(status)
             elapsed = time.monotonic() - start
             eta = elapsed / (i + 1) * (args.launches - i - 1)
             print(f"[stress_exit] launch {i + 1}/{args.launches}: exit {status} "
                   f"({(i + 1) / elapsed:.3f} launches/s, ETA {eta:.0f} s)", file=sys.stderr, flush=True)
             if status != expected:
-                tail = (work / f"launch_{i:03d}.log").read_text(errors="replace")[-3000:]
-                print(f"[stress_exit] launch {i + 1} log tail:\n{tail}", file=sys.stderr)
+                for rank in range(args.nproc):
+                    tail = (work / f"launch_{i:03d}.rank{rank}.log").read_text(errors="replace")[-2000:]
+                    print(f"[stress_exit] launch {i + 1} rank {rank} (exit {ranks[rank]}) log tail:\n{tail}",
+                          file=sys.stderr)
     counts = dict(collections.Counter(statuses))
     report = {"launches": args.launches, "nproc": args.nproc, "expected_status": expected,
               "statuses": statuses, "counts": {str(k): v for k, v in sorted(counts.items())},
