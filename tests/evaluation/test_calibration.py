@@ -25,7 +25,6 @@ def _meta(step_dir):
 
 def test_mid_run_checkpoint_warns_and_calibrates_on_request(trained_run, capsys):
     from megatron_triroute.checkpoint.store import step_dir_name
-    from megatron_triroute.evaluation.calibration import calibrate_model
     from megatron_triroute.evaluation.loading import load_for_evaluation
     from megatron_triroute.evaluation.perplexity import evaluate_sets, run_datasets
     from megatron_triroute.training import data as data_mod
@@ -66,9 +65,32 @@ def test_mid_run_checkpoint_warns_and_calibrates_on_request(trained_run, capsys)
     assert all(a <= t + 0.01 for a, t in zip(after, targets)), (after, targets)
     # The held-out set is served with those prices: not the unpriced policy's cost.
     assert calibrated["metrics"]["valid/realised_flops"] != served["metrics"]["valid/realised_flops"]
-    # The same bisection in-process from the checkpoint's own multipliers gives the same prices.
-    loaded.model.prices.zero_()
-    assert calibrate_model(loaded.model, loaded.dual, batches)["prices"] == record["prices"]
+
+
+def test_generate_export_and_lm_eval_warn_and_export_calibrates(trained_run, tmp_path, capsys, caplog):
+    from megatron_triroute import generate
+    from megatron_triroute.checkpoint.store import step_dir_name
+    from megatron_triroute.evaluation.harness import TriRouteLM
+    from megatron_triroute.export.exporter import export
+    from megatron_triroute.export.safetensors_io import read_weights
+
+    mid = trained_run / "checkpoints" / step_dir_name(3)
+    assert generate.main(["--checkpoint", str(mid), "--prompt", "The", "--max-new-tokens", "1", "--json"]) == 0
+    assert "prices not calibrated (checkpoint written mid-run at step 3)" in capsys.readouterr().err
+    with caplog.at_level("WARNING"):
+        TriRouteLM(checkpoint=str(mid))
+        assert "prices not calibrated" in caplog.text and "calibrate=true" in caplog.text
+        caplog.clear()
+        export(mid, tmp_path / "plain")
+        assert "prices not calibrated" in caplog.text and "--calibrate" in caplog.text
+        caplog.clear()
+        export(mid, tmp_path / "calibrated", calibrate=True)
+        assert "not calibrated" not in caplog.text
+    plain, calibrated = (json.loads((tmp_path / d / "config.json").read_text())["prices"]
+                         for d in ("plain", "calibrated"))
+    assert plain == _meta(mid)["prices"]
+    assert calibrated["calibrated"] is True and calibrated["step"] == 3 and calibrated["prices"] != [0.0, 0.0]
+    assert read_weights(tmp_path / "calibrated")["model.prices"].tolist() == calibrated["prices"]
 
 
 def test_no_null_expert_target_below_the_ffn_floor_is_infeasible(caplog):
