@@ -1,5 +1,6 @@
 """Budget calibration of the deployed policy: one bisection per resource on the prices of
-`routing.pricing` (see its module docstring for why), run once at the end of training.
+`routing.pricing` (see its module docstring for why), run once at the end of training, and by the
+serving tools' `--calibrate` on a checkpoint written mid-run (evaluation/calibration.py).
 
 The evaluation callback runs the noise-free policy over calibration batches of *training* data
 (held-out data stays untouched for the report) with the prices set on the model's
@@ -101,14 +102,14 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
                 hi[r], lo[r], open_ = lo[r], lo[r] * 2, True
         if not open_:
             break
-    for r in todo:
-        if hi[r] > 0 and seen[r] > targets[r]:
-            # Still over the target at the largest price (the bracket never closed): aim at the lowest
-            # fraction reached instead, between the first probe that reached it and the one before.
-            lowest = min(x for _, x in raised[r])
-            first = next(i for i, (_, x) in enumerate(raised[r]) if x <= lowest + TOLERANCE)
-            goal[r] = lowest + TOLERANCE
-            lo[r], hi[r] = (raised[r][first - 1][0], raised[r][first][0]) if first else (0.0, 0.0)
+    unreachable = [r for r in todo if hi[r] > 0 and seen[r] > targets[r]]
+    for r in unreachable:
+        # Still over the target at the largest price (the bracket never closed): aim at the lowest
+        # fraction reached instead, between the first probe that reached it and the one before.
+        lowest = min(x for _, x in raised[r])
+        first = next(i for i, (_, x) in enumerate(raised[r]) if x <= lowest + TOLERANCE)
+        goal[r] = lowest + TOLERANCE
+        lo[r], hi[r] = (raised[r][first - 1][0], raised[r][first][0]) if first else (0.0, 0.0)
     for _ in range(bisection_steps if todo else 0):
         mid = [(lo[r] + hi[r]) / 2 if r in todo else 0.0 for r in range(2)]
         seen = measure(mid)
@@ -133,12 +134,15 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
     for r in range(2):
         if feasible[r]:
             continue
-        name, fix = RESOURCES[r], f"raise budget.{RESOURCES[r]}_target to at least {end[r]:.4f}"
-        if r in todo:
+        name, fix = RESOURCES[r], f"raise triroute.budget.{RESOURCES[r]}_target to at least {end[r]:.4f}"
+        if r in unreachable:
             log.warning("budget calibration: the %s target %.4g cannot be met: with every priced decision at its "
                         "cheapest option the realised fraction is still %.4f; the %s price is capped at %.4g, the "
                         "smallest that reaches it. Fix: %s, or give the routing a cheaper option (e.g. "
                         "router.null_expert=true for FLOPs)", name, targets[r], end[r], name, final[r], fix)
+        elif r in todo:
+            log.warning("budget calibration: the %s target %.4g was not met: the bisection and %d repair steps "
+                        "ended at %.4f with the %s price %.4g", name, targets[r], REPAIR_STEPS, end[r], name, final[r])
         else:
             log.warning("budget calibration: the %s target %.4g cannot be met: no routed decision prices %s and "
                         "the realised fraction is %.4f. Fix: %s, or route it (e.g. router.bit_routing=true for "
