@@ -1,7 +1,7 @@
 """Perplexity of a training checkpoint on the held-out set and every tail bucket, on the hard path.
 
     python -m megatron_triroute.evaluate --checkpoint RUN/checkpoints [--data DIR] [--json]
-        [--eval-batches N] [--data-parallel N] [--page-size N]
+        [--eval-batches N] [--data-parallel N] [--page-size N] [--calibrate]
 
 Scores the sets the trainer evaluates (the held-out micro-batches and each tail bucket's windows,
 `training/data.py`) with the inference engine: noise-free priced decisions, only the selected
@@ -11,6 +11,11 @@ a dense 16-bit cache) from the engine's cost audit. `--eval-batches` scores more
 held-out micro-batches and bucket windows than the run's `train.eval_batches`; `--data-parallel`
 replaces the data-parallel size the checkpoint was written with (the trainer rounds the count up
 to a multiple of it). Progress (rate, ETA) goes to stderr; `--json` prints one object on stdout.
+
+A checkpoint written mid-run holds uncalibrated prices (the run calibrates them at its end) and
+serves the plain argmax policy, which the budget does not hold: a budgeted TriRoute checkpoint's
+evaluation says so on stderr. `--calibrate` first calibrates them as the trainer does, on the
+training batches trained last before the checkpoint's step (evaluation/calibration.py).
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(default: the one that wrote the checkpoint)")
     p.add_argument("--page-size", type=int, default=16, help="KV-cache slots per page")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
+                   "batches before the checkpoint's step first (what the run does at its end)")
     args = p.parse_args(argv)
     for name in ("eval_batches", "data_parallel"):
         value = getattr(args, name)
@@ -41,13 +48,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def _main(argv=None) -> int:
     args = parse_args(argv)
+    from .evaluation.calibration import serve_prices
     from .evaluation.loading import EvaluationSetupError, load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
     from .evaluation.progress import Progress
     from .inference.checkpoint import InferenceCheckpointError
+    from .inference.prices import is_priced
 
     try:
         loaded = load_for_evaluation(args.checkpoint, args.data)
+        calibration = serve_prices(loaded, args.calibrate, "pass --calibrate",
+                                   lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
         sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
     except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -56,9 +67,12 @@ def _main(argv=None) -> int:
     results = evaluate_sets(loaded.model, sets, args.page_size, progress)
     if args.json:
         print(json.dumps({"checkpoint": str(loaded.step_path), "step": loaded.step,
-                          "sets": {r.name: r.to_dict() for r in results}, "metrics": flat_metrics(results)}))
+                          "sets": {r.name: r.to_dict() for r in results}, "metrics": flat_metrics(results),
+                          "prices": loaded.prices, "calibration": calibration}))
         return 0
-    print(f"checkpoint {loaded.step_path} (step {loaded.step}), hard path (noise-free priced decisions)")
+    unpriced = is_priced(loaded.model.config) and not loaded.prices["calibrated"]
+    decisions = "plain argmax: prices not calibrated" if unpriced else "noise-free priced decisions"
+    print(f"checkpoint {loaded.step_path} (step {loaded.step}), hard path ({decisions})")
     print(f"{'set':<14} {'scored tokens':>13} {'perplexity':>11} {'realised FLOPs':>15} {'realised KV mem':>16}")
     for r in results:
         name = "held-out" if r.name == "valid" else r.name

@@ -1,7 +1,8 @@
 """Generate text from a training checkpoint with the hard-decision inference engine.
 
     python -m megatron_triroute.generate --checkpoint RUN/checkpoints --prompt "Once upon a time" \
-        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] [--data DIR]
+        [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] [--data DIR] \
+        [--calibrate]
 
 The tokenizer and token tables come from the run's recorded data directory (`data.path` in the
 checkpoint's config). Prints each prompt's continuation, the decode throughput, and the realised
@@ -9,12 +10,17 @@ FLOPs and KV-memory fractions of what was generated (executed attention-read and
 the dense model's on the same tokens; KV bytes written over a dense 16-bit cache's). `--json`
 prints one object: text, token_ids (a string and a list for one prompt, lists of them for several),
 tokens_per_s, realised_flops, realised_mem.
+
+A budgeted TriRoute checkpoint written mid-run holds uncalibrated prices (the run calibrates them at
+its end): generate says so on stderr, and `--calibrate` calibrates them first as the trainer does,
+on the training batches trained last before the checkpoint's step (evaluation/calibration.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -32,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "(relative to where the run started) does not resolve from here")
     p.add_argument("--page-size", type=int, default=16, help="KV-cache slots per page")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
+                   "batches before the checkpoint's step first (what the run does at its end)")
     args = p.parse_args(argv)
     if args.prompts_file is not None:
         args.prompt += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
@@ -45,21 +53,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv=None) -> int:
     args = parse_args(argv)
 
-    from data_prep.tables import load_token_tables
-    from data_prep.tokenizer import load_processor, tokenizer_path
-
-    from .inference.checkpoint import build_model, load_inference_checkpoint
+    from .evaluation.calibration import serve_prices
+    from .evaluation.loading import EvaluationSetupError, load_for_evaluation
+    from .inference.checkpoint import InferenceCheckpointError
     from .inference.engine import InferenceEngine, SamplingConfig
 
-    tree, state = load_inference_checkpoint(args.checkpoint)
-    data = args.data or Path(tree["data"]["path"])
-    tables_file = data / "tokenizer" / "token_tables.safetensors"
-    if not tables_file.exists():
-        raise SystemExit(f"{tables_file} not found: the run's data.path={str(data)!r} is not reachable here. "
-                         "Fix: run generate from where the run started, or pass --data DIR.")
-    _, _, eod = load_token_tables(tables_file)
-    sp = load_processor(tokenizer_path(data))
-    model = build_model(tree, state, eod)
+    try:
+        loaded = load_for_evaluation(args.checkpoint, args.data)
+        serve_prices(loaded, args.calibrate, "pass --calibrate",
+                     lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
+    except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    model, sp, eod = loaded.model, loaded.processor, loaded.eod
 
     engine = InferenceEngine(model, SamplingConfig(args.temperature, args.top_p, args.seed), args.page_size)
     prompts = [sp.encode(text) or [eod] for text in args.prompt]

@@ -10,8 +10,10 @@ or the harness's own command line with the model registered:
 
 `model_args`: `checkpoint` (a run's checkpoint root or one step_* directory), `data` (the run's
 data_prep output when its recorded data.path does not resolve), `max_length` (default: the
-model's training sequence length), `max_gen_toks` (256), `page_size` (16). `batch_size` is the
-harness's own option.
+model's training sequence length), `max_gen_toks` (256), `page_size` (16), `calibrate` (false: true
+calibrates the deployed prices first, as the run does at its end, on its training batches before
+the checkpoint's step; a budgeted checkpoint written mid-run is otherwise served with prices 0, the
+plain argmax policy, with a warning). `batch_size` is the harness's own option.
 
 Scoring runs every (context + continuation) through the engine with noise-free priced decisions,
 only the selected computation (`scoring.score_batch`); the end-of-document token is the prefix of
@@ -31,6 +33,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
+from .calibration import serve_prices
 from .loading import load_for_evaluation
 from .scoring import score_batch
 
@@ -59,11 +62,11 @@ def cost_dict(audit: CostAudit) -> dict:
 class TriRouteLM(TemplateLM):
     def __init__(self, checkpoint: str, data: str | None = None, batch_size: int | str | None = 1,
                  max_length: int | None = None, max_gen_toks: int = 256, page_size: int = 16, device: str | None = None,
-                 max_batch_size: int | None = None, **unused):
+                 max_batch_size: int | None = None, calibrate: bool | str = False, **unused):
         super().__init__()
         if unused:
             raise ValueError(f"unknown model_args {sorted(unused)} for model 'triroute'. Fix: use checkpoint=DIR "
-                             "and optionally data=DIR, max_length=N, max_gen_toks=N, page_size=N.")
+                             "and optionally data=DIR, max_length=N, max_gen_toks=N, page_size=N, calibrate=true.")
         if device not in (None, "cpu"):
             log.warning("the triroute engine runs on the CPU; device=%s ignored", device)
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -71,7 +74,13 @@ class TriRouteLM(TemplateLM):
         self.batch_size = int(batch_size or 1)
         if self.batch_size < 1:
             raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+        if isinstance(calibrate, str):  # model_args values arrive as text
+            if calibrate.lower() not in ("true", "false"):
+                raise ValueError(f"calibrate={calibrate!r}: must be true or false")
+            calibrate = calibrate.lower() == "true"
         loaded = load_for_evaluation(checkpoint, data)
+        serve_prices(loaded, bool(calibrate), "pass calibrate=true in model_args", log.warning, int(page_size))
+        self.prices = loaded.prices
         self.checkpoint = str(loaded.step_path)
         self.step = loaded.step
         self.model = loaded.model
@@ -232,7 +241,7 @@ class TriRouteLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"triroute_checkpoint": self.checkpoint, "triroute_step": self.step,
-                "triroute_cost": self.cost_report()}
+                "triroute_prices": self.prices, "triroute_cost": self.cost_report()}
 
 
 __all__ = ["TriRouteLM", "merge_audit"]

@@ -6,7 +6,6 @@ relative to where the run started), or `data` when given, as in `megatron_trirou
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,16 +28,19 @@ class Loaded:
     eod: int
     processor: object
     """The run's sentencepiece processor."""
+    prices: dict
+    """The checkpoint's prices record (inference/prices.py): whether the model's prices are calibrated."""
+    dual: dict
+    """The budget's dual variables as saved (what a price calibration reads)."""
 
 
 def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) -> Loaded:
     from data_prep.tables import load_token_tables
     from data_prep.tokenizer import load_processor, tokenizer_path
 
-    from ..checkpoint.store import META_FILE, latest_valid_checkpoint
-    from ..checkpoint.store import split_step_dir
-    from ..durability import resolve_dir
-    from ..inference.checkpoint import build_model, load_inference_checkpoint
+    from ..checkpoint.store import latest_valid_checkpoint, split_step_dir
+    from ..inference.checkpoint import build_model, read_inference_checkpoint
+    from ..inference.prices import read_prices_record
 
     path = Path(checkpoint)
     if split_step_dir(path)[1] is not None:
@@ -52,8 +54,8 @@ def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) 
             raise EvaluationSetupError(f"no checkpoint under {path}. Fix: pass a run's checkpoint root "
                                        "(RUN/checkpoints) or one of its step_* directories.")
         step_path = info.path  # pinned, so the weights and the meta below are of one step
-    tree, state = load_inference_checkpoint(step_path)
-    meta = json.loads(((resolve_dir(step_path) or step_path) / META_FILE).read_text())
+    checkpoint = read_inference_checkpoint(step_path)
+    tree, state, meta = checkpoint.tree, checkpoint.state, checkpoint.meta
     data = Path(data) if data is not None else Path(tree["data"]["path"])
     tables_file = data / "tokenizer" / "token_tables.safetensors"
     if not tables_file.exists():
@@ -64,4 +66,4 @@ def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) 
     _, _, eod = load_token_tables(tables_file)
     model = build_model(tree, state, eod)
     return Loaded(model, tree, int(meta["step"]), step_path, dict(meta.get("layout", {})), data, eod,
-                  load_processor(tokenizer_path(data)))
+                  load_processor(tokenizer_path(data)), read_prices_record(meta, model.prices), checkpoint.dual)

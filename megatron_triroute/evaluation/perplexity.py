@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 import tempfile
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -56,8 +57,10 @@ def run_config(loaded: Loaded, eval_batches: int | None = None):
     return run
 
 
-def evaluation_sets(loaded: Loaded, eval_batches: int | None = None, data_parallel: int | None = None) -> dict:
-    """{"valid": [MicroBatch], bucket name: [MicroBatch]}: the trainer's evaluation sets."""
+@contextmanager
+def run_datasets(loaded: Loaded, eval_batches: int | None = None, data_parallel: int | None = None):
+    """(run config, data-parallel size, train, valid): the run's GPTDatasets, built as the trainer
+    builds them; read them inside the block (their index may live in a temporary directory)."""
     with warnings.catch_warnings():  # Megatron's import-time notices about optional GPU packages
         warnings.simplefilter("ignore")
         from ..training import data as data_mod
@@ -69,7 +72,15 @@ def evaluation_sets(loaded: Loaded, eval_batches: int | None = None, data_parall
     run_dir = loaded.step_path.parent.parent
     with tempfile.TemporaryDirectory(prefix="triroute-eval-") as scratch:
         run.output_dir = str(run_dir if (run_dir / "data_cache").is_dir() else scratch)
-        _, valid = data_mod.build_datasets(run, loaded.eod, run.triroute.model.vocab_size, data_parallel=dp)
+        train, valid = data_mod.build_datasets(run, loaded.eod, run.triroute.model.vocab_size, data_parallel=dp)
+        yield run, dp, train, valid
+
+
+def evaluation_sets(loaded: Loaded, eval_batches: int | None = None, data_parallel: int | None = None) -> dict:
+    """{"valid": [MicroBatch], bucket name: [MicroBatch]}: the trainer's evaluation sets."""
+    from ..training import data as data_mod
+
+    with run_datasets(loaded, eval_batches, data_parallel) as (run, dp, _, valid):
         sets = {"valid": data_mod.validation_batches(valid, run, dp)}
     for name in run.data.buckets:
         sets[name] = data_mod.bucket_batches(run, name, loaded.eod, dp)
@@ -132,4 +143,5 @@ def flat_metrics(results: list[SetResult]) -> dict[str, float]:
     return out
 
 
-__all__ = ["SetResult", "evaluation_sets", "evaluate_sets", "flat_metrics", "run_config", "total_tokens"]
+__all__ = ["SetResult", "evaluation_sets", "evaluate_sets", "flat_metrics", "run_config", "run_datasets",
+           "total_tokens"]

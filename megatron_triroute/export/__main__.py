@@ -1,13 +1,17 @@
 """Export a training checkpoint to a Hugging Face directory, or import one back.
 
     python -m megatron_triroute.export --checkpoint RUN/checkpoints --output HF_DIR \
-        [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--data DATA_DIR] [--no-native]
+        [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--data DATA_DIR] [--no-native] [--calibrate]
     python -m megatron_triroute.export --import HF_DIR --output CKPT_DIR
 
 A checkpoint written at any tensor/pipeline/expert layout is read whole in this process. Before
 anything is written the export checks that every tensor is present exactly once with its shape;
 the directory is written under a temporary name and renamed when complete. Dense checkpoints
-export as native LlamaForCausalLM (no remote code) unless --no-native.
+export as native LlamaForCausalLM (no remote code) unless --no-native. config.json records the
+prices record (inference/prices.py): whether the deployed prices were calibrated. A budgeted
+TriRoute checkpoint written mid-run has uncalibrated prices (the run calibrates them at its end):
+the export warns, and `--calibrate` calibrates them first, as the trainer does, on the training
+batches trained last before the checkpoint's step, and exports those.
 """
 
 from __future__ import annotations
@@ -42,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--data", type=Path, help="the run's data directory (tokenizer), when its recorded data.path "
                    "does not resolve from here")
     p.add_argument("--no-native", action="store_true", help="export Dense as TriRoute remote code, not Llama")
+    p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
+                   "batches before the checkpoint's step first and export those (loads the model twice)")
     return p.parse_args(argv)
 
 
@@ -65,7 +71,7 @@ def main(argv=None) -> int:
             from .exporter import export
 
             path = export(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.data,
-                          native=not args.no_native)
+                          native=not args.no_native, calibrate=args.calibrate)
     except (ExportError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -39,17 +39,20 @@ def checkpoint_step(checkpoint: Path) -> int:
 
 
 def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
-    """(run config tree, TriRouteConfig, engine-name state, eod id, tokenizer model file)."""
+    """(run config tree, TriRouteConfig, engine-name state, eod id, tokenizer model file, prices
+    record (inference/prices.py))."""
     from data_prep.tables import load_token_tables
     from data_prep.tokenizer import tokenizer_path
 
-    from ..inference.checkpoint import InferenceCheckpointError, load_inference_checkpoint
+    from ..inference.checkpoint import InferenceCheckpointError, read_inference_checkpoint
+    from ..inference.prices import read_prices_record
 
     log.info("reading %s", checkpoint)
     try:
-        tree, state = load_inference_checkpoint(checkpoint, copy=False)  # views: the model held once
+        loaded = read_inference_checkpoint(checkpoint, copy=False)  # views: the model held once
     except InferenceCheckpointError as error:
         raise ExportError(f"{str(error).rstrip('.')}. Nothing was written.") from error
+    tree, state = loaded.tree, loaded.state
     config = TriRouteConfig.from_dict(tree["triroute"]).validate()
     data = Path(data) if data is not None else Path(tree.get("data", {}).get("path", ""))
     tables = data / "tokenizer" / "token_tables.safetensors"
@@ -59,7 +62,7 @@ def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
                           f"{str(data)!r} does not resolve from here. Nothing was written. Fix: run from where "
                           "the run started, or pass --data DIR (the data_prep output the run trained on).")
     _, _, eod = load_token_tables(tables)
-    return tree, config, state, eod, model_file
+    return tree, config, state, eod, model_file, read_prices_record(loaded.meta, state["prices"])
 
 
 def is_dense(config: TriRouteConfig) -> bool:
@@ -69,15 +72,17 @@ def is_dense(config: TriRouteConfig) -> bool:
 
 
 def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: int = 5 * 10**9,
-           data: Path | None = None, native: bool = True) -> Path:
-    """Write the Hugging Face directory `output` (refused if it exists); returns it."""
+           data: Path | None = None, native: bool = True, calibrate: bool = False) -> Path:
+    """Write the Hugging Face directory `output` (refused if it exists); returns it. `calibrate`:
+    calibrate the deployed prices first (evaluation/calibration.py) and export those."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     output = Path(output)
     if output.exists():
         raise ExportError(f"{output} already exists. Fix: pass a new --output directory (or remove it).")
-    tree, config, state, eod, model_file = load_checkpoint_for_export(checkpoint, data)
+    tree, config, state, eod, model_file, prices = load_checkpoint_for_export(checkpoint, data)
     check_complete(config, state)
+    state, prices = _served_prices(checkpoint, data, config, state, prices, calibrate)
     tree = dict(tree, training_step=checkpoint_step(checkpoint))
     log.info("complete: %d tensors (%d layers%s)", len(state), config.model.n_layers,
              f", {config.router.num_experts} experts each" if config.router.expert_routing else "")
@@ -90,9 +95,9 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
         if native and is_dense(config):
             from .llama import write_llama
 
-            write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
+            write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
         else:
-            write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size)
+            write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
         for file in tmp.iterdir():
             os.chmod(file, 0o644)
         os.chmod(tmp, 0o755)
@@ -102,6 +107,29 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
         raise
     log.info("exported %s -> %s", checkpoint, output)
     return output
+
+
+def _served_prices(checkpoint: Path, data: Path | None, config: TriRouteConfig, state: dict, prices: dict,
+                   calibrate: bool) -> tuple[dict, dict]:
+    """(state, prices record) to export: the checkpoint's, or with `calibrate` freshly calibrated
+    ones (the model is then loaded a second time, as the evaluation tools load it); an export of
+    uncalibrated prices is warned about."""
+    from ..inference.prices import is_priced, price_warning
+
+    if calibrate and is_priced(config):
+        from ..evaluation.calibration import calibrate_loaded
+        from ..evaluation.loading import EvaluationSetupError, load_for_evaluation
+
+        try:
+            loaded = load_for_evaluation(checkpoint, data)
+            calibrate_loaded(loaded)
+        except (EvaluationSetupError, FileNotFoundError) as error:
+            raise ExportError(f"--calibrate: {error} Nothing was written.") from error
+        state, prices = dict(state, prices=loaded.model.prices.clone()), loaded.prices
+    message = price_warning(config, prices, checkpoint_step(checkpoint), "pass --calibrate")
+    if message is not None:
+        log.warning("warning: %s", message)
+    return state, prices
 
 
 def engine_cast(config: TriRouteConfig, dtype: torch.dtype):
@@ -121,7 +149,7 @@ def engine_cast(config: TriRouteConfig, dtype: torch.dtype):
 
 
 def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: dict, eod: int, dtype: torch.dtype,
-                   max_shard_size: int) -> None:
+                   max_shard_size: int, prices: dict | None = None) -> None:
     from .remote_code import remote_code_files
 
     for name, source in remote_code_files().items():
@@ -144,6 +172,7 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         "storage_dtype": str(dtype).replace("torch.", ""),
         "training_config": {k: v for k, v in tree.items() if k != "training_step"},
         "training_step": tree["training_step"],
+        "prices": prices,
     }
     write_json(directory / "config.json", hf_config)
     write_json(directory / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})

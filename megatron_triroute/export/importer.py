@@ -122,6 +122,8 @@ def import_hf(directory: Path, output: Path) -> Path:
     step = int(hf.get("training_step") or 0)
     meta = {"step": step, "config": hf["training_config"], "checkpoint_format": GLOBAL_FORMAT, "weights_only": True,
             "layout": {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}, "imported_from": str(directory)}
+    if hf.get("prices") is not None:  # the export's prices record (inference/prices.py)
+        meta["prices"] = hf["prices"]
     with single_process_parallel() as groups:
         model = build_model(config, groups)
         missing, unexpected = model.load_state_dict(megatron, strict=False)

@@ -75,7 +75,7 @@ def llama_to_engine(config: TriRouteConfig, llama: dict[str, torch.Tensor], side
     return out
 
 
-def llama_config(config: TriRouteConfig, eod: int, tree: dict) -> dict:
+def llama_config(config: TriRouteConfig, eod: int, tree: dict, prices: dict | None = None) -> dict:
     from ..inference.model import NORM_EPS
 
     m = config.model
@@ -90,11 +90,12 @@ def llama_config(config: TriRouteConfig, eod: int, tree: dict) -> dict:
         "bos_token_id": None, "eos_token_id": eod, "pad_token_id": eod, "use_cache": True, "dtype": "float32",
         "triroute": config.to_dict(), "eod_token_id": eod,
         "training_config": {k: v for k, v in tree.items() if k != "training_step"}, "training_step": tree["training_step"],
+        "prices": prices,
     }
 
 
 def write_llama(directory: Path, tree: dict, config: TriRouteConfig, state: dict, eod: int, dtype: torch.dtype,
-                max_shard_size: int) -> None:
+                max_shard_size: int, prices: dict | None = None) -> None:
     from safetensors.torch import save_file
 
     from .exporter import write_json
@@ -102,7 +103,7 @@ def write_llama(directory: Path, tree: dict, config: TriRouteConfig, state: dict
     weights, side = engine_to_llama(config, state)
     write_weights(directory, weights, max_shard_size, lambda name, t: t.to(dtype))
     save_file({k: _own(v) for k, v in side.items()}, str(directory / SIDE_FILE), metadata={"format": "pt"})
-    cfg = llama_config(config, eod, tree)
+    cfg = llama_config(config, eod, tree, prices)
     cfg["dtype"] = str(dtype).replace("torch.", "")
     write_json(directory / "config.json", cfg)
     write_json(directory / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})

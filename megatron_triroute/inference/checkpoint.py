@@ -22,6 +22,7 @@ map onto `InferenceModel`'s:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -39,11 +40,31 @@ class InferenceCheckpointError(ValueError):
     """The checkpoint cannot be served; the message names what is wrong and the fix."""
 
 
+@dataclass
+class InferenceCheckpoint:
+    tree: dict
+    """The config tree as saved by the run."""
+    state: dict[str, torch.Tensor]
+    """`InferenceModel` names -> tensors."""
+    step: int
+    meta: dict
+    """The checkpoint's meta (its `prices` record: inference/prices.py)."""
+    dual: dict[str, torch.Tensor]
+    """The budget's training-only dual variables (`lambdas`, `ema`, `steps`; those present): what
+    a price calibration reads to tell active constraints (training/calibrate.py)."""
+
+
 def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config tree as saved by the run, state dict in `InferenceModel` names) of the newest valid
     checkpoint under `path` (a run's checkpoint root, or one `step_*` directory of it). `copy=False`
     (the exporter's): tensors of a layout-independent checkpoint may be views sharing storage, so
     the model is held once."""
+    loaded = read_inference_checkpoint(path, copy=copy)
+    return loaded.tree, loaded.state
+
+
+def read_inference_checkpoint(path: str | Path, *, copy: bool = True) -> InferenceCheckpoint:
+    """`load_inference_checkpoint` with the checkpoint's step, meta and budget dual variables."""
     from ..checkpoint.store import CheckpointError, load_checkpoint, split_step_dir
 
     path = Path(path)
@@ -53,28 +74,29 @@ def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[d
     except CheckpointError as error:
         raise InferenceCheckpointError(f"{path}: {error}") from error
     tree_config = meta["config"]
+    config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
     if meta.get("checkpoint_format") == GLOBAL_FORMAT:  # layout-independent: whatever layout wrote it
         from ..checkpoint.sharded import full_model_state
         from ..checkpoint.store import step_dir_name
         from ..durability import resolve_dir
 
-        config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
         try:
             state = full_model_state(resolve_dir(root / step_dir_name(step)) / "sharded", copy=copy)
         except CheckpointError as error:
             raise InferenceCheckpointError(f"{path}: {error}") from error
-        return tree_config, map_megatron_state(state, config)
-    layout = meta.get("layout", {})
-    shape = tuple(layout.get(k) for k in ("tp", "pp", "ep"))
-    if shape != (1, 1, 1):
-        raise InferenceCheckpointError(
-            f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
-            "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
-            "parallel.pipeline=parallel.expert=1).")
-    from ..checkpoint.sharded import current_name
+    else:
+        layout = meta.get("layout", {})
+        shape = tuple(layout.get(k) for k in ("tp", "pp", "ep"))
+        if shape != (1, 1, 1):
+            raise InferenceCheckpointError(
+                f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
+                "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
+                "parallel.pipeline=parallel.expert=1).")
+        from ..checkpoint.sharded import current_name
 
-    config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
-    return tree_config, map_megatron_state({current_name(k): v for k, v in tree["model"].items()}, config)
+        state = {current_name(k): v for k, v in tree["model"].items()}
+    dual = {k[len("budget."):]: state[k].clone() for k in IGNORED if k in state and k != "budget.targets"}
+    return InferenceCheckpoint(tree_config, map_megatron_state(state, config), step, meta, dual)
 
 
 def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -> dict[str, torch.Tensor]:

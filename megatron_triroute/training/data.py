@@ -118,6 +118,17 @@ def evaluation_micro_batches(run: RunConfig, data_parallel: int) -> int:
     return -(-run.train.eval_batches // data_parallel) * data_parallel
 
 
+def calibration_batches(train, run: RunConfig, end_step: int, data_parallel: int = 1) -> list[MicroBatch]:
+    """The price calibration's batches: the global batches trained last before `end_step`, as many
+    micro-batches as an evaluation scores. Training data, so the held-out report stays held out."""
+    t = run.train
+    n_micro = t.global_batch_size // t.micro_batch_size
+    wanted = evaluation_micro_batches(run, data_parallel)
+    steps_needed = min(end_step, -(-wanted // n_micro))
+    found = [mb for s in range(end_step - steps_needed, end_step) for mb in micro_batches(train, s, run, 0, 1)]
+    return found[:wanted]
+
+
 def validation_batches(dataset, run: RunConfig, data_parallel: int = 1) -> list[MicroBatch]:
     mbs = run.train.micro_batch_size
     n = min(evaluation_micro_batches(run, data_parallel), len(dataset) // mbs)

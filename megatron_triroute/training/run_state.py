@@ -46,11 +46,13 @@ def coordinates(groups) -> list[int]:
 
 
 def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_dict: dict, consumed: int,
-             keep_last: int) -> None:
+             keep_last: int, calibration: dict | None = None) -> None:
     """Collective: the model and the ZeRO-1 moments as global tensors (Megatron dist_checkpointing,
     under `sharded/`), and per rank the scheduler, optimizer options and RNG states; `step` is the
-    next step to run."""
+    next step to run. `calibration`: the record of the price calibration just run, if any (the meta's
+    `prices` record, inference/prices.py, says whether the prices were calibrated)."""
     from ..checkpoint.sharded import save_state
+    from ..inference.prices import prices_record
 
     coords = torch.tensor(coordinates(groups), dtype=torch.long, device=collective_device())
     everyone = [torch.zeros_like(coords) for _ in range(groups.world_size)]
@@ -65,6 +67,7 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
         "checkpoint_format": GLOBAL_FORMAT, "adam_step": optimizer.adam_step(),
         "layout": {"world_size": groups.world_size, "tp": groups.tp, "pp": groups.pp, "ep": groups.ep, "dp": groups.dp},
         "coordinates": [c.cpu().tolist() for c in everyone],
+        "prices": prices_record(model.budget.prices, calibration, step),
     }
     save_checkpoint(root, step, state, meta, rank=groups.rank, world_size=groups.world_size,
                     barrier=dist.barrier, keep_last=keep_last,

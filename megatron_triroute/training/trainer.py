@@ -174,19 +174,13 @@ def _train(run: RunConfig, env, tables) -> int:
                  "data-parallel ranks share, rounded up to a multiple of them)", len(valid_batches),
                  t.micro_batch_size, t.eval_batches, groups.dp)
 
-    def save(next_step: int) -> None:
+    def save(next_step: int, calibration: dict | None = None) -> None:
         optimizer.sync_params()  # a parameter all-gather may still be pending (overlap_param_gather)
         save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
-                 next_step * t.global_batch_size, t.keep_last)
+                 next_step * t.global_batch_size, t.keep_last, calibration)
 
     def calibration_batches() -> list:
-        """The last trained global batches, as many micro-batches as evaluation uses: training
-        data, so the held-out report stays held out."""
-        n_micro = t.global_batch_size // t.micro_batch_size
-        wanted = data_mod.evaluation_micro_batches(run, groups.dp)
-        steps_needed = min(t.steps, -(-wanted // n_micro))
-        found = [mb for s in range(t.steps - steps_needed, t.steps) for mb in data_mod.micro_batches(train_ds, s, run, 0, 1)]
-        return found[:wanted]
+        return data_mod.calibration_batches(train_ds, run, t.steps, groups.dp)
 
     def evaluate(step: int) -> dict[str, float]:
         loss, realised = engine.evaluate(valid_batches)
@@ -234,7 +228,7 @@ def _train(run: RunConfig, env, tables) -> int:
         calibration = _calibrate(run, model, engine, calibration_batches, rank0)
         results = evaluate(t.steps)
         if start < t.steps:
-            save(t.steps)
+            save(t.steps, calibration)
         if rank0:
             _write_summary(out, run, results, report, calibration, tail)
     tb.close()
@@ -278,18 +272,18 @@ def _count_nonfinite(in_a_row: int, report, limit: int, rank0: bool) -> int:
 def _calibrate(run: RunConfig, model, engine, calibration_batches, rank0: bool) -> dict | None:
     """Calibrate the deployed policy's prices on the last trained batches (TriRoute with a budget
     only); None when there is nothing to calibrate."""
-    from .calibrate import calibrate_prices
+    from ..inference.prices import is_priced
+    from .calibrate import calibrate_prices, movable_resources
 
-    if not (run.triroute.budget.enabled and run.triroute.router.kind == "triroute"):
+    if not is_priced(run.triroute):
         return None
     if run.train.steps == 0:
         if rank0:
             log.warning("train.steps=0: no trained batch to calibrate the deployed prices on; the plain "
                         "argmax policy is evaluated")
         return None
-    r = run.triroute.router
-    movable = (r.attn_routing or (r.expert_routing and r.null_expert), r.bit_routing)
-    return calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1], movable)
+    return calibrate_prices(model.budget, lambda: engine.evaluate(calibration_batches())[1],
+                            movable_resources(run.triroute.router))
 
 
 def _write_summary(out: Path, run: RunConfig, results: dict, report, calibration: dict | None, tail) -> None:

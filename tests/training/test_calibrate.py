@@ -71,3 +71,47 @@ def test_a_resource_no_decision_prices_is_left_alone():
     rec = calibrate_prices(b, make(b), movable=(True, False))
     assert rec["prices"][1] == 0.0 and all(c[1] == 0.0 for c in calls)
     assert 0.39 <= rec["realised_after"][0] <= 0.40
+
+
+def step_function(floor: float, knee: float, calls: list | None = None):
+    """realised_at for a FLOPs cost that falls linearly with the price, 0.9 at 0 to `floor` at
+    `knee`, flat above (the cheapest option everywhere); memory fixed at 0.3."""
+    def make(budget: BudgetController):
+        def f():
+            mu = float(budget.prices[0])
+            if calls is not None:
+                calls.append(mu)
+            return [max(floor, 0.9 - (0.9 - floor) * max(mu, 0.0) / knee), 0.3]
+        return f
+    return make
+
+
+def test_an_infeasible_target_is_reported_and_its_price_capped_where_the_floor_is_reached(caplog):
+    # Floor 0.6 reached at price 3.0, target 0.4 below it: by hand, no price meets 0.4; the lowest
+    # fraction is 0.6, and the smallest price reaching it is 3.0 (bisection resolution (4-2)/2^14).
+    calls = []
+    b = controller(0.40, 0.70, [0.5, 0.0])
+    with caplog.at_level("WARNING", logger="megatron_triroute.training.calibrate"):
+        rec = calibrate_prices(b, step_function(0.6, 3.0, calls)(b))
+    assert rec["feasible"] == [False, True]
+    assert abs(rec["realised_after"][0] - 0.6) < 1e-6 and rec["realised_after"][1] == 0.3
+    assert 3.0 <= rec["prices"][0] <= 3.0 + 2.0 / 2**14 and rec["prices"][1] == 0.0
+    assert max(calls) == 2.0**11  # the bracket's top was probed, then left
+    message = caplog.text
+    assert "flops target 0.4 cannot be met" in message and "0.6000" in message and "flops_target" in message
+
+
+def test_a_feasible_target_is_feasible_and_silent(caplog):
+    b = controller(0.70, 0.70, [0.5, 0.0])
+    with caplog.at_level("WARNING", logger="megatron_triroute.training.calibrate"):
+        rec = calibrate_prices(b, step_function(0.6, 3.0)(b))
+    assert rec["feasible"] == [True, True] and 0.69 <= rec["realised_after"][0] <= 0.70
+    assert "cannot be met" not in caplog.text
+
+
+def test_an_unpriced_resource_over_its_target_is_infeasible(caplog):
+    b = controller(0.70, 0.20, [0.5, 0.5])  # memory fixed at 0.3 > 0.2 and nothing routes it
+    with caplog.at_level("WARNING", logger="megatron_triroute.training.calibrate"):
+        rec = calibrate_prices(b, step_function(0.6, 3.0)(b), movable=(True, False))
+    assert rec["feasible"] == [True, False] and rec["prices"][1] == 0.0
+    assert "no routed decision prices mem" in caplog.text

@@ -2,7 +2,10 @@
 
 `triroute` holds the whole `TriRouteConfig` tree the checkpoint was trained with (model shape,
 router: bits, window, KV group size, experts, top-k, null expert, router width, ...; budget:
-prices come with the weights). The usual Hugging Face fields are derived from it.
+prices come with the weights). The usual Hugging Face fields are derived from it. `prices` is the
+checkpoint's prices record: {"calibrated", "step", "feasible", "prices"}; calibrated false means
+the weights carry prices 0, the plain argmax policy, which the budget does not hold (a checkpoint
+exported mid-run without --calibrate).
 """
 
 from transformers import PretrainedConfig
@@ -11,8 +14,10 @@ from transformers import PretrainedConfig
 class TriRouteConfig(PretrainedConfig):
     model_type = "triroute"
 
-    def __init__(self, triroute=None, eod_token_id=2, page_size=16, **kwargs):
+    def __init__(self, triroute=None, eod_token_id=2, page_size=16, prices=None, **kwargs):
         self.triroute = triroute or {}
+        self.prices = prices
+        """Whether and when the deployed prices were calibrated (None: exported before the record)."""
         self.eod_token_id = eod_token_id
         self.page_size = page_size
         """KV-cache slots per page of the paged cache."""

@@ -1,0 +1,69 @@
+"""Price calibration of a served checkpoint: `--calibrate` of evaluate, generate and export, and
+`calibrate=true` of the lm-eval model.
+
+A run calibrates its deployed prices once, at its normal end; a checkpoint written mid-run holds
+prices 0 and serves the plain argmax policy (inference/prices.py). This runs the trainer's
+bisection (`training.calibrate.calibrate_prices`) on the trainer's kind of batches (the training
+batches trained last before the checkpoint's step, `training.data.calibration_batches`), with the
+multipliers the checkpoint saved telling active constraints apart and the realised cost measured
+by the inference engine's cost audit (`perplexity.evaluate_sets`), then leaves the prices on the
+model.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from ..inference.prices import is_priced, price_warning, prices_record
+from .loading import EvaluationSetupError, Loaded
+from .perplexity import evaluate_sets, run_datasets
+
+
+def calibrate_model(model, dual: dict, batches: list, page_size: int = 16) -> dict:
+    """Calibrate `model.prices` (an `InferenceModel`) on `batches` (MicroBatches) from the budget
+    dual variables `dual` (`lambdas`, `ema`, `steps`, as a checkpoint saves them); returns
+    calibrate_prices' record."""
+    from ..routing.budget import BudgetController
+    from ..training.calibrate import calibrate_prices, movable_resources
+
+    config = model.config
+    budget = BudgetController(config.budget)
+    for name, value in dual.items():
+        getattr(budget, name).copy_(value)
+
+    def realised_at() -> list[float]:
+        model.prices.copy_(budget.prices)
+        result = evaluate_sets(model, {"calibration": batches}, page_size)[0]
+        return [result.realised_flops, result.realised_mem]
+
+    calibration = calibrate_prices(budget, realised_at, movable_resources(config.router))
+    model.prices.copy_(budget.prices)
+    return calibration
+
+
+def calibrate_loaded(loaded: Loaded, page_size: int = 16) -> dict:
+    """Calibrate the loaded checkpoint's prices on the run's training batches before its step;
+    updates `loaded.prices` (the record) and returns calibrate_prices' record."""
+    from ..training import data as data_mod
+
+    if loaded.step == 0:
+        raise EvaluationSetupError(f"{loaded.step_path} is at step 0: no trained batch to calibrate the prices on. "
+                                   "Fix: serve a checkpoint of a later step.")
+    with run_datasets(loaded) as (run, dp, train, _):
+        batches = data_mod.calibration_batches(train, run, loaded.step, dp)
+    calibration = calibrate_model(loaded.model, loaded.dual, batches, page_size)
+    loaded.prices = prices_record(loaded.model.prices, calibration, loaded.step)
+    return calibration
+
+
+def serve_prices(loaded: Loaded, calibrate: bool, fix: str, warn: Callable[[str], None],
+                 page_size: int = 16) -> dict | None:
+    """Before serving: calibrate the prices when asked (a budgeted TriRoute model only; returns
+    calibrate_prices' record), and say through `warn` what the served prices are when they are
+    uncalibrated or miss a target (`fix`: the tool's way to calibrate)."""
+    config = loaded.model.config
+    calibration = calibrate_loaded(loaded, page_size) if calibrate and is_priced(config) else None
+    message = price_warning(config, loaded.prices, loaded.step, fix)
+    if message is not None:
+        warn(message)
+    return calibration
