@@ -18,6 +18,8 @@ import json
 import time
 from pathlib import Path
 
+from .input_errors import reports_input_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_triroute.generate", description=__doc__.split("\n")[0])
@@ -55,7 +57,7 @@ def _main(argv=None) -> int:
     data = args.data or Path(tree["data"]["path"])
     tables_file = data / "tokenizer" / "token_tables.safetensors"
     if not tables_file.exists():
-        raise SystemExit(f"{tables_file} not found: the run's data.path={str(data)!r} is not reachable here. "
+        raise FileNotFoundError(f"{tables_file} not found: the run's data.path={str(data)!r} is not reachable here. "
                          "Fix: run generate from where the run started, or pass --data DIR.")
     _, _, eod = load_token_tables(tables_file)
     sp = load_processor(tokenizer_path(data))
@@ -89,6 +91,7 @@ def _main(argv=None) -> int:
     return 0
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     import torch
 

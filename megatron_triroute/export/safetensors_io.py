@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .completeness import ExportError
+
 log = logging.getLogger("megatron_triroute.export")
 
 SINGLE = "model.safetensors"
@@ -22,13 +24,13 @@ def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
     if not match:
-        raise ValueError(f"--max-shard-size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 2GiB")
+        raise ExportError(f"--max-shard-size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 2GiB")
     unit = (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     size = int(float(match.group(1)) * scale)
     if size <= 0:
-        raise ValueError(f"--max-shard-size {text!r}: must be positive")
+        raise ExportError(f"--max-shard-size {text!r}: must be positive")
     return size
 
 
@@ -82,14 +84,14 @@ def read_weights(directory: Path) -> dict[str, torch.Tensor]:
             part = load_file(str(directory / file))
             stray = sorted(k for k in part if weight_map.get(k) != file)
             if stray:
-                raise ValueError(f"{directory / file} holds {stray[:4]} which {INDEX} places elsewhere. "
-                                 "Fix: re-export the directory.")
+                raise ExportError(f"{directory / file} holds {stray[:4]} which {INDEX} places elsewhere. "
+                                  "Fix: re-export the directory.")
             out.update(part)
         missing = sorted(set(weight_map) - set(out))
         if missing:
-            raise ValueError(f"{directory}: {INDEX} lists {missing[:4]} but no shard holds them. Fix: re-export.")
+            raise ExportError(f"{directory}: {INDEX} lists {missing[:4]} but no shard holds them. Fix: re-export.")
         return out
     if (directory / SINGLE).is_file():
         return load_file(str(directory / SINGLE))
-    raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: pass a Hugging Face model directory "
+    raise ExportError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: pass a Hugging Face model directory "
                      "written by `python -m megatron_triroute.export`.")
