@@ -10,8 +10,13 @@ Values marked "(ours)" are choices the paper leaves open.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import types
+import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from .input_errors import InputError
 
 ATTN_MODES = ("skip", "local", "full")
 """Attention read modes, in logit order (index 0 = skip)."""
@@ -22,7 +27,7 @@ SUPPORTED_BITS = (2, 4, 8, 16)
 """KV-cache bit-widths the bit head may choose (16 = stored as float16, no quantisation metadata)."""
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A configuration value is invalid; the message names field, value and fix."""
 
 
@@ -307,3 +312,63 @@ def _from_dict(cls, data: dict, path: str):
         else:
             kwargs[name] = value
     return cls(**kwargs)
+
+
+@functools.lru_cache(maxsize=None)
+def field_types(cls) -> dict[str, Any]:
+    """The declared type of every field of the dataclass `cls` (annotations resolved)."""
+    return typing.get_type_hints(cls)
+
+
+def optional_of(hint: Any) -> Any | None:
+    """X for a declared `X | None`, else None."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        return rest[0] if len(rest) == 1 else typing.Union[tuple(rest)]
+    return None
+
+
+def describe_type(hint: Any) -> str:
+    """How an error names a declared type: 'an integer', 'true or false', 'one of ...'."""
+    inner = optional_of(hint)
+    if inner is not None:
+        return f"{describe_type(inner)}, or none"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(map(str, typing.get_args(hint)))
+    if typing.get_origin(hint) is tuple:
+        return f"a comma-separated list of {describe_type(typing.get_args(hint)[0]).split(' ', 1)[-1]}s"
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(hint, str(hint))
+
+
+def has_type(value: Any, hint: Any) -> bool:
+    """Whether `value` is of the declared type `hint` (a bool is not an integer; an integer is a number)."""
+    inner = optional_of(hint)
+    if inner is not None:
+        return value is None or has_type(value, inner)
+    origin = typing.get_origin(hint)
+    if origin is Literal:
+        return any(value == choice and type(value) is type(choice) for choice in typing.get_args(hint))
+    if origin is tuple:
+        kind = typing.get_args(hint)[0]
+        return isinstance(value, tuple) and all(has_type(v, kind) for v in value)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if hint in (bool, str):
+        return type(value) is hint
+    return True  # a type this check does not know: the field's own validation decides
+
+
+def check_types(config: Any, path: str = "") -> None:
+    """Raise ConfigError naming the first field of the dataclass tree `config` whose value is not of
+    its declared type (an override or a hand-written config can put a string where a number goes)."""
+    for f in dataclasses.fields(config):
+        value, hint = getattr(config, f.name), field_types(type(config))[f.name]
+        where = f"{path}.{f.name}" if path else f.name
+        if dataclasses.is_dataclass(hint):
+            check_types(value, where)
+        elif not has_type(value, hint):
+            _fail(where, value, f"is a {type(value).__name__}, the field takes {describe_type(hint)}",
+                  f"set {where} to {describe_type(hint)}")

@@ -25,6 +25,8 @@ import json
 import sys
 from pathlib import Path
 
+from .input_errors import reports_input_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_triroute.evaluate", description=__doc__.split("\n")[0])
@@ -49,20 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 def _main(argv=None) -> int:
     args = parse_args(argv)
     from .evaluation.calibration import serve_prices
-    from .evaluation.loading import EvaluationSetupError, load_for_evaluation
+    from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
     from .evaluation.progress import Progress
-    from .inference.checkpoint import InferenceCheckpointError
     from .inference.prices import is_priced
 
-    try:
-        loaded = load_for_evaluation(args.checkpoint, args.data)
-        calibration = serve_prices(loaded, args.calibrate, "pass --calibrate",
-                                   lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
-        sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
-    except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    loaded = load_for_evaluation(args.checkpoint, args.data)
+    calibration = serve_prices(loaded, args.calibrate, "pass --calibrate",
+                               lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
+    sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
     progress = Progress(total_tokens(sets))
     results = evaluate_sets(loaded.model, sets, args.page_size, progress)
     if args.json:
@@ -85,6 +82,7 @@ def _main(argv=None) -> int:
     return 0
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     import torch
 

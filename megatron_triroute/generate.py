@@ -24,6 +24,8 @@ import sys
 import time
 from pathlib import Path
 
+from .input_errors import reports_input_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_triroute.generate", description=__doc__.split("\n")[0])
@@ -54,17 +56,12 @@ def _main(argv=None) -> int:
     args = parse_args(argv)
 
     from .evaluation.calibration import serve_prices
-    from .evaluation.loading import EvaluationSetupError, load_for_evaluation
-    from .inference.checkpoint import InferenceCheckpointError
+    from .evaluation.loading import load_for_evaluation
     from .inference.engine import InferenceEngine, SamplingConfig
 
-    try:
-        loaded = load_for_evaluation(args.checkpoint, args.data)
-        serve_prices(loaded, args.calibrate, "pass --calibrate",
-                     lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
-    except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+    loaded = load_for_evaluation(args.checkpoint, args.data)
+    serve_prices(loaded, args.calibrate, "pass --calibrate",
+                 lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
     model, sp, eod = loaded.model, loaded.processor, loaded.eod
 
     engine = InferenceEngine(model, SamplingConfig(args.temperature, args.top_p, args.seed), args.page_size)
@@ -95,6 +92,7 @@ def _main(argv=None) -> int:
     return 0
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     import torch
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 
 import json
 
+from .input_errors import reports_input_errors
 
+
+@reports_input_errors
 def main() -> int:
     try:
         from lm_eval.__main__ import cli_evaluate

@@ -34,7 +34,9 @@ import sys
 import time
 from pathlib import Path
 
+from .config import ConfigError
 from .durability import write_text_atomic
+from .input_errors import reports_input_errors
 
 TARGET_OFFSETS = (-0.1, 0.0, 0.1)
 
@@ -88,7 +90,7 @@ def default_grid(system: str, base, flops_target: float, mem_target: float) -> l
             return (knob.default,) if multi else knob.choices
         if knob.path == "router.uniform_bits":
             return (2, 4) if multi else (2, 4, 8)
-        raise ValueError(f"no default grid for knob {knob.path}. Fix: pass --grid {system}:{knob.path}=V1,V2")
+        raise ConfigError(f"no default grid for knob {knob.path}. Fix: pass --grid {system}:{knob.path}=V1,V2")
 
     axes = [[(k.path, v) for v in values(k)] for k in ks.values()]
     return [dict(combo) for combo in itertools.product(*axes)]
@@ -104,11 +106,12 @@ def plan_points(args, base, flops_target: float, mem_target: float) -> list[tupl
             path, values = rest.split("=", 1)
             grids.setdefault(system, {})[path] = [_value(v) for v in values.split(",") if v]
         except ValueError:
-            raise SystemExit(f"--grid {spec!r}: expected SYSTEM:PATH=V1,V2 (e.g. mod:router.mod_capacity=0.3,0.6)")
+            raise ConfigError(f"--grid {spec!r}: expected SYSTEM:PATH=V1,V2 "
+                              "(e.g. mod:router.mod_capacity=0.3,0.6)") from None
     points = []
     for system in [s for s in args.systems.split(",") if s]:
         if system not in list_presets():
-            raise SystemExit(f"unknown system {system!r}. Fix: use some of {', '.join(list_presets())}")
+            raise ConfigError(f"unknown system {system!r}. Fix: use some of {', '.join(list_presets())}")
         if system in grids:
             axes = [[(path, v) for v in vs] for path, vs in grids[system].items()]
             combos = [dict(c) for c in itertools.product(*axes)]
@@ -127,9 +130,9 @@ def seeds_of(args) -> list[int | None]:
     try:
         seeds = [int(s) for s in args.seeds.split(",") if s]
     except ValueError:
-        raise SystemExit(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. --seeds 1,2,3")
+        raise ConfigError(f"--seeds {args.seeds!r}: expected comma-separated integers, e.g. --seeds 1,2,3") from None
     if len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds {args.seeds!r}: a seed is repeated")
+        raise ConfigError(f"--seeds {args.seeds!r}: a seed is repeated")
     return seeds or [None]
 
 
@@ -234,19 +237,20 @@ def train_points(args, planned: list[tuple[str, dict, int | None]]) -> int:
     return failed[0] if failed else 0
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     from .training.recipes import resolve
 
     if "-" in args.recipe:
-        raise SystemExit(f"--recipe {args.recipe}: give a scale (tiny, 160m, 410m, 1p3b); the sweep sets each system")
+        raise ConfigError(f"--recipe {args.recipe}: give a scale (tiny, 160m, 410m, 1p3b); the sweep sets each system")
     base = resolve(args.recipe, list(args.overrides)).triroute
     flops_target = base.budget.flops_target if args.flops_target is None else args.flops_target
     mem_target = base.budget.mem_target if args.mem_target is None else args.mem_target
     planned = [(system, knobs, seed) for system, knobs in plan_points(args, base, flops_target, mem_target)
                for seed in seeds_of(args)]
     if args.jobs < 1:
-        raise SystemExit(f"--jobs {args.jobs}: must be >= 1")
+        raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
     args.output.mkdir(parents=True, exist_ok=True)
     if args.collect:
         return collect(args, planned, flops_target, mem_target)

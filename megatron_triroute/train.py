@@ -15,6 +15,8 @@ import argparse  # noqa: E402
 import logging  # noqa: E402
 import sys  # noqa: E402
 
+from megatron_triroute.input_errors import reports_input_errors  # noqa: E402
+
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(prog="python -m megatron_triroute.train", description=__doc__,
@@ -94,15 +96,12 @@ def main(argv=None) -> int:
         return trainer.train(run, env, tables)
 
 
+@reports_input_errors
 def cli(argv=None) -> int:
-    """main() with configuration and input errors reported as one line and exit status 2."""
-    from megatron_triroute.config import ConfigError
-
+    """main() with bad input (a config value, a recipe name, a checkpoint) reported as one line and
+    exit status 2 (`input_errors.py`), and a run aborted for non-finite losses as one line and status 1."""
     try:
         return main(argv)
-    except (ConfigError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
     except Exception as err:
         from megatron_triroute.training.trainer import NonFiniteLossError
 

@@ -8,10 +8,11 @@ experts describe themselves by global expert id (see `TriRouteExperts.sharded_st
 (TP, PP, EP, DP) layout then loads by slicing: Megatron reads, for each local tensor, the stored
 chunks that overlap it.
 
-No untrusted pickle on load: torch DCP stores its `.metadata` pickled, so it is first read through
-a restricted unpickler that admits only the metadata classes below (anything else raises), and
-the common state is loaded by torch with `weights_only=True` (the torch >= 2.6 default). Only
-tensors are saved and requested: torch DCP would read pickled byte items with a full unpickle.
+No untrusted pickle on load: torch DCP stores its `.metadata` pickled, and every load reads it
+(once) through a restricted unpickler that admits only the metadata classes below (anything else
+raises); the common state (`common.pt`) is loaded with `weights_only=True` stated; a data file
+shorter than the metadata says is refused by name (`safe_load.py`). Only tensors are saved and
+requested: torch DCP would read pickled byte items with a full unpickle.
 """
 
 from __future__ import annotations
@@ -220,7 +221,10 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    metadata = read_metadata(directory)
+    from .safe_load import AllowListedReader, AllowListedTorchDistLoad, WeightsOnlyCommonLoad, reading
+
+    reader = AllowListedReader(directory)  # the one read of the metadata: allow-listed, data files checked
+    metadata = reader.read_metadata()
     model_sharded = model_sharded_state_dict(model)
     sharded = dict(model_sharded)
     with_optimizer = optimizer is not None and adam_step is not None
@@ -237,7 +241,9 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
         raise CheckpointError(f"{directory} cannot be loaded into this model: " + "; ".join(problems[:10]) +
                               (f" (and {len(problems) - 10} more)" if len(problems) > 10 else "") +
                               ". Fix: resume from a complete checkpoint written with this model's config.")
-    loaded = dist_checkpointing.load(sharded, str(directory), sharded_strategy=None)
+    with reading(directory):
+        loaded = dist_checkpointing.load(sharded, str(reader.path), sharded_strategy=AllowListedTorchDistLoad(reader),
+                                         common_strategy=WeightsOnlyCommonLoad())
     state = {k[len("model."):]: v for k, v in loaded.items() if k.startswith("model.")}
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.endswith("_extra_state")]
@@ -283,13 +289,17 @@ def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, t
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = read_metadata(directory)  # allow-listed first; dcp then reads the same bytes
+    from .safe_load import AllowListedReader, reading
+
+    reader = AllowListedReader(directory)  # the one read of the metadata: allow-listed, data files checked
+    metadata = reader.read_metadata()
     problems = coverage_problems(metadata)
     if problems:
         raise CheckpointError(f"{directory} is incomplete: " + "; ".join(problems[:10]))
     stacked = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
                if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
-    dcp.load(stacked, checkpoint_id=str(directory), no_dist=True)
+    with reading(directory):
+        dcp.load(stacked, storage_reader=reader, no_dist=True)
     out: dict[str, torch.Tensor] = {}
     for key, tensor in stacked.items():
         name = current_name(key[len("model."):])

@@ -40,6 +40,7 @@ from ..durability import (
     ASIDE_MARK, check_file, describe_file, fsync_dir, fsync_file, publish_dir, recover_dir, resolve_dir, write_durably,
     write_text_atomic,
 )
+from ..input_errors import InputError
 from .tree import flatten_tree, unflatten_tree
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ of a save `os._exit(CRASH_EXIT_CODE)`s there, as a node failure would."""
 CRASH_EXIT_CODE = 86
 
 
-class CheckpointError(RuntimeError):
+class CheckpointError(InputError, RuntimeError):
     """A checkpoint cannot be used; the message says which file and why."""
 
 

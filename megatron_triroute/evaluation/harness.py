@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
 from .calibration import serve_prices
-from .loading import load_for_evaluation
+from .loading import EvaluationSetupError, load_for_evaluation
 from .scoring import score_batch
 
 log = logging.getLogger("lm_eval.models.triroute")
@@ -65,18 +65,19 @@ class TriRouteLM(TemplateLM):
                  max_batch_size: int | None = None, calibrate: bool | str = False, **unused):
         super().__init__()
         if unused:
-            raise ValueError(f"unknown model_args {sorted(unused)} for model 'triroute'. Fix: use checkpoint=DIR "
-                             "and optionally data=DIR, max_length=N, max_gen_toks=N, page_size=N, calibrate=true.")
+            raise EvaluationSetupError(f"unknown model_args {sorted(unused)} for model 'triroute'. Fix: use "
+                                       "checkpoint=DIR and optionally data=DIR, max_length=N, max_gen_toks=N, "
+                                       "page_size=N, calibrate=true.")
         if device not in (None, "cpu"):
             log.warning("the triroute engine runs on the CPU; device=%s ignored", device)
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
-            raise ValueError("batch_size=auto is not supported by 'triroute'. Fix: pass --batch_size N.")
+            raise EvaluationSetupError("batch_size=auto is not supported by 'triroute'. Fix: pass --batch_size N.")
         self.batch_size = int(batch_size or 1)
         if self.batch_size < 1:
-            raise ValueError(f"batch_size={self.batch_size}: must be >= 1")
+            raise EvaluationSetupError(f"batch_size={self.batch_size}: must be >= 1")
         if isinstance(calibrate, str):  # model_args values arrive as text
             if calibrate.lower() not in ("true", "false"):
-                raise ValueError(f"calibrate={calibrate!r}: must be true or false")
+                raise EvaluationSetupError(f"calibrate={calibrate!r}: must be true or false")
             calibrate = calibrate.lower() == "true"
         loaded = load_for_evaluation(checkpoint, data)
         serve_prices(loaded, bool(calibrate), "pass calibrate=true in model_args", log.warning, int(page_size))
@@ -136,9 +137,9 @@ class TriRouteLM(TemplateLM):
                 results[i] = (0.0, True)
                 continue
             if len(continuation_enc) > self.max_length:
-                raise ValueError(f"a continuation of {len(continuation_enc)} tokens does not fit max_length="
-                                 f"{self.max_length}. Fix: pass model_args max_length=N (N >= "
-                                 f"{len(continuation_enc)}) or shorten the task's continuations.")
+                raise EvaluationSetupError(f"a continuation of {len(continuation_enc)} tokens does not fit "
+                                           f"max_length={self.max_length}. Fix: pass model_args max_length=N (N >= "
+                                           f"{len(continuation_enc)}) or shorten the task's continuations.")
             if not context_enc:
                 context_enc = [self.prefix_token_id]
             whole = (context_enc + continuation_enc)[-(self.max_length + 1):]
@@ -218,8 +219,8 @@ class TriRouteLM(TemplateLM):
         until = [until] if isinstance(until, str) else list(until)
         max_new = int(gen_kwargs.get("max_gen_toks", self.max_gen_toks))
         if gen_kwargs.get("do_sample") or float(gen_kwargs.get("temperature") or 0.0) > 0:
-            raise ValueError("'triroute' generates greedily. Fix: set do_sample: false and temperature: 0 in the "
-                             "task's generation_kwargs.")
+            raise EvaluationSetupError("'triroute' generates greedily. Fix: set do_sample: false and temperature: 0 "
+                                       "in the task's generation_kwargs.")
         prompt = self.tok_encode(context) or [self.prefix_token_id]
         return prompt[-max(1, self.max_length - max_new):], max_new, until
 

@@ -9,8 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..input_errors import InputError
 
-class EvaluationSetupError(ValueError):
+
+class EvaluationSetupError(InputError, ValueError):
     """The checkpoint or its data cannot be evaluated; the message names the fix."""
 
 

@@ -21,6 +21,8 @@ import logging
 import sys
 from pathlib import Path
 
+from ..input_errors import reports_input_errors
+
 
 class _Stderr(logging.StreamHandler):
     """Progress lines to whatever sys.stderr is at the time of writing."""
@@ -51,6 +53,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = logging.getLogger("megatron_triroute.export")
@@ -59,22 +62,17 @@ def main(argv=None) -> int:
         handler.setFormatter(logging.Formatter("[export] %(message)s"))
         log.addHandler(handler)
     log.setLevel(logging.INFO)
-    from .completeness import ExportError
     from .safetensors_io import parse_size
 
-    try:
-        if args.import_dir is not None:
-            from .importer import import_hf
+    if args.import_dir is not None:
+        from .importer import import_hf
 
-            path = import_hf(args.import_dir, args.output)
-        else:
-            from .exporter import export
+        path = import_hf(args.import_dir, args.output)
+    else:
+        from .exporter import export
 
-            path = export(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.data,
-                          native=not args.no_native, calibrate=args.calibrate)
-    except (ExportError, ValueError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        path = export(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.data,
+                      native=not args.no_native, calibrate=args.calibrate)
     print(path)
     return 0
 

@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 
 from ..config import TriRouteConfig
+from ..input_errors import InputError
 
 
-class ExportError(ValueError):
-    """The checkpoint cannot be exported; the message names what is wrong and the fix."""
+class ExportError(InputError, ValueError):
+    """The checkpoint (or export) cannot be exported (or imported); the message names what is wrong and the fix."""
 
 
 def expected_tensors(config: TriRouteConfig) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

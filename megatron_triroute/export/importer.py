@@ -62,23 +62,27 @@ def read_export(directory: Path) -> tuple[dict, TriRouteConfig, dict[str, torch.
     cfg_file = directory / "config.json"
     if not cfg_file.is_file():
         raise ExportError(f"{directory}: no config.json. Fix: pass a directory written by the exporter.")
-    hf = json.loads(cfg_file.read_text())
-    if "triroute" not in hf or "training_config" not in hf:
+    try:
+        hf = json.loads(cfg_file.read_text())
+    except ValueError as error:
+        raise ExportError(f"{cfg_file} is not JSON ({error}). Fix: copy the directory again from where it was "
+                          "exported.") from None
+    if not isinstance(hf, dict) or "triroute" not in hf or "training_config" not in hf:
         raise ExportError(f"{cfg_file} has no `triroute`/`training_config` entries: not written by "
                           "megatron_triroute.export, so the run config cannot be recovered. Fix: import a directory "
                           "the exporter wrote.")
     config = TriRouteConfig.from_dict(hf["triroute"]).validate()
+    check_halves_agree(cfg_file, hf, config)
     weights = read_weights(directory)
     if hf.get("model_type") == "llama":
-        from safetensors.torch import load_file
-
         from .llama import SIDE_FILE, llama_to_engine
+        from .safetensors_io import read_file
 
         side_file = directory / SIDE_FILE
         if not side_file.is_file():
             raise ExportError(f"{side_file} is missing: it holds the controller, prices and token tables the "
                               "Llama weights have no place for. Fix: re-export the checkpoint.")
-        state = llama_to_engine(config, weights, load_file(str(side_file)))
+        state = llama_to_engine(config, weights, read_file(side_file))
     elif hf.get("model_type") == "triroute":
         stray = sorted(k for k in weights if not k.startswith(HF_PREFIX))
         if stray:
@@ -88,6 +92,26 @@ def read_export(directory: Path) -> tuple[dict, TriRouteConfig, dict[str, torch.
         raise ExportError(f"{cfg_file}: model_type {hf.get('model_type')!r}; the importer reads `triroute` and "
                           "`llama` exports of this project.")
     return hf, config, state
+
+
+def check_halves_agree(cfg_file: Path, hf: dict, config: TriRouteConfig) -> None:
+    """Refuse a config.json whose `triroute` section (the model the weights are read as) and
+    `training_config.triroute` (the run config the imported checkpoint records, which a run started
+    from it must match) differ, naming every differing key: a hand edit of one half only."""
+    from ..training.resume_config import flatten
+
+    recorded = hf["training_config"].get("triroute") if isinstance(hf["training_config"], dict) else None
+    if recorded is None:
+        raise ExportError(f"{cfg_file}: training_config has no `triroute` section. Fix: import a directory the "
+                          "exporter wrote (or restore training_config from the checkpoint's config).")
+    model = flatten(config.to_dict())
+    run = flatten(TriRouteConfig.from_dict(recorded).validate().to_dict())
+    differ = [f"{k}: triroute {model.get(k)!r}, training_config.triroute {run.get(k)!r}"
+              for k in sorted(model.keys() | run.keys()) if model.get(k) != run.get(k)]
+    if differ:
+        raise ExportError(f"{cfg_file}: its `triroute` section and `training_config.triroute` disagree on "
+                          f"{len(differ)} key(s):\n  " + "\n  ".join(differ) + "\nFix: make the two halves equal "
+                          "(the exporter writes them equal; an edit changed one), or export the checkpoint again.")
 
 
 TRAINING_ONLY = IGNORED + ("_extra_state", "reward_baseline.value", "reward_baseline.steps")

@@ -11,6 +11,8 @@ from pathlib import Path
 
 import torch
 
+from .completeness import ExportError
+
 log = logging.getLogger("megatron_triroute.export")
 
 SINGLE = "model.safetensors"
@@ -22,13 +24,13 @@ def parse_size(text: str) -> int:
     """'5GB' / '500MB' / '2GiB' / '1000000' -> bytes."""
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", text, re.IGNORECASE)
     if not match:
-        raise ValueError(f"--max-shard-size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 2GiB")
+        raise ExportError(f"--max-shard-size {text!r}: expected a number of bytes or e.g. 5GB, 500MB, 2GiB")
     unit = (match.group(2) or "B").upper()
     scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
              "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}[unit]
     size = int(float(match.group(1)) * scale)
     if size <= 0:
-        raise ValueError(f"--max-shard-size {text!r}: must be positive")
+        raise ExportError(f"--max-shard-size {text!r}: must be positive")
     return size
 
 
@@ -70,26 +72,59 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_b
     return files
 
 
-def read_weights(directory: Path) -> dict[str, torch.Tensor]:
-    """All tensors of an HF directory (single file or index + shards), verified against the index."""
+def read_file(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of one safetensors file, or an ExportError naming it when it cannot be read
+    (truncated, corrupted, missing)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError) as error:
+        raise ExportError(f"{path} cannot be read ({error}): the file is truncated, corrupted or missing. Fix: copy "
+                          "the directory again from where it was exported, or export the checkpoint again "
+                          "(python -m megatron_triroute.export --checkpoint ...).") from None
+
+
+def shard_files(directory: Path) -> dict[str, str]:
+    """The `weight_map` (tensor name -> shard file) of `directory`'s index, refused unless every shard
+    it names is a bare file name: a path such as `../x` or `/abs/x` would read outside the export."""
+    index = directory / INDEX
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (ValueError, KeyError, TypeError) as error:
+        raise ExportError(f"{index} is not a shard index ({type(error).__name__}: {error}). Fix: export the "
+                          "checkpoint again.") from None
+    if not isinstance(weight_map, dict):
+        raise ExportError(f"{index}: weight_map is a {type(weight_map).__name__}, not a mapping. Fix: export the "
+                          "checkpoint again.")
+    for file in sorted(set(weight_map.values()), key=str):
+        if not isinstance(file, str) or Path(file).name != file or file in ("", ".", ".."):
+            raise ExportError(f"{index}: weight_map names the shard {file!r}, which is not a file name inside "
+                              f"{directory} (an index names its shards by bare file name, e.g. "
+                              "model-00001-of-00002.safetensors). Fix: export the checkpoint again; never read an "
+                              "index whose shards point elsewhere.")
+    return weight_map
+
+
+def read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """All tensors of an HF directory (single file or index + shards), verified against the index."""
     directory = Path(directory)
     if (directory / INDEX).is_file():
-        weight_map = json.loads((directory / INDEX).read_text())["weight_map"]
+        weight_map = shard_files(directory)
         out: dict[str, torch.Tensor] = {}
         for file in sorted(set(weight_map.values())):
-            part = load_file(str(directory / file))
+            part = read_file(directory / file)
             stray = sorted(k for k in part if weight_map.get(k) != file)
             if stray:
-                raise ValueError(f"{directory / file} holds {stray[:4]} which {INDEX} places elsewhere. "
-                                 "Fix: re-export the directory.")
+                raise ExportError(f"{directory / file} holds {stray[:4]} which {INDEX} places elsewhere. "
+                                  "Fix: re-export the directory.")
             out.update(part)
         missing = sorted(set(weight_map) - set(out))
         if missing:
-            raise ValueError(f"{directory}: {INDEX} lists {missing[:4]} but no shard holds them. Fix: re-export.")
+            raise ExportError(f"{directory}: {INDEX} lists {missing[:4]} but no shard holds them. Fix: re-export.")
         return out
     if (directory / SINGLE).is_file():
-        return load_file(str(directory / SINGLE))
-    raise ValueError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: pass a Hugging Face model directory "
-                     "written by `python -m megatron_triroute.export`.")
+        return read_file(directory / SINGLE)
+    raise ExportError(f"{directory}: neither {SINGLE} nor {INDEX}. Fix: pass a Hugging Face model directory "
+                      "written by `python -m megatron_triroute.export`.")

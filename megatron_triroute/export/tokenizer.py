@@ -17,6 +17,8 @@ import json
 import shutil
 from pathlib import Path
 
+from .completeness import ExportError
+
 
 def build_fast_tokenizer(model_file: Path):
     from tokenizers import Tokenizer, decoders, normalizers
@@ -36,8 +38,8 @@ def write_tokenizer(directory: Path, model_file: Path, eod_id: int, max_length: 
 
     sp = sentencepiece.SentencePieceProcessor(model_file=str(model_file))
     if sp.eos_id() != eod_id:
-        raise ValueError(f"{model_file}: its EOS id {sp.eos_id()} is not the run's EOD id {eod_id}. Fix: pass the "
-                         "data directory the run was trained on (--data).")
+        raise ExportError(f"{model_file}: its EOS id {sp.eos_id()} is not the run's EOD id {eod_id}. Fix: pass the "
+                          "data directory the run was trained on (--data).")
     shutil.copyfile(model_file, directory / "tokenizer.model")
     tok = build_fast_tokenizer(model_file)
     tok.save(str(directory / "tokenizer.json"))

@@ -29,6 +29,7 @@ import torch
 
 from ..checkpoint.sharded import GLOBAL_FORMAT
 from ..config import TriRouteConfig
+from ..input_errors import InputError
 
 IGNORED = ("budget.targets", "budget.lambdas", "budget.ema", "budget.steps")
 """Training-only buffers: the dual variables are not part of the deployed policy (the prices are)."""
@@ -36,7 +37,7 @@ TRAINING_ONLY_LAYER = "reward_baseline."
 """A layer's training-only buffers (the REINFORCE estimator's reward baseline): not served."""
 
 
-class InferenceCheckpointError(ValueError):
+class InferenceCheckpointError(InputError, ValueError):
     """The checkpoint cannot be served; the message names what is wrong and the fix."""
 
 

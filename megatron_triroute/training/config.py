@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
-from ..config import ConfigError, TriRouteConfig, _fail, _from_dict
+from ..config import (ConfigError, TriRouteConfig, _fail, _from_dict, check_types, describe_type, field_types,
+                      optional_of)
 
 
 CHECKPOINT_CHECKS = ("shared", "full")
@@ -217,30 +219,44 @@ def apply_overrides(config: RunConfig, overrides: list[str]) -> RunConfig:
         fields = {f.name: f for f in dataclasses.fields(target)} if dataclasses.is_dataclass(target) else {}
         if leaf not in fields:
             raise ConfigError(f"override {key!r}: unknown field {leaf!r}. Fix: use one of {sorted(fields)}.")
-        setattr(target, leaf, _parse(raw, getattr(target, leaf), key))
+        setattr(target, leaf, parse_value(raw, field_types(type(target))[leaf], key))
+    check_types(config)
     return config
 
 
-def _parse(raw: str, current: Any, key: str) -> Any:
-    try:
-        if isinstance(current, bool) or current is None and raw.lower() in ("true", "false", "none"):
-            lowered = raw.lower()
-            if lowered == "none":
-                return None
-            if lowered not in ("true", "false", "1", "0"):
-                raise ValueError(raw)
-            return lowered in ("true", "1")
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
-        if isinstance(current, tuple):
-            items = [s for s in raw.split(",") if s]
-            kind = type(current[0]) if current else str
-            return tuple(kind(s) for s in items)
+BOOLEANS = {"true": True, "1": True, "yes": True, "on": True, "false": False, "0": False, "no": False, "off": False}
+"""How a boolean override may be spelled (any case); anything else is refused, never read as truthy."""
+NONES = ("none", "null")
+"""How an override sets an optional field (`X | None`) to None (any case)."""
+
+
+def parse_value(raw: str, hint: Any, key: str, optional: bool = False) -> Any:
+    """The override `key=raw` as a value of the field's declared type `hint`, or a ConfigError naming
+    the field, the value and the spellings the type accepts."""
+    inner = optional_of(hint)
+    if inner is not None:
+        return None if raw.strip().lower() in NONES else parse_value(raw, inner, key, optional=True)
+    origin = typing.get_origin(hint)
+    if hint is bool:
+        value = BOOLEANS.get(raw.strip().lower())
+        if value is None:
+            raise ConfigError(f"override {key}={raw!r}: not a boolean. Fix: use true or false (or 1/0, yes/no, "
+                              f"on/off, any case){', or none' if optional else ''}.")
+        return value
+    if origin is tuple:
+        kind = typing.get_args(hint)[0]
+        return tuple(parse_value(item, kind, key) for item in raw.split(",") if item)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if raw not in choices:
+            raise ConfigError(f"override {key}={raw!r}: not one of the field's choices. "
+                              f"Fix: use one of {', '.join(choices)}.")
         return raw
+    try:
+        return hint(raw) if hint in (int, float) else raw
     except ValueError:
-        raise ConfigError(f"override {key}={raw!r}: cannot parse as {type(current).__name__}") from None
+        raise ConfigError(f"override {key}={raw!r}: cannot parse as {hint.__name__}. Fix: give {describe_type(hint)}, "
+                          f"e.g. {key}={'3' if hint is int else '0.5'}.") from None
 
 
 def _validate_dp_engine(p: ParallelConfig) -> None:

@@ -84,20 +84,30 @@ _RECIPES = {"tiny": recipe_tiny, "160m": recipe_160m, "410m": recipe_410m, "1p3b
 
 def get_recipe(name: str) -> RunConfig:
     """`SCALE` or `SCALE-SYSTEM` (a system or Table 4 variant of `megatron_triroute.systems`)."""
+    from ..systems import list_presets, system_config
+
     scale, _, system = name.partition("-")
     if scale not in _RECIPES:
-        raise ValueError(f"unknown recipe {name!r}: scale must be one of {sorted(_RECIPES)} (optionally -SYSTEM)")
+        raise ConfigError(f"unknown recipe {name!r}; known: {', '.join(_RECIPES)} (each optionally -SYSTEM, e.g. "
+                          f"tiny-moe). Fix: {_closest('--recipe ', scale, _RECIPES)}")
+    if system and system not in list_presets():
+        raise ConfigError(f"unknown system {system!r} in recipe {name!r}; known: {', '.join(list_presets())}. "
+                          f"Fix: {_closest(f'--recipe {scale}-', system, list_presets())}")
     run = _RECIPES[scale]()
     run.name = name
     run.output_dir = f"runs/{name}"
     if system:
-        from ..systems import list_presets, system_config
-
-        if system not in list_presets():
-            raise ValueError(f"unknown system {system!r} in recipe {name!r}: use one of {list_presets()}")
         run.system = system
         run.triroute = system_config(system, run.triroute)
     return run
+
+
+def _closest(prefix: str, given: str, known) -> str:
+    """'did you mean PREFIXNAME?' for the known name nearest `given`, else 'use one of those'."""
+    import difflib
+
+    near = difflib.get_close_matches(given, list(known), n=1, cutoff=0.5)
+    return f"did you mean {prefix}{near[0]}?" if near else "use one of those."
 
 
 def resolve(name: str, overrides: list[str]) -> RunConfig:

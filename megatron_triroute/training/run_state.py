@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.devices import collective_device
-from ..checkpoint import (CheckpointError, capture_rng_state, latest_valid_checkpoint, load_shards, restore_rng_state,
+from ..checkpoint import (CheckpointError, NoVerifiedCheckpointError, capture_rng_state, load_shards, restore_rng_state,
                           save_checkpoint)
 from ..checkpoint.sharded import GLOBAL_FORMAT, current_name
-from ..checkpoint.store import (CheckpointInfo, checkpoint_candidates, no_verified_checkpoint, split_step_dir,
-                                step_dir_name, trust_verified, verify_checkpoint)
+from ..checkpoint.store import (CheckpointInfo, CheckpointNotFoundError, checkpoint_candidates, no_verified_checkpoint,
+                                split_step_dir, step_dir_name, trust_verified, verify_checkpoint)
 from ..durability import resolve_dir
 from .resume_config import check_resume_config
 
@@ -257,13 +257,13 @@ def init_from_checkpoint(path: str, model, groups, config: dict, optimizer=None)
                               f"`python -m megatron_triroute.export --import {path} --output CKPT_DIR` and pass "
                               "train.init_from=CKPT_DIR.")
     root, step = split_step_dir(source)
-    if step is None:
-        info = latest_valid_checkpoint(root)
-        if info is None:
-            raise CheckpointError(f"train.init_from={path}: no checkpoint there. Fix: pass a run's checkpoints/ "
-                                  "directory, one of its step_* directories, or an imported export.")
-        step = info.step
-    _, _, meta = load_shards(root, ranks=[], step=step)
+    try:  # every file verified against its manifest; the newest valid step of a root
+        step, _, meta = load_shards(root, ranks=[], step=step)
+    except CheckpointError as error:
+        nothing = isinstance(error, CheckpointNotFoundError) and not isinstance(error, NoVerifiedCheckpointError)
+        what = "no checkpoint there" if nothing else "cannot be used"
+        raise CheckpointError(f"train.init_from={path}: {what} ({error}). Fix: pass a run's checkpoints/ directory, "
+                              "one of its step_* directories (a complete one), or an imported export.") from None
     if meta.get("checkpoint_format") != GLOBAL_FORMAT:
         raise CheckpointError(f"train.init_from={path}: written before layout-independent checkpoints. Fix: resume "
                               "that run once (its next checkpoint is layout-independent), or re-import the export.")

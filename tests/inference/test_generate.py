@@ -72,3 +72,12 @@ def test_loader_refuses_other_layouts_and_missing_tensors(trained, tmp_path):
     info = latest_valid_checkpoint(trained)
     cfg, state = load_inference_checkpoint(info.path)
     assert "layers.0.wq" in state and cfg["triroute"]["model"]["n_layers"] == 2
+
+
+def test_a_checkpoint_that_cannot_be_used_exits_2_with_one_line(tmp_path, capsys):
+    from megatron_triroute import generate
+
+    (tmp_path / "checkpoints" / "step_00000002").mkdir(parents=True)  # a step directory with no manifest
+    assert generate.main(["--checkpoint", str(tmp_path / "checkpoints" / "step_00000002"), "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "manifest.json is missing" in err and "Traceback" not in err

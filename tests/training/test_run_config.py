@@ -30,6 +30,65 @@ def test_bad_overrides_name_the_problem(item, needle):
         apply_overrides(get_recipe("tiny"), [item])
 
 
+@pytest.mark.parametrize("raw, value", [("0", False), ("1", True), ("FALSE", False), ("yes", True), ("Off", False),
+                                        ("none", None), ("NULL", None)])
+def test_boolean_overrides_parse_strictly(raw, value):
+    """`train.bf16=0` is off (the string "0" is truthy: it must never be stored as such)."""
+    recompute = "on" if value is None else raw  # not optional: no none
+    run = apply_overrides(get_recipe("tiny"), [f"train.bf16={raw}", f"train.recompute={recompute}"])
+    assert run.train.bf16 is value and run.train.recompute is (True if value is None else value)
+
+
+@pytest.mark.parametrize("item, needle", [
+    ("train.bf16=maybe", r"train.bf16='maybe': not a boolean. Fix: use true or false \(or 1/0, yes/no, on/off, any "
+                         r"case\), or none"),
+    ("train.recompute=none", r"train.recompute='none': not a boolean. Fix: .*any case\)\.$"),
+    ("train.steps=1.5", r"train.steps='1.5': cannot parse as int. Fix: give an integer"),
+    ("optim.lr=abc", r"optim.lr='abc': cannot parse as float. Fix: give a number"),
+    ("data.train_weights=0.5,x", r"data.train_weights='x': cannot parse as float"),
+    ("triroute.router.estimator=adam", r"estimator='adam': not one of the field's choices. Fix: use one of st_gumbel, "
+                                       r"reinforce"),
+])
+def test_overrides_of_the_wrong_type_are_refused_naming_field_value_and_spellings(item, needle):
+    with pytest.raises(ConfigError, match=needle):
+        apply_overrides(get_recipe("tiny"), [item])
+
+
+def test_every_field_is_type_checked_after_the_overrides():
+    from megatron_triroute.config import check_types
+
+    run = apply_overrides(get_recipe("tiny"), ["data.train_weights=1,3"])
+    assert run.data.train_weights == (1.0, 3.0) and all(type(w) is float for w in run.data.train_weights)
+    check_types(run)  # a recipe with its overrides applied is well typed
+    for section, name, value, kind in [("train", "steps", "3", "an integer"), ("optim", "lr", True, "a number"),
+                                       ("train", "bf16", "0", "true or false, or none"),
+                                       ("train", "recompute", 1, "true or false")]:
+        run = get_recipe("tiny")
+        setattr(getattr(run, section), name, value)
+        with pytest.raises(ConfigError, match=rf"{section}.{name}={value!r}: is a \w+, the field takes {kind}\. "):
+            check_types(run)
+
+
+def test_an_unknown_recipe_names_the_known_ones_and_the_closest():
+    with pytest.raises(ConfigError, match=r"unknown recipe 'tinyy'; known: tiny, 160m, 410m, 1p3b .* did you mean "
+                                          r"--recipe tiny\?"):
+        get_recipe("tinyy")
+    with pytest.raises(ConfigError, match=r"unknown system 'moee' .* did you mean --recipe 160m-moe\?"):
+        get_recipe("160m-moee")
+
+
+def test_the_training_command_line_reports_bad_input_with_exit_status_2():
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    done = subprocess.run([sys.executable, "-m", "megatron_triroute.train", "--recipe", "tinyy"], cwd=REPO,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.startswith("error: unknown recipe 'tinyy'") and "Traceback" not in done.stderr
+
+
 def test_layout_validation_names_the_fix():
     run = get_recipe("160m")
     run.parallel.tensor = 2
