@@ -29,6 +29,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.save_interval_steps": "interval",
     "train.save_interval_minutes": "interval",
     "train.keep_last": "checkpoint retention",
+    "train.async_save": "how checkpoints are written (the same files)",
     "train.exit_interval": "when this run stops",
     "train.init_from": "read only when a run starts",
     "train.eval_batches": "evaluation size",

@@ -43,11 +43,13 @@ def coordinates(groups) -> list[int]:
 
 
 def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_dict: dict, consumed: int,
-             keep_last: int) -> None:
+             keep_last: int, saves=None) -> None:
     """Collective: the model and the ZeRO-1 moments as global tensors (Megatron dist_checkpointing,
     under `sharded/`), and per rank the scheduler, optimizer options and RNG states; `step` is the
-    next step to run."""
-    from ..checkpoint.sharded import save_state
+    next step to run. With `saves` (a `checkpoint.async_save.AsyncSaves`) returns once the state is
+    snapshotted and leaves the heavy write and the commit to it; else returns committed."""
+    from ..checkpoint.sharded import plan_state_save
+    from ..checkpoint.store import begin_save
 
     coords = torch.tensor(coordinates(groups), dtype=torch.long, device=collective_device())
     everyone = [torch.zeros_like(coords) for _ in range(groups.world_size)]
@@ -63,9 +65,11 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
         "layout": {"world_size": groups.world_size, "tp": groups.tp, "pp": groups.pp, "ep": groups.ep, "dp": groups.dp},
         "coordinates": [c.cpu().tolist() for c in everyone],
     }
-    save_checkpoint(root, step, state, meta, rank=groups.rank, world_size=groups.world_size,
-                    barrier=dist.barrier, keep_last=keep_last,
-                    write_extra=lambda directory: save_state(directory, model, optimizer))
+    save = save_checkpoint if saves is None else begin_save
+    done = save(root, step, state, meta, rank=groups.rank, world_size=groups.world_size, barrier=dist.barrier,
+                keep_last=keep_last, write_extra=lambda directory: plan_state_save(directory, model, optimizer))
+    if saves is not None:
+        saves.schedule(done)
 
 
 def load_run(root: str, model, optimizer, scheduler, groups, config: dict | None = None) -> dict | None:
