@@ -5,7 +5,7 @@
 
 1. Builds the recipe's `TriRouteGPTModel` (its system; random weights, fp32) in this process at
    tensor/pipeline/expert 1/1/1 (a gloo group of one, `overhead.single_process_parallel`), saves it
-   as a layout-independent checkpoint (`checkpoint.sharded.save_model` through `store.save_checkpoint`,
+   as a layout-independent checkpoint (`checkpoint.sharded.plan_state_save` through `store.save_checkpoint`,
    as training does) and frees it. The vocabulary is the recipe's (the data directory's tokenizer
    tables padded to it, as training pads them), so the embedding and LM head have the recipe's size.
 2. Runs the export CLI in a fresh subprocess per row (`python -X importtime -m megatron_triroute.export
@@ -90,7 +90,7 @@ def write_checkpoint(root: Path, recipe: str, data: Path) -> dict:
     """Build the recipe's model in this process (1/1/1), save it under `root`, free it."""
     import torch.distributed as dist
 
-    from megatron_triroute.checkpoint.sharded import GLOBAL_FORMAT, save_model
+    from megatron_triroute.checkpoint.sharded import GLOBAL_FORMAT, plan_state_save
     from megatron_triroute.checkpoint.store import save_checkpoint
     from megatron_triroute.model.gpt import TriRouteGPTModel
     from megatron_triroute.model.spec import transformer_config
@@ -109,7 +109,7 @@ def write_checkpoint(root: Path, recipe: str, data: Path) -> dict:
                 "checkpoint_format": GLOBAL_FORMAT,
                 "layout": {"world_size": 1, "tp": 1, "pp": 1, "ep": 1, "dp": 1}}
         save_checkpoint(root, STEP, {}, meta, rank=0, world_size=1, barrier=dist.barrier,
-                        write_extra=lambda directory: save_model(directory, model))
+                        write_extra=lambda directory: plan_state_save(directory, model, None))
         del model
     gc.collect()
     m, r = cfg.model, cfg.router

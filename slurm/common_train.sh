@@ -102,6 +102,10 @@ triroute_train_job() {
     }
   fi
   read -r -a scale_args <<<"$SCALE_ARGS"
+  # GPU jobs save checkpoints asynchronously (the trainer's default with CUDA, stated here so the
+  # job's command says it); TRAIN_ARGS may still set train.async_save=false.
+  local gpus=${SLURM_GPUS_PER_NODE:-0}
+  if [ -n "$gpus" ] && [ "${gpus##*:}" != 0 ]; then scale_args+=("train.async_save=true"); fi
   extra=("${scale_args[@]}" "${extra[@]}")
   if [ -n "${DATA:-}" ]; then
     case "$DATA" in /*) ;; *) DATA=$PWD/$DATA ;; esac

@@ -35,6 +35,10 @@ GLOBAL_FORMAT = "global-tensors-v1"
 log = logging.getLogger(__name__)
 
 METADATA_FILE = ".metadata"
+"""torch DCP's metadata (rank 0, written once every rank's data files are)."""
+COMMON_FILE = "common.pt"
+CONFIG_FILE = "metadata.json"
+"""Megatron's non-tensor state and its format record (rank 0; this code stores no non-tensor state)."""
 
 _ALLOWED_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -194,8 +198,24 @@ def _describing(described, data: torch.Tensor, **changes):
 def save_state(directory: str | Path, model, optimizer) -> None:
     """Collective: the model's and the optimizer moments' global tensors, each stored once. The
     model is stored in fp32: a bf16 parameter as the optimizer's fp32 master of it."""
+    write = plan_state_save(directory, model, optimizer)
+    write.run()
+    torch.distributed.barrier()
+    write.finalize()
+
+
+def plan_state_save(directory: str | Path, model, optimizer):
+    """Collective: what `save_state` writes, as a `store.ExtraWrite` for `save_checkpoint`'s
+    `write_extra`. Returns once the tensors are snapshotted: Megatron plans the save with every
+    rank, rank 0 writes `common.pt`, and the tensors are copied to host memory (from a GPU; on the
+    CPU the background process forked later holds the snapshot). `run()` writes this rank's data
+    files (`__<rank>_<i>.distcp`, torch DCP's names) and may run in that forked process;
+    `finalize()` (collective, after every rank's `run`) writes `.metadata` and `metadata.json` on
+    rank 0. Each returns the paths it wrote on this rank."""
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    from .store import ExtraWrite
 
     model_sharded = model_sharded_state_dict(model)
     sharded = dict(model_sharded)
@@ -207,9 +227,28 @@ def save_state(directory: str | Path, model, optimizer) -> None:
     if low:
         raise CheckpointError(f"{low[:3]} would be stored in low precision; checkpoints store fp32 (an optimizer's "
                               "masters for bf16 parameters): pass the optimizer that holds them")
-    Path(directory).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(sharded, str(directory), sharded_strategy=("torch_dist", 1),
-                            validate_access_integrity=True)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    request = dist_checkpointing.save(sharded, str(directory), sharded_strategy=("torch_dist", 1),
+                                      validate_access_integrity=True, async_sharded_save=True)
+    rank0 = torch.distributed.get_rank() == 0
+    args = list(request.async_fn_args)
+    if request.preload_fn is not None:
+        args[1] = request.preload_fn()  # [(path, name, data)] per file, on the host (Megatron's D2H copy)
+    common = [directory / COMMON_FILE] if rank0 else []
+
+    def run() -> list[Path]:
+        if request.async_fn is None:  # this rank holds no main replica of anything
+            return common
+        request.async_fn(*args, **request.async_fn_kwargs)
+        return common + [Path(bucket[0]) for bucket in args[1]]
+
+    def finalize() -> list[Path]:
+        for fn in request.finalize_fns:  # gathers every rank's write results; rank 0 writes the metadata
+            fn()
+        return [directory / METADATA_FILE, directory / CONFIG_FILE] if rank0 else []
+
+    return ExtraWrite(run, finalize)
 
 
 def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int | None = None) -> None:

@@ -58,8 +58,9 @@ _STEP_DIR = re.compile(r"step_(\d{8,})")
 _ASIDE_DIR = re.compile(r"(step_\d{8,})" + re.escape(ASIDE_MARK))
 
 CRASH_ENV = "TRIROUTE_CHECKPOINT_CRASH_AT"
-"""Test hook: set to a phase name ("after_shard", "before_rename", "before_latest") and every rank
-of a save `os._exit(CRASH_EXIT_CODE)`s there, as a node failure would."""
+"""Test hook: set to a phase name ("after_shard", "before_rename", "before_latest"; for an
+asynchronous save also "background_write": right after the write is handed to the background
+process) and every rank of a save `os._exit(CRASH_EXIT_CODE)`s there, as a node failure would."""
 CRASH_EXIT_CODE = 86
 
 
@@ -106,7 +107,39 @@ def _digest_file_name(rank: int) -> str:
     return f".rank_{rank:05d}.digest.json"
 
 
+_DIGEST = re.compile(r"\.rank_\d{5,}\.digest\.json")
+
+
 # -------------------------------------------------------------------------------------------- save
+
+
+@dataclass
+class ExtraWrite:
+    """What `write_extra` leaves to do on its rank: `run()` writes the heavy files and returns the
+    paths it wrote (an asynchronous save runs it in a background process while training goes on);
+    `finalize()`, collective, runs on every rank once every rank's `run` has returned and returns the
+    paths it wrote (e.g. Megatron's metadata on rank 0)."""
+
+    run: Callable[[], list[Path]]
+    finalize: Callable[[], list[Path]] = list
+
+
+@dataclass
+class PendingSave:
+    """A save whose per-rank files are written and whose heavy write and commit are still to run.
+
+    `background()` runs this rank's `ExtraWrite.run`, then fsyncs and hashes every file the rank
+    wrote into its digest; it touches only this rank's files, so it may run in another process.
+    `commit()`, collective, runs once `background()` has returned on every rank: each rank adds the
+    files its `ExtraWrite.finalize` wrote to its digest, then rank 0 writes the manifest, publishes
+    the directory, moves `latest` and prunes. Until `commit` returns, `latest` names the previous
+    checkpoint."""
+
+    step: int
+    path: Path
+    """The directory the checkpoint will have once committed."""
+    background: Callable[[], None]
+    commit: Callable[[], Path]
 
 
 def save_checkpoint(
@@ -119,7 +152,7 @@ def save_checkpoint(
     world_size: int = 1,
     barrier: Callable[[], None] | None = None,
     keep_last: int | None = None,
-    write_extra: Callable[[Path], None] | None = None,
+    write_extra: Callable[[Path], Any] | None = None,
 ) -> Path:
     """Writes this rank's tree as one shard and, on rank 0, commits the checkpoint. Collective:
     every rank calls it with the same step; `barrier` must block until all ranks reach it (e.g.
@@ -131,9 +164,34 @@ def save_checkpoint(
     behind when a run resumed from an older checkpoint).
 
     `write_extra(directory)`, called collectively on every rank before the shards are written,
-    may add files under `directory/EXTRA_DIR` (e.g. a Megatron sharded checkpoint); rank 0 then
-    fsyncs and checksums them into the manifest like every other file.
-    """
+    may add files under `directory/EXTRA_DIR` (e.g. a Megatron sharded checkpoint). It returns the
+    paths it wrote on this rank, or an `ExtraWrite` that writes them later. Each rank fsyncs and
+    hashes the files it wrote itself; the manifest collects them like every other file.
+
+    `begin_save` takes the same arguments and leaves the heavy write and the commit to its caller
+    (an asynchronous save)."""
+    pending = begin_save(root, step, rank_states, meta, rank=rank, world_size=world_size, barrier=barrier,
+                         keep_last=keep_last, write_extra=write_extra)
+    pending.background()
+    (barrier or (lambda: None))()
+    return pending.commit()
+
+
+def begin_save(
+    root: str | os.PathLike,
+    step: int,
+    rank_states: Any,
+    meta: dict,
+    *,
+    rank: int = 0,
+    world_size: int = 1,
+    barrier: Callable[[], None] | None = None,
+    keep_last: int | None = None,
+    write_extra: Callable[[Path], Any] | None = None,
+) -> PendingSave:
+    """The synchronous part of `save_checkpoint` (same arguments): the save directory, `write_extra`,
+    and this rank's shard, skeleton (and on rank 0 meta), written, fsynced and hashed. Returns the
+    rest as a `PendingSave`. Collective."""
     if world_size > 1 and barrier is None:
         raise ValueError(f"save_checkpoint with world_size={world_size} needs a barrier callable")
     if not 0 <= rank < world_size:
@@ -143,6 +201,7 @@ def save_checkpoint(
     sync = barrier or (lambda: None)
     root = Path(root)
     tmp = root / f"{TMP_PREFIX}{step_dir_name(step)}"
+    final = root / step_dir_name(step)
     # Reject unserialisable input before the first barrier and before touching the disk.
     meta_text = _to_json(meta, what="meta")
     tensors, skeleton = flatten_tree(rank_states)
@@ -155,9 +214,7 @@ def save_checkpoint(
         fsync_dir(root)
     sync()
 
-    if write_extra is not None:
-        write_extra(tmp / EXTRA_DIR)
-        sync()
+    extra = _as_extra_write(write_extra(tmp / EXTRA_DIR)) if write_extra is not None else ExtraWrite(list)
     shard, skeleton_file = tmp / shard_file_name(rank), tmp / skeleton_file_name(rank)
     save_file(tensors, shard, metadata={"format": FORMAT_NAME, "step": str(step), "rank": str(rank)})
     fsync_file(shard)
@@ -167,37 +224,75 @@ def save_checkpoint(
     if rank == 0:
         write_durably(tmp / META_FILE, meta_text.encode())
         written.append(tmp / META_FILE)
-        if (tmp / EXTRA_DIR).is_dir():
-            extra = sorted(f for f in (tmp / EXTRA_DIR).rglob("*") if f.is_file())
-            for file in extra:
-                fsync_file(file)
-            fsync_dir(tmp / EXTRA_DIR)
-            written += extra
-    # Each rank hashes its own files (hot in the page cache) so rank 0 does not read every shard.
-    write_durably(tmp / _digest_file_name(rank),
-                  json.dumps({p.relative_to(tmp).as_posix(): describe_file(p) for p in written}).encode())
-    fsync_dir(tmp)
-    sync()
+    # Hashed by the rank that wrote them, while they are hot in its page cache.
+    described = _describe(tmp, written)
 
-    final = root / step_dir_name(step)
-    if rank == 0:
-        _commit(root, tmp, final, step, world_size)
-        if keep_last is not None:
-            _prune(root, step, keep_last)
-    sync()  # nobody returns (and maybe exits) before the checkpoint is committed
-    return final
+    def background() -> None:
+        _write_digest(tmp, rank, {**described, **_describe(tmp, extra.run(), fsync=True)})
+
+    def commit() -> Path:
+        late = extra.finalize()
+        if late:
+            digest = tmp / _digest_file_name(rank)
+            _write_digest(tmp, rank, {**json.loads(digest.read_text()), **_describe(tmp, late, fsync=True)})
+        sync()
+        if rank == 0:
+            _commit(root, tmp, final, step, world_size)
+            if keep_last is not None:
+                _prune(root, step, keep_last)
+        sync()  # nobody returns (and maybe exits) before the checkpoint is committed
+        return final
+
+    return PendingSave(step, final, background, commit)
+
+
+def _as_extra_write(returned: Any) -> ExtraWrite:
+    if isinstance(returned, ExtraWrite):
+        return returned
+    if returned is None or isinstance(returned, (str, bytes)) or not isinstance(returned, Iterable):
+        raise TypeError(f"write_extra returned {type(returned).__name__}: it must return the paths it wrote on this "
+                        "rank (a list, empty if none), or an ExtraWrite")
+    paths = [Path(p) for p in returned]
+    return ExtraWrite(lambda: paths)
+
+
+def _describe(tmp: Path, paths: Iterable[Path], *, fsync: bool = False) -> dict[str, dict]:
+    """{path relative to `tmp`: bytes + sha256} of files this rank wrote (fsynced first if asked)."""
+    out = {}
+    for path in paths:
+        if fsync:
+            fsync_file(path)
+        out[Path(path).relative_to(tmp).as_posix()] = describe_file(path)
+    return out
+
+
+def _write_digest(tmp: Path, rank: int, described: dict[str, dict]) -> None:
+    """This rank's part of the manifest, durable with the directory entries of its files."""
+    for directory in sorted({(tmp / name).parent for name in described}):
+        fsync_dir(directory)
+    write_durably(tmp / _digest_file_name(rank), json.dumps(described).encode())
+    fsync_dir(tmp)
 
 
 def _commit(root: Path, tmp: Path, final: Path, step: int, world_size: int) -> None:
     files: dict[str, dict] = {}
     for rank in range(world_size):
         digest = tmp / _digest_file_name(rank)
+        if not digest.is_file():
+            raise CheckpointError(f"{digest} is missing: rank {rank} did not finish writing its files; "
+                                  f"{step_dir_name(step)} is not committed")
         files.update(json.loads(digest.read_text()))
-        digest.unlink()
+    unlisted = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*")
+                      if p.is_file() and not _DIGEST.fullmatch(p.name) and p.relative_to(tmp).as_posix() not in files)
+    if unlisted:
+        raise CheckpointError(f"{tmp}: {unlisted[:5]} written but described by no rank (a write_extra must return "
+                              "every file it writes)")
     for name, expected in files.items():
         actual = (tmp / name).stat().st_size
         if actual != expected["bytes"]:
             raise CheckpointError(f"{tmp / name}: {actual} bytes on disk, its rank wrote {expected['bytes']}")
+    for rank in range(world_size):
+        (tmp / _digest_file_name(rank)).unlink()
     manifest = {
         "format": FORMAT_NAME,
         "format_version": FORMAT_VERSION,

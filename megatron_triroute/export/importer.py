@@ -124,7 +124,7 @@ def import_hf(directory: Path, output: Path) -> Path:
     a one-process model of the recorded config is built, loaded with the mapped weights and saved
     through the same `dist_checkpointing` path as training, so a run at any layout starts from it
     with `train.init_from` and every reader of checkpoints reads it."""
-    from ..checkpoint.sharded import GLOBAL_FORMAT, save_model
+    from ..checkpoint.sharded import GLOBAL_FORMAT, plan_state_save
     from ..checkpoint.store import save_checkpoint
     from ..inference.checkpoint import map_megatron_state
     from ..overhead import build_model, single_process_parallel
@@ -155,6 +155,6 @@ def import_hf(directory: Path, output: Path) -> Path:
         if missing or unexpected:
             raise ExportError(f"internal error: the import does not fill the model: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
-        path = save_checkpoint(output, step, {}, meta, write_extra=lambda d: save_model(d, model))
+        path = save_checkpoint(output, step, {}, meta, write_extra=lambda d: plan_state_save(d, model, None))
     log.info("imported %s -> %s (%d tensors)", directory, path, len(megatron))
     return output

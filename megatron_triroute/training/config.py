@@ -100,6 +100,13 @@ class TrainConfig:
     """How a resume verifies its checkpoint: "shared" (every rank checks every file's size and the
     sha256 of its share of the files, so each byte is read once over all ranks) or "full" (every
     rank checks every sha256)."""
+    async_save: bool | None = None
+    """Write checkpoints in the background (Megatron-Core's asynchronous save): the training loop
+    stops only to snapshot the tensors to host memory and write the small per-rank files; a forked
+    process writes and checksums the data files while training continues, and the checkpoint is
+    committed (manifest, `latest`) at a later step once every rank's write has finished, or before
+    the next save, a stop (exit 75), exit_interval and the end of the run. None: on when CUDA is
+    available (GPU clusters), off on CPU, where the writer competes with training for the cores."""
     exit_interval: int = 0
     """Checkpoint and exit (status 0) after the first step that is a multiple of this, before the
     end of the schedule (Megatron's --exit-interval); 0: off. A resume continues the same schedule."""
@@ -114,6 +121,12 @@ class TrainConfig:
     """Peak dense TFLOP/s of one device for the MFU report (0: report achieved TFLOP/s only)."""
     collapse_entropy: float = 0.1
     """Warn when an axis's normalised option entropy in a layer falls below this."""
+
+    @property
+    def saves_async(self) -> bool:
+        import torch
+
+        return torch.cuda.is_available() if self.async_save is None else self.async_save
 
     @property
     def dtype_name(self) -> str:

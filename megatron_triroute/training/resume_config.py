@@ -31,6 +31,7 @@ MAY_CHANGE: dict[str, str] = {
     "train.keep_last": "checkpoint retention",
     "train.start_fresh": "what a start over unverifiable checkpoints does",
     "train.checkpoint_check": "how a resume verifies its checkpoint",
+    "train.async_save": "how checkpoints are written (the same files)",
     "train.exit_interval": "when this run stops",
     "train.init_from": "read only when a run starts",
     "train.eval_batches": "evaluation size",

@@ -46,12 +46,15 @@ def coordinates(groups) -> list[int]:
 
 
 def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_dict: dict, consumed: int,
-             keep_last: int, calibration: dict | None = None) -> None:
+             keep_last: int, calibration: dict | None = None, saves=None) -> None:
     """Collective: the model and the ZeRO-1 moments as global tensors (Megatron dist_checkpointing,
     under `sharded/`), and per rank the scheduler, optimizer options and RNG states; `step` is the
     next step to run. `calibration`: the record of the price calibration just run, if any (the meta's
-    `prices` record, inference/prices.py, says whether the prices were calibrated)."""
-    from ..checkpoint.sharded import save_state
+    `prices` record, inference/prices.py, says whether the prices were calibrated). With `saves` (a
+    `checkpoint.async_save.AsyncSaves`) returns once the state is snapshotted and leaves the heavy
+    write and the commit to it; else returns committed."""
+    from ..checkpoint.sharded import plan_state_save
+    from ..checkpoint.store import begin_save
     from ..inference.prices import prices_record
 
     coords = torch.tensor(coordinates(groups), dtype=torch.long, device=collective_device())
@@ -69,9 +72,11 @@ def save_run(root: str, step: int, model, optimizer, scheduler, groups, config_d
         "coordinates": [c.cpu().tolist() for c in everyone],
         "prices": prices_record(model.budget.prices, calibration, step),
     }
-    save_checkpoint(root, step, state, meta, rank=groups.rank, world_size=groups.world_size,
-                    barrier=dist.barrier, keep_last=keep_last,
-                    write_extra=lambda directory: save_state(directory, model, optimizer))
+    save = save_checkpoint if saves is None else begin_save
+    done = save(root, step, state, meta, rank=groups.rank, world_size=groups.world_size, barrier=dist.barrier,
+                keep_last=keep_last, write_extra=lambda directory: plan_state_save(directory, model, optimizer))
+    if saves is not None:
+        saves.schedule(done)
 
 
 def find_resume_checkpoint(root: str, groups, *, full_check: bool = False) -> CheckpointInfo | None:

@@ -174,10 +174,25 @@ def _train(run: RunConfig, env, tables) -> int:
                  "data-parallel ranks share, rounded up to a multiple of them)", len(valid_batches),
                  t.micro_batch_size, t.eval_batches, groups.dp)
 
+    saves = None
+    if t.saves_async:
+        from ..checkpoint.async_save import AsyncSaves
+
+        saves = AsyncSaves()
+
+    def finish_saves(blocking: bool = True) -> None:
+        """Commits the asynchronous saves whose writes have finished on every rank (all of them,
+        waiting, when `blocking`)."""
+        if saves is not None:
+            for committed in saves.wait() if blocking else saves.poll():
+                if rank0:
+                    log.info("checkpoint at step %d committed", committed)
+
     def save(next_step: int, calibration: dict | None = None) -> None:
+        finish_saves()  # one save in flight at a time
         optimizer.sync_params()  # a parameter all-gather may still be pending (overlap_param_gather)
         save_run(ckpt_dir, next_step, model, optimizer, scheduler, groups, run.to_dict(),
-                 next_step * t.global_batch_size, t.keep_last, calibration)
+                 next_step * t.global_batch_size, t.keep_last, calibration, saves)
 
     def calibration_batches() -> list:
         return data_mod.calibration_batches(train_ds, run, t.steps, groups.dp)
@@ -200,6 +215,7 @@ def _train(run: RunConfig, env, tables) -> int:
     for step in range(start, t.steps):
         mbs = data_mod.micro_batches(train_ds, step, run, groups.dp_rank, groups.dp)
         report = engine.train_step(mbs, step)
+        finish_saves(blocking=False)
         nonfinite = _count_nonfinite(nonfinite, report, t.max_nonfinite_steps, rank0)
         if not report.skipped:
             tail.add(step, report.realised)
@@ -211,6 +227,8 @@ def _train(run: RunConfig, env, tables) -> int:
         exiting = t.exit_interval > 0 and (step + 1) % t.exit_interval == 0 and step + 1 < t.steps
         if stopping or exiting or (due and step + 1 < t.steps):
             save(step + 1)
+            if stopping or exiting:
+                finish_saves()
             last_save = time.time()
             tb.flush()
         if stopping:
@@ -229,6 +247,7 @@ def _train(run: RunConfig, env, tables) -> int:
         results = evaluate(t.steps)
         if start < t.steps:
             save(t.steps, calibration)
+            finish_saves()
         if rank0:
             _write_summary(out, run, results, report, calibration, tail)
     tb.close()

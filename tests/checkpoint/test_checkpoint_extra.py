@@ -14,6 +14,7 @@ def _writer(payload: bytes):
         (directory / "sub").mkdir(parents=True)
         (directory / "sub" / "part.bin").write_bytes(payload)
         (directory / ".metadata").write_bytes(payload[::-1])
+        return [directory / "sub" / "part.bin", directory / ".metadata"]
     return write
 
 

@@ -60,7 +60,7 @@ def build(cfg, tables, tp=1, pp=1, ep=1, seed=5):
 def save(root, model, groups, cfg, data, system):
     import torch.distributed as dist
 
-    from megatron_triroute.checkpoint.sharded import GLOBAL_FORMAT, save_model
+    from megatron_triroute.checkpoint.sharded import GLOBAL_FORMAT, plan_state_save
     from megatron_triroute.checkpoint.store import save_checkpoint
 
     meta = {"step": STEP, "config": {"name": "export-test", "system": system, "triroute": cfg.to_dict(),
@@ -69,7 +69,7 @@ def save(root, model, groups, cfg, data, system):
             "layout": {"world_size": groups.world_size, "tp": groups.tp, "pp": groups.pp, "ep": groups.ep,
                        "dp": groups.dp}}
     save_checkpoint(root, STEP, {}, meta, rank=groups.rank, world_size=groups.world_size, barrier=dist.barrier,
-                    write_extra=lambda directory: save_model(directory, model))
+                    write_extra=lambda directory: plan_state_save(directory, model, None))
 
 
 def _write_checkpoints(rank, world_size, root, data, layouts):

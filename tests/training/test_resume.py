@@ -45,13 +45,17 @@ def test_uninterrupted_run_finishes_with_summary_and_tensorboard(reference):
 
 
 def test_signal_then_resume_is_bit_identical(reference, tiny_data, tmp_path):
+    # The interrupted run saves asynchronously (train.async_save): the step-4 save commits at a
+    # later step, the stop's save before the exit.
     run = tmp_path / "run"
-    proc = launch(run, tiny_data, extra=COMMON)
+    proc = launch(run, tiny_data, extra=COMMON + ["train.async_save=true"])
     wait_for_steps(run, 5, proc)
     os.killpg(proc.pid, signal.SIGUSR1)
     assert wait(proc) == EXIT_REQUEUE, log_text(run)[-3000:]
     stopped_at = len(steps(run))
     assert stopped_at < STEPS
+    assert "checkpoint at step 4 committed" in log_text(run)
+    assert f"checkpoint at step {stopped_at} committed" in log_text(run)
     assert run_to_end(run, tiny_data, extra=COMMON) == 0, log_text(run)[-3000:]
     assert "resumed from step" in log_text(run)
     ref, got = steps(reference), steps(run)
