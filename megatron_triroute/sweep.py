@@ -9,7 +9,9 @@ path, trace each system's frontier and read off its point at the target budget.
 Each point trains recipe `SCALE-SYSTEM` (`--recipe` is the scale) with its knob overrides into
 `OUTPUT/runs/SYSTEM/KNOBS` (`KNOBS/seedS` per seed with `--seeds`: `triroute.seed=S`, the
 initialisation and routing noise; the data order stays the recipe's); a point whose run already finished (its `summary.json`) is not trained
-again, so a stopped sweep resumes. `--slurm` writes `OUTPUT/sweep_plan.tsv` and prints the
+again, so a stopped sweep resumes. A finished point whose saved `config.json` differs from the run
+the sweep would start now (other overrides, recipe or code defaults) is refused before anything runs:
+exit 2, naming the differing fields. `--slurm` writes `OUTPUT/sweep_plan.tsv` and prints the
 `sbatch` command of `slurm/sweep.sh` (one array task per point, the training scripts' checkpoint /
 requeue logic); `--collect` then evaluates the finished points. Outputs in `OUTPUT`: `points.csv`
 (every run: knobs, seed, realised FLOPs and KV memory, held-out and tail-bucket perplexity),
@@ -146,6 +148,59 @@ def train_args(args, knobs: dict, run_dir: Path, seed: int | None = None) -> lis
             *([f"triroute.seed={seed}"] if seed is not None else []), f"data.path={args.data}", f"output_dir={run_dir}"]
 
 
+SAME_POINT = {
+    "output_dir": "the point's own directory, however --output is spelled",
+    "triroute.model.vocab_size": "set from the data's tokenizer when training starts",
+    # The layout the Slurm scripts' capacity planner picks for each allocation
+    # (training/planner.py, Candidate.overrides): the same model and updates.
+    "parallel.tensor": "parallel layout", "parallel.pipeline": "parallel layout",
+    "parallel.expert": "parallel layout", "train.micro_batch_size": "parallel layout",
+    "train.recompute": "parallel layout",
+}
+"""Config fields a finished point may differ in from the sweep's run and still be that point."""
+
+
+def stale_fields(saved: dict, wanted: dict) -> list[str]:
+    """One line per field where a finished point's saved config (`RunConfig.to_dict()` tree) differs
+    from the run the sweep would start; data.path compares as the directory it names."""
+    from .training.resume_config import flatten
+
+    before, after = flatten(saved), flatten(wanted)
+    lines = []
+    for field in sorted(before.keys() | after.keys()):
+        old, now = before.get(field, "<absent>"), after.get(field, "<absent>")
+        if field in SAME_POINT or old == now:
+            continue
+        if field == "data.path" and Path(str(old)).resolve() == Path(str(now)).resolve():
+            continue
+        lines.append(f"{field}: trained with {old!r}, the sweep now runs {now!r}")
+    return lines
+
+
+def refuse_stale_points(args, planned: list[tuple[str, dict, int | None]]) -> list[str]:
+    """Error messages, one per finished point whose saved config.json is not the run this sweep
+    would start for it; empty when every finished point can be reused."""
+    from .training.recipes import resolve
+
+    errors = []
+    for system, knobs, seed in planned:
+        run_dir = run_dir_for(args.output, system, knobs, seed)
+        if not (run_dir / "summary.json").exists():
+            continue
+        fix = (f"Fix: give the sweep another --output, or delete {run_dir} to train the point again "
+               f"(or run the sweep with the overrides the point was trained with).")
+        saved = run_dir / "config.json"
+        if not saved.exists():
+            errors.append(f"{run_dir} finished but has no config.json to check it against this sweep's run. {fix}")
+            continue
+        wanted = resolve(recipe_for(args.recipe, system), train_args(args, knobs, run_dir, seed)).to_dict()
+        differences = stale_fields(json.loads(saved.read_text()), wanted)
+        if differences:
+            errors.append(f"{run_dir} finished with another config than this sweep runs for it:\n  " +
+                          "\n  ".join(differences) + f"\n{fix}")
+    return errors
+
+
 def collect(args, planned: list[tuple[str, dict, int | None]], flops_target: float, mem_target: float) -> int:
     from .evaluation.frontier import (BUCKETS, Point, average_seeds, by_system, matched_point, plot_frontiers,
                                       table2_markdown, write_csv)
@@ -251,6 +306,9 @@ def main(argv=None) -> int:
                for seed in seeds_of(args)]
     if args.jobs < 1:
         raise ConfigError(f"--jobs {args.jobs}: must be >= 1")
+    stale = refuse_stale_points(args, planned)
+    if stale:
+        raise ConfigError("\n".join(stale))
     args.output.mkdir(parents=True, exist_ok=True)
     if args.collect:
         return collect(args, planned, flops_target, mem_target)

@@ -75,3 +75,40 @@ def test_seeds_train_each_point_per_seed_two_at_a_time_and_average(tiny_data, tm
     table = (out / "table2.md").read_text()
     line = next(l for l in table.splitlines() if l.startswith("| kvquant |"))
     assert "| 2 |" in line and f"{sum(ppl) / 2:.2f} ± {(ppl[1] - ppl[0]) / 2:.2f}" in line
+
+
+def test_a_finished_point_is_reused_only_with_the_config_the_sweep_would_run(tmp_path, capsys):
+    """A finished point (faked: its summary.json and the config.json the trainer writes, with the
+    tokenizer's vocabulary) is reused when its config is the sweep's run for it; one trained with
+    another override is refused with exit 2, naming the field and the fix."""
+    import json
+
+    from megatron_triroute import sweep as sweep_mod
+    from megatron_triroute.training.recipes import resolve
+
+    out, data = tmp_path / "sweep", tmp_path / "data"
+    args = ["--data", str(data), "--output", str(out), "--systems", "kvquant", "--grid", "kvquant:router.uniform_bits=4",
+            "--dry-run", *TINY_OVERRIDES, "train.steps=2"]
+    point = sweep_mod.run_dir_for(out, "kvquant", {"router.uniform_bits": 4})
+    point.mkdir(parents=True)
+    (point / "summary.json").write_text("{}")
+    trained = resolve("tiny-kvquant", [*TINY_OVERRIDES, "train.steps=2", "triroute.router.uniform_bits=4",
+                                       f"data.path={data}", f"output_dir={point}"])
+    trained.triroute.model.vocab_size = 1024  # the trainer sets it from the data's tokenizer
+    (point / "config.json").write_text(trained.to_json())
+    assert sweep_mod.main(args) == 0, capsys.readouterr().err
+    capsys.readouterr()
+
+    trained.train.steps = 3
+    trained.optim.eps = 1e-3
+    (point / "config.json").write_text(trained.to_json())
+    assert sweep_mod.main(args) == 2
+    err = capsys.readouterr().err
+    assert "optim.eps: trained with 0.001, the sweep now runs 1e-08" in err
+    assert "train.steps: trained with 3, the sweep now runs 2" in err
+    assert str(point) in err and "another --output" in err and f"delete {point}" in err
+    assert json.loads((point / "config.json").read_text())["train"]["steps"] == 3  # nothing was touched
+
+    (point / "config.json").unlink()
+    assert sweep_mod.main(args) == 2
+    assert "has no config.json" in capsys.readouterr().err

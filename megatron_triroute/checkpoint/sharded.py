@@ -319,12 +319,11 @@ _EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
 _PER_LAYER = re.compile(r"decoder\.layers\.\d+\.")
 
 
-def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, torch.Tensor]:
-    """The whole model in one process, without torch.distributed, under the names a
-    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
-    `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
-    layout wrote the checkpoint. `copy=False` returns the per-layer (and per-expert) tensors as
-    views into the stacked global tensors: one copy of the model in memory instead of two."""
+def stored_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor]:
+    """The checkpoint's global tensors whose key starts with `prefix` ("model.", or "optimizer." for
+    the whole AdamW moments whichever optimizer and layout wrote them), read whole in one process
+    without torch.distributed, keyed without the prefix: layers stacked, experts by global id, as
+    stored. Refuses an incomplete checkpoint."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -335,13 +334,22 @@ def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, t
     problems = coverage_problems(metadata)
     if problems:
         raise CheckpointError(f"{directory} is incomplete: " + "; ".join(problems[:10]))
-    stacked = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
-               if k.startswith("model.") and isinstance(v, TensorStorageMetadata)}
+    stored = {k: torch.empty(tuple(v.size), dtype=v.properties.dtype) for k, v in metadata.state_dict_metadata.items()
+              if k.startswith(prefix) and isinstance(v, TensorStorageMetadata)}
     with reading(directory):
-        dcp.load(stacked, storage_reader=reader, no_dist=True)
+        dcp.load(stored, storage_reader=reader, no_dist=True)
+    return {k[len(prefix):]: v for k, v in stored.items()}
+
+
+def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, torch.Tensor]:
+    """The whole model in one process, without torch.distributed, under the names a
+    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
+    `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
+    layout wrote the checkpoint. `copy=False` returns the per-layer (and per-expert) tensors as
+    views into the stacked global tensors: one copy of the model in memory instead of two."""
     out: dict[str, torch.Tensor] = {}
-    for key, tensor in stacked.items():
-        name = current_name(key[len("model."):])
+    for key, tensor in stored_tensors(directory, "model.").items():
+        name = current_name(key)
         expert = _EXPERT.fullmatch(name)
         if expert:  # [layers, experts, ...]
             for layer in range(tensor.shape[0]):

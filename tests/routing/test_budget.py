@@ -77,6 +77,43 @@ def test_inactive_constraint_decays_to_zero_and_stays_nonnegative():
     assert torch.equal(b.lambdas, torch.zeros(2, dtype=torch.float64))
 
 
+def _relay_run(dual_kp: float, steps: int = 400) -> tuple[str, list[float]]:
+    """The real controller driving a policy whose memory cost is a step function of the applied
+    multiplier: 0.5 below 0.2, 0.3 at or above it, around a 0.4 target (the argmax policy of tokens
+    with equal margins). Returns the cost pattern ('a' = 0.5, 'b' = 0.3) and the memory EMA, per step."""
+    budget = BudgetController(BudgetConfig(flops_target=1.0, mem_target=0.4, dual_kp=dual_kp))
+    pattern, ema = "", []
+    for _ in range(steps):
+        high = budget.multipliers()[1].item() < 0.2
+        budget.update(torch.tensor([0.5, 0.5 if high else 0.3], dtype=torch.float64))
+        pattern += "a" if high else "b"
+        ema.append(budget.ema[1].item())
+    return pattern, ema
+
+
+def test_pi_damping_shrinks_the_limit_cycle_of_a_step_function_cost():
+    """Plain dual ascent (k_P = 0) on a relay settles into a limit cycle: the multiplier follows
+    the sign of the EMA, which lags the policy's switch, so the policy spends 4 steps on each side
+    (period 8). With the default k_P the applied multiplier turns as soon as the EMA does, and the
+    policy alternates every step (period 2). By hand: a square wave of +-d around the target with
+    K steps per side drives an EMA of momentum m between target +- d (1 - m^K) / (1 + m^K), so the
+    EMA's peak-to-peak is 2 d (1 - m^K) / (1 + m^K): 0.0415 at K = 4 against 0.0105 at K = 1 (d = 0.1,
+    m = 0.9), 3.9 times smaller. The last half of 400 steps is compared."""
+    assert BudgetConfig().dual_kp == 0.5 and BudgetConfig().ema_momentum == 0.9
+    d, m = 0.1, 0.9
+    swing = {}
+    for kp, period in ((0.0, "aaaabbbb"), (BudgetConfig().dual_kp, "ab")):
+        pattern, ema = _relay_run(kp)
+        tail = pattern[200:]
+        n = len(period)  # the last half repeats one rotation of `period`
+        assert tail[:n] in period * 2 and tail == (tail[:n] * len(tail))[:len(tail)], (kp, tail[-40:])
+        k = n // 2
+        swing[kp] = max(ema[200:]) - min(ema[200:])
+        assert math.isclose(swing[kp], 2 * d * (1 - m**k) / (1 + m**k), rel_tol=1e-3), (kp, swing[kp])
+        assert abs(sum(ema[200:]) / 200 - 0.4) <= 0.01  # both centre on the target
+    assert swing[0.5] <= swing[0.0] / 3, swing
+
+
 def _bits_policy_run(target: float, steps: int = 1000) -> list[float]:
     """Per-token bit-width policies of heterogeneous value, priced by the real budget loop.
 

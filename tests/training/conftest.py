@@ -75,6 +75,28 @@ def wait_for_steps(run_dir: Path, n: int, proc: subprocess.Popen, timeout: float
     raise AssertionError(f"no {n} steps within {timeout} s")
 
 
+def moments(run_dir: Path, step: int) -> dict:
+    """AdamW's whole moments in `run_dir`'s step checkpoint, by stored key ("exp_avg.model.…",
+    "exp_avg_sq.model.…"): both optimizers write whole moments as global tensors, so any two
+    layouts compare key by key."""
+    from megatron_triroute.checkpoint.sharded import stored_tensors
+
+    return stored_tensors(run_dir / "checkpoints" / f"step_{step:08d}" / "sharded", "optimizer.")
+
+
+def assert_moments_close(have: dict, want: dict, rel: float) -> float:
+    """Every moment within `rel` of the largest magnitude in its tensor (elementwise relative error
+    means nothing where a moment is near zero); returns the worst such error."""
+    assert want and sorted(have) == sorted(want)
+    worst = 0.0
+    for key, ref in want.items():
+        assert have[key].shape == ref.shape, key
+        off = ((have[key].double() - ref.double()).abs().max() / ref.double().abs().max().clamp_min(1e-300)).item()
+        assert off <= rel, f"{key}: off by {off:.3g} of its largest magnitude (allowed {rel:g})"
+        worst = max(worst, off)
+    return worst
+
+
 def log_text(run_dir: Path) -> str:
     path = run_dir.parent / f"{run_dir.name}.log"
     return path.read_text(errors="replace") if path.exists() else ""

@@ -1,17 +1,29 @@
-"""Short TriRoute runs meet their budget where it matters, the deployed noise-free policy on
-held-out data, for three seeds; an inactive budget lets its multiplier decay to zero and never
-raises spending; the per-step swing of the training policy at the end is reported and bounded.
+"""Short TriRoute runs meet their budget where it matters, the deployed noise-free policy on data
+its prices were not calibrated on, for three seeds; an inactive budget lets its multiplier decay to
+zero and never raises spending; the per-step swing of the training policy at the end is reported
+(its damping is tested deterministically in tests/routing/test_budget.py).
 
-The tolerances do not depend on one floating-point trajectory: the end-of-training calibration
-bisects prices on training batches to the target, and the held-out check allows for the gap
-between two samples of text, not for where an oscillation happened to stop."""
+The checks do not depend on one floating-point trajectory or on where an oscillation stopped: the
+end-of-training calibration bisects prices on the last training batches to the target, and the
+calibrated policy is then measured, on the hard path, on other training batches (the same
+distribution: what the calibration promises, target + 0.01) and on the held-out split (another
+sample of documents: see HELD_OUT_SHIFT)."""
 
 import json
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from .conftest import TINY_OVERRIDES, log_text, run_to_end
+
+TOLERANCE = 0.01
+"""The matched-budget protocol's slack on a target (README, docs/results.md)."""
+HELD_OUT_SHIFT = 0.03
+"""How far the held-out split's realised fractions may sit from the target. The tiny corpus holds out
+11 documents; the calibrated policy's cost on them differs from its cost on training text by the
+documents' mix, not by sampling: seed 0's memory fraction is 0.418 on 8 and on 64 held-out
+micro-batches, 0.400 on the 8 calibration micro-batches and 0.405 on 64 other training ones."""
 
 STEPS = 200
 SHAPE = [o for o in TINY_OVERRIDES if not o.startswith(("train.global_batch_size", "train.micro_batch_size",
@@ -26,7 +38,28 @@ def _run(tmp_path, tiny_data, name, extra):
     assert code == 0, log_text(run)[-3000:]
     summary = json.loads((run / "summary.json").read_text())
     first = json.loads((run / "steps.jsonl").read_text().splitlines()[0])
-    return summary, first
+    return summary, first, run
+
+
+def _realised_on_other_training_batches(run, tiny_data) -> tuple[float, float]:
+    """The calibrated policy's realised (FLOPs, memory) fractions on the hard path (the inference
+    engine's cost audit) over the first 16 training batches: the same distribution as the last 8
+    the prices were calibrated on, none of them."""
+    from megatron_triroute.evaluation.loading import load_for_evaluation
+    from megatron_triroute.evaluation.perplexity import evaluate_sets, run_config
+
+    with warnings.catch_warnings():  # Megatron's import-time notices about optional GPU packages
+        warnings.simplefilter("ignore")
+        from megatron_triroute.training import data as data_mod
+
+    loaded = load_for_evaluation(run / "checkpoints", tiny_data)
+    config = run_config(loaded)
+    config.output_dir = str(run)  # the run's dataset index cache
+    train, _ = data_mod.build_datasets(config, loaded.eod, config.triroute.model.vocab_size)
+    assert config.train.global_batch_size == config.train.micro_batch_size  # one micro-batch per step
+    batches = [mb for step in range(16) for mb in data_mod.micro_batches(train, step, config, 0, 1)]
+    (result,) = evaluate_sets(loaded.model, {"training": batches})
+    return result.realised_flops, result.realised_mem
 
 
 @pytest.fixture(scope="module")
@@ -40,37 +73,44 @@ def seed_runs(tiny_data, tmp_path_factory):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_held_out_cost_of_the_deployed_policy_lands_on_each_active_target(seed_runs, seed):
-    summary, first = seed_runs[seed]
+def test_the_calibrated_policy_meets_each_active_target_on_data_it_was_not_calibrated_on(seed_runs, tiny_data, seed):
+    summary, first, run = seed_runs[seed]
     targets = (summary["target_flops"], summary["target_mem"])
     # Both constraints bind: the unpriced policy starts above them and the multipliers are positive.
     assert first["realised"][0] > targets[0] + 0.05 and first["realised"][1] > targets[1] + 0.02, first
     assert all(lam > 0 for lam in summary["lambdas"]), summary
-    held_out = (summary["valid/realised_flops"], summary["valid/realised_mem"])
-    for value, target in zip(held_out, targets):
-        assert abs(value - target) <= 0.03, summary
     # The calibration met the targets on its training batches (feasible side of the bisection).
-    for value, target in zip(summary["calibration"]["realised_after"], targets):
-        assert target - 0.02 <= value <= target + 1e-9, summary["calibration"]
+    calibration = summary["calibration"]
+    assert calibration["active"] == [True, True], calibration
+    for value, target in zip(calibration["realised_after"], targets):
+        assert target - 0.02 <= value <= target + 1e-9, calibration
+    # The deployed policy on other training batches: within the protocol's tolerance, spending up to
+    # the target (an active target is met with equality, so not far under it either).
+    other = _realised_on_other_training_batches(run, tiny_data)
+    print("seed", seed, "calibrated", calibration["realised_after"], "other training batches", other,
+          "held-out", (summary["valid/realised_flops"], summary["valid/realised_mem"]))
+    for value, target in zip(other, targets):
+        assert target - 2 * TOLERANCE <= value <= target + TOLERANCE, (other, targets)
+    # The held-out split: another sample of documents (HELD_OUT_SHIFT).
+    for value, target in zip((summary["valid/realised_flops"], summary["valid/realised_mem"]), targets):
+        assert abs(value - target) <= HELD_OUT_SHIFT, summary
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_the_training_policy_swing_at_the_end_is_reported_and_bounded(seed_runs, seed):
-    summary, _ = seed_runs[seed]
+def test_the_training_policy_swing_at_the_end_is_reported(seed_runs, seed):
+    summary, _, _ = seed_runs[seed]
     print("realised_tail", seed, summary["realised_tail"])
     tail = summary["realised_tail"]
     assert tail["steps"] == round(0.2 * STEPS)
     targets = (summary["target_flops"], summary["target_mem"])
     for r in range(2):
         assert tail["min"][r] <= tail["mean"][r] <= tail["max"][r]
-        # The training policy still swings (why the deployed one is calibrated), but less than a full
-        # bang-bang between two widths or modes would (a standard deviation of about 0.12).
-        assert tail["std"][r] <= 0.09, tail
+        assert tail["std"][r] > 0  # the training policy still swings: why the deployed one is calibrated
         assert abs(tail["mean"][r] - targets[r]) <= 0.06, tail
 
 
 def test_an_inactive_budget_decays_its_multipliers_and_never_raises_spending(seed_runs):
-    summary, first = seed_runs[3]
+    summary, first, _ = seed_runs[3]
     assert first["lambdas"][0] > 0  # started priced (lambda_init = 0.3) ...
     assert summary["lambdas"] == [0.0, 0.0], summary  # ... and the multipliers decayed to zero
     assert summary["calibration"]["prices"] == [0.0, 0.0]
