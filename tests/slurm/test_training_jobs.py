@@ -79,34 +79,6 @@ def wait_for(predicate, timeout: float, what: str, poll: float = 0.1) -> None:
     raise AssertionError(f"not true after {timeout} s: {what}")
 
 
-# ------------------------------------------------------------------------------------ fixtures
-
-@pytest.fixture(scope="module")
-def tiny_data(tmp_path_factory) -> Path:
-    """A ~0.7M-token dataset with a 1000-piece tokenizer (~8 s)."""
-    data = tmp_path_factory.mktemp("slurm-data")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["OMP_NUM_THREADS"] = "1"
-    for args in (["corpus", "--output", str(data / "corpus"), "--max-docs", "200"],
-                 ["build", "--input", str(data / "corpus" / "*.jsonl.zst"), "--output", str(data),
-                  "--vocab-size", "1000", "--workers", "1"]):
-        done = subprocess.run([sys.executable, "-m", "data_prep", *args], env=env, cwd=REPO,
-                              capture_output=True, text=True, timeout=120)
-        assert done.returncode == 0, f"data_prep {args[0]} failed:\n{done.stdout}{done.stderr}"
-    return data
-
-
-@pytest.fixture(scope="module")
-def reference_run(slurm_cluster, tiny_data, tmp_path_factory):
-    """`sbatch slurm/train_1p3b.sh` with the tiny recipe on 2 tasks, uninterrupted: the first test's
-    subject and the drill's reference."""
-    run_dir = tmp_path_factory.mktemp("slurm-reference") / "run"
-    started = time.monotonic()
-    job_id = train_job(slurm_cluster, run_dir, tiny_data)
-    state = slurm_cluster.wait_finished(job_id, timeout=90)
-    return {"job_id": job_id, "state": state, "run_dir": run_dir, "seconds": time.monotonic() - started}
-
-
 # ------------------------------------------------------------------------------------ static checks
 
 def sbatch_options(script: Path) -> dict[str, str]:
