@@ -12,7 +12,13 @@ tasks) and resumed after every fault until it completes. Faults, at steps drawn 
                 the drill resubmits it.
   sigusr1       `scancel --batch --signal=USR1` (the time-limit warning): the trainer checkpoints,
                 exits 75 and the job requeues itself.
-  sigterm       `scancel --full --signal=TERM` (a pre-emption notice to every process): as USR1.
+  sigterm       `scancel --signal=TERM` (to every task) or `scancel --batch --signal=TERM` (to the
+                batch shell, which passes it on): as USR1.
+  sigterm_all   (only with --kinds) `scancel --full --signal=TERM`, TERM to every process of the job
+                as a pre-emption with GraceTime sends it: srun turns a TERM of its own into a
+                SIGKILL of its tasks, so the step dies without a stop checkpoint and the job is not
+                requeued. Not survived: a pre-emption must signal ahead (Slurm's
+                PreemptParameters=send_user_signal, or --signal=B:USR1@lead as the scripts do).
   kill_in_save  SIGKILL of one rank while a checkpoint is being written: a real kill, timed by
                 watching for the save's `.tmp-step_*` directory (a save takes ~0.4-1 s here); it
                 counts only if that save never committed (`latest` did not move to it).
@@ -48,6 +54,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -76,6 +83,9 @@ TERMINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "
 
 KINDS = ("kill_rank", "sigusr1", "kill_in_save", "corrupt", "sigterm", "save_crash")
 """In the order a fault count is spread over them: 4 faults are one of each of the first four."""
+EXTRA_KINDS = ("sigterm_all",)
+"""Only when named in --kinds: a TERM that srun receives too is not survived (see the docstring)."""
+STOP_KINDS = {"sigusr1", "sigterm", "sigterm_all"}  # the trainer checkpoints and exits 75
 FAILING = {"kill_rank", "kill_in_save", "save_crash"}  # the job fails: the drill resubmits it
 BETWEEN = {"corrupt", "save_crash"}  # applied while no attempt runs (the hook: at the next submission)
 CRASH_PHASES = ("before_rename", "before_latest")
@@ -95,9 +105,9 @@ class UsageError(Exception):
 def fault_kinds(count: int, kinds: list[str] | None = None) -> list[str]:
     """`kinds` as given, or `count` faults spread round-robin over KINDS."""
     if kinds:
-        unknown = sorted(set(kinds) - set(KINDS))
+        unknown = sorted(set(kinds) - set(KINDS + EXTRA_KINDS))
         if unknown:
-            raise UsageError(f"unknown fault kind(s) {unknown}: choose from {', '.join(KINDS)}")
+            raise UsageError(f"unknown fault kind(s) {unknown}: choose from {', '.join(KINDS + EXTRA_KINDS)}")
         return list(kinds)
     return [KINDS[i % len(KINDS)] for i in range(count)]
 
@@ -360,6 +370,7 @@ class Drill:
         self.attempt_start: int | None = None  # None until the running attempt's resume step is known
         self.running = False
         self.armed: tuple[str, int] | None = None
+        self.stop_checkpoint: int | None = None  # what the running attempt logged on a stop signal
 
     # -- what the run shows
 
@@ -388,6 +399,8 @@ class Drill:
                 self.running, self.attempt_start, self.armed = True, None, None
             elif RESUMED.search(line) and self.running and self.attempt_start is None:
                 self.resumed(int(RESUMED.search(line).group(1)))
+            elif STOPPED.search(line):
+                self.stop_checkpoint = int(STOPPED.search(line).group(1))
             elif ATTEMPT_END.search(line):
                 self.attempt_ended(line)
         if self.running and self.attempt_start is None:
@@ -443,6 +456,14 @@ class Drill:
             if pointer == fault.detail["save_step"]:  # the kill came after the commit: not a kill in a save
                 fault.kind, fault.method = "kill_rank", "SIGKILL (meant for a save; landed after its commit)"
                 self.queue.insert(0, "kill_in_save")
+        for fault in [f for f in self.pending if f.kind in STOP_KINDS]:
+            # A stop signal loses no trained step: the attempt checkpoints where the signal found it.
+            fault.detail.update(stop_checkpoint=self.stop_checkpoint, attempt_end=line.split("] ", 1)[-1].strip())
+            if self.stop_checkpoint is None or "stop signal" not in line:
+                fault.problem += f"no stop checkpoint: {fault.detail['attempt_end']}; "
+            elif self.stop_checkpoint < fault.at_step:
+                fault.problem += f"stop checkpoint at step {self.stop_checkpoint}, the signal came after step {fault.at_step}; "
+        self.stop_checkpoint = None
         self.pending += self.hooked
         self.hooked = []
         self.records_at_start = len(step_records(self.run_dir))
@@ -453,23 +474,26 @@ class Drill:
     # -- injection
 
     def arm(self) -> None:
-        """Draws the step of the next live fault in the running attempt."""
+        """Draws the step of the next live fault in the running attempt: uniformly in an equal share
+        of the steps left per live fault left, so that the run does not finish before the last one."""
         kind = self.queue.pop(0)
         window = []
         for k in self.queue:
             if k not in BETWEEN:
                 break
             window.append(k)
+        live_left = 1 + sum(k not in BETWEEN for k in self.queue)
         low = self.attempt_start + 1
+        high = max(low, self.attempt_start + (self.steps - 1 - self.attempt_start) // live_left)
         if kind in FAILING and "corrupt" in window:  # two verified checkpoints by then: one to corrupt, one to fall back to
-            low = max(low, 2 * self.save_every + 1)
+            low = max(low, 2 * self.save_every + 1, 3 * self.save_every if kind == "kill_in_save" else 0)
+        low, high = min(low, self.steps - 1), min(max(low, high), self.steps - 1)
         if kind == "kill_in_save":
-            if "corrupt" in window:
-                low = max(low, 3 * self.save_every)
             saves = [s for s in range(self.save_every, self.steps, self.save_every) if s >= low]
-            self.armed = (kind, self.rng.choice(saves) if saves else self.steps)
+            near = [s for s in saves if s <= high + self.save_every - 1]
+            self.armed = (kind, self.rng.choice(near or saves) if saves else self.steps)
         else:
-            self.armed = (kind, self.rng.randint(min(low, self.steps - 1), self.steps - 1))
+            self.armed = (kind, self.rng.randint(low, high))
 
     def record(self, fault: Fault, pending: bool = True) -> None:
         self.report.faults.append(fault)
@@ -479,9 +503,15 @@ class Drill:
                  f"{', ' + json.dumps(fault.detail) if fault.detail else ''})")
 
     def signal_job(self, kind: str, job: int, done: int) -> None:
-        name, scope = ("USR1", "--batch") if kind == "sigusr1" else ("TERM", "--full")
-        self.cluster.run("scancel", scope, f"--signal={name}", str(job))
-        self.record(Fault(kind, method=f"scancel {scope} --signal={name}", at_step=done))
+        if kind == "sigusr1":
+            command = ["--batch", "--signal=USR1"]
+        elif kind == "sigterm":  # to the tasks (the default of --signal), or to the batch shell only
+            command = [self.rng.choice(["--signal=TERM", "--batch"])]
+            command += ["--signal=TERM"] if command == ["--batch"] else []
+        else:  # sigterm_all: every process of the job, srun included
+            command = ["--full", "--signal=TERM"]
+        self.cluster.run("scancel", *command, str(job))
+        self.record(Fault(kind, method=f"scancel {' '.join(command)}", at_step=done))
 
     def kill_rank(self, done: int) -> bool:
         ranks = rank_processes(self.run_dir)
@@ -521,7 +551,7 @@ class Drill:
             self.armed = None
             if not self.kill_in_save(at):
                 self.queue.insert(0, kind)  # missed this save: the next attempt tries again
-        elif kind in ("sigusr1", "sigterm") and done >= at:
+        elif kind in STOP_KINDS and done >= at:
             self.armed = None
             self.signal_job(kind, job, done)
         elif kind == "kill_rank" and done >= at:
@@ -568,7 +598,9 @@ class Drill:
             self.follow_log()
             self.note_commit()
             if self.running and self.attempt_start is not None:
-                if self.armed is None and self.queue and self.queue[0] not in BETWEEN and not self.pending:
+                # One fault per attempt: none while a hooked attempt runs or a resume is still to be judged.
+                if self.armed is None and self.queue and self.queue[0] not in BETWEEN and not self.pending \
+                        and not self.hooked:
                     self.arm()
                 if self.armed is not None:
                     self.fire(job)
@@ -595,21 +627,7 @@ class Drill:
         self.report.wall_s = time.monotonic() - started
         self.report.completed = True
         self.check_store()
-        self.check_stops()
         return self.report
-
-    def check_stops(self) -> None:
-        """A stop signal loses no trained step: its checkpoint is at or after the step it came after."""
-        stops = [int(s) for s in STOPPED.findall((self.run_dir / "job.log").read_text(errors="replace"))]
-        signalled = [f for f in self.report.faults if f.kind in ("sigusr1", "sigterm")]
-        if len(stops) != len(signalled):
-            self.report.problems.append(f"{len(signalled)} stop signals sent, {len(stops)} stop checkpoints logged")
-        for fault, step in zip(signalled, stops):
-            fault.detail["stop_checkpoint"] = step
-            if step < fault.at_step:
-                fault.survived = False
-                fault.problem += f"the stop checkpoint is at step {step}, the signal came after step {fault.at_step}; "
-
 
 # ------------------------------------------------------------------------------------ comparison
 
@@ -622,7 +640,9 @@ def final_parameters(run_dir: Path):
     info = latest_valid_checkpoint(run_dir / "checkpoints")
     if info is None:
         raise RuntimeError(f"no valid checkpoint in {run_dir}/checkpoints")
-    return info.step, full_model_state(info.path / EXTRA_DIR)
+    with warnings.catch_warnings():  # torch DCP warns that it reads in one process, as intended here
+        warnings.simplefilter("ignore", UserWarning)
+        return info.step, full_model_state(info.path / EXTRA_DIR)
 
 
 def compare(report: Report, run_dir: Path, reference: Path) -> None:
@@ -709,6 +729,10 @@ def main(argv=None) -> int:
                        stdout=subprocess.DEVNULL)
     if shutil.which("sbatch", path=env["PATH"]) is None:
         raise UsageError("sbatch not found: run on a Slurm cluster, or pass --local-cluster (launchers/install.sh)")
+    answer = subprocess.run(["sinfo", "-h"], env=env, capture_output=True, text=True, timeout=60)
+    if answer.returncode != 0:
+        raise UsageError(f"no Slurm cluster answers ({answer.stderr.strip().splitlines()[-1:]}): set SLURM_CONF "
+                         "or pass --local-cluster")
     seed = args.seed if args.seed is not None else int(time.time()) % 100000
     kinds = fault_kinds(args.faults, args.kinds)
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
