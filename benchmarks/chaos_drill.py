@@ -263,9 +263,11 @@ def step_records(run_dir: Path) -> list[dict]:
 
 
 def rank_processes(run_dir: Path) -> dict[int, int]:
-    """{rank: pid} of the trainer processes writing into run_dir (read from /proc)."""
+    """{rank: pid} of the trainer processes writing into run_dir (read from /proc). Only the ranks
+    themselves: not the checkpoint writer each rank forks (its parent is a rank), nor such a writer
+    orphaned by an earlier killed rank (its parent is init)."""
     marker = f"output_dir={run_dir}".encode()
-    found = {}
+    trainers: dict[int, tuple[int, int]] = {}  # pid -> (parent pid, rank)
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -273,13 +275,14 @@ def rank_processes(run_dir: Path) -> dict[int, int]:
             argv = open(f"/proc/{entry}/cmdline", "rb").read().split(b"\0")
             if b"megatron_triroute.train" not in argv or marker not in argv or b"python" not in Path(argv[0].decode()).name.encode():
                 continue
+            parent = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
             environ = open(f"/proc/{entry}/environ", "rb").read().split(b"\0")
         except OSError:
             continue
         for item in environ:
             if item.startswith(b"SLURM_PROCID="):
-                found[int(item.split(b"=", 1)[1])] = int(entry)
-    return found
+                trainers[int(entry)] = (parent, int(item.split(b"=", 1)[1]))
+    return {rank: pid for pid, (parent, rank) in trainers.items() if parent != 1 and parent not in trainers}
 
 
 class Cluster:
