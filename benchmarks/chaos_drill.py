@@ -514,7 +514,7 @@ class Drill:
         else:  # sigterm_all: every process of the job, srun included
             command = ["--full", "--signal=TERM"]
         self.cluster.run("scancel", *command, str(job))
-        self.record(Fault(kind, method=f"scancel {' '.join(command)}", at_step=done))
+        self.record(Fault(kind, method=f"scancel {' '.join(command)}", at_step=done, detail={"job": job}))
 
     def kill_rank(self, done: int) -> bool:
         ranks = rank_processes(self.run_dir)
