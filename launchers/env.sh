@@ -59,7 +59,10 @@ triroute_srun() {
   srun "$@" &
   TRIROUTE_SRUN_PID=$!
   trap 'triroute_log "got USR1: forwarding to the job step"; kill -USR1 "$TRIROUTE_SRUN_PID" 2>/dev/null' USR1
-  trap 'triroute_log "got TERM: forwarding to the job step"; kill -TERM "$TRIROUTE_SRUN_PID" 2>/dev/null' TERM
+  # TERM goes on as USR1 (the trainer treats both as a stop): a TERM sent to every process of the
+  # job (a pre-emption, `scancel --full`) has reached srun too, which then ends the step after
+  # KillWait, and a second TERM makes srun kill the tasks at once, in the middle of their stop checkpoint.
+  trap 'triroute_log "got TERM: forwarding to the job step as USR1"; kill -USR1 "$TRIROUTE_SRUN_PID" 2>/dev/null' TERM
   while :; do
     wait "$TRIROUTE_SRUN_PID"
     status=$?

@@ -153,12 +153,18 @@ def _train(run: RunConfig, env, tables) -> int:
     if meta is None and run.train.init_from:
         init_from_checkpoint(run.train.init_from, model, groups, run.to_dict(), optimizer)
     start = 0 if meta is None else int(meta["step"])
+    # A checkpoint at the last step holds the calibrated prices, unless a stop signal in the last
+    # step wrote it before the calibration: then the end of this run must save them.
+    from ..inference.prices import read_prices_record
+
+    loaded_uncalibrated = meta is not None and not read_prices_record(meta, model.budget.prices)["calibrated"]
     model.budget.prices.zero_()  # training always runs the plain argmax; prices are set at the end
     if meta is not None and rank0:
         log.info("resumed from step %d (%d samples consumed)", start, meta["consumed_samples"])
         if start >= run.train.steps:
             log.warning("the checkpoint is at step %d and train.steps=%d: no step to train; the prices are "
-                        "calibrated and the model evaluated again, nothing is saved. Fix: raise train.steps to "
+                        "calibrated and the model evaluated again, nothing is saved unless the checkpoint "
+                        "lacked those prices (a stop signal in the last step). Fix: raise train.steps to "
                         "continue training.", start, run.train.steps)
 
     tb = TensorBoard(str(out / "tensorboard") if rank0 else None)
@@ -245,7 +251,7 @@ def _train(run: RunConfig, env, tables) -> int:
     else:
         calibration = _calibrate(run, model, engine, calibration_batches, rank0)
         results = evaluate(t.steps)
-        if start < t.steps:
+        if start < t.steps or (loaded_uncalibrated and calibration is not None):
             save(t.steps, calibration)
             finish_saves()
         if rank0:

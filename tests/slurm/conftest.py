@@ -113,3 +113,17 @@ def slurm_cluster():
 def python() -> str:
     """The interpreter jobs run (this venv's, with torch and the package's dependencies)."""
     return sys.executable
+
+
+@pytest.fixture(scope="session")
+def reference_run(slurm_cluster, tiny_data, tmp_path_factory):
+    """`sbatch slurm/train_1p3b.sh` with the tiny recipe on 2 tasks, uninterrupted, on the session's
+    `tiny_data`: what test_training_jobs.py checks first, and what the pre-emption, task-count and
+    chaos drills end against. Its wall time is from submission to completion."""
+    from test_training_jobs import train_job
+
+    run_dir = tmp_path_factory.mktemp("slurm-reference") / "run"
+    started = time.monotonic()
+    job_id = train_job(slurm_cluster, run_dir, tiny_data)
+    state = slurm_cluster.wait_finished(job_id, timeout=90)
+    return {"job_id": job_id, "state": state, "run_dir": run_dir, "seconds": time.monotonic() - started}

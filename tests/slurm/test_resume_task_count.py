@@ -6,16 +6,7 @@ import re
 
 import pytest
 
-from test_training_jobs import (  # noqa: F401 - fixtures are used by name
-    STEPS,
-    diagnostics,
-    job_log,
-    reference_run,
-    steps_by_step,
-    tiny_data,
-    train_job,
-    wait_for,
-)
+from test_training_jobs import STEPS, diagnostics, job_log, steps_by_step, train_job, wait_for
 
 
 @pytest.mark.slurm

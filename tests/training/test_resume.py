@@ -1,4 +1,5 @@
-"""Exact resume, resume on another data-parallel size, corrupted-latest fallback, rank failure,
+"""Exact resume, resume on another data-parallel size, corrupted-latest fallback, rank failure, a
+last-step checkpoint without calibrated prices,
 TensorBoard scalars: real torchrun runs of the trainer on a tiny dataset."""
 
 import os
@@ -182,3 +183,29 @@ def test_a_dead_rank_ends_the_job_within_60_seconds(tiny_data, tmp_path):
     code = wait(proc, timeout=90)
     assert code != 0
     assert time.time() - killed < 60
+
+
+def test_a_checkpoint_at_the_last_step_without_prices_gets_them_saved(reference, tiny_data, tmp_path):
+    # A stop signal in the last step checkpoints at train.steps before the prices are calibrated.
+    # Here: the reference's mid-run step-8 checkpoint (plain argmax, prices 0) resumed with
+    # train.steps=8. The run has no step to train; its calibrated prices must reach the final checkpoint.
+    import json
+    import shutil
+
+    from megatron_triroute.checkpoint import latest_valid_checkpoint
+    from megatron_triroute.checkpoint.sharded import full_model_state
+
+    run = tmp_path / "run"
+    shutil.copytree(reference, run)
+    shutil.rmtree(run / "checkpoints" / f"step_{STEPS:08d}")
+    (run / "checkpoints" / "latest").write_text("step_00000008\n")
+    (run / "summary.json").unlink()
+    stale = full_model_state(run / "checkpoints" / "step_00000008" / "sharded")["budget.prices"]
+    assert stale.abs().max() == 0
+    assert run_to_end(run, tiny_data, extra=["train.steps=8", "train.save_interval_steps=4"]) == 0, log_text(run)[-3000:]
+    assert "no step to train" in log_text(run)
+    calibrated = json.loads((run / "summary.json").read_text())["calibration"]["prices"]
+    final = latest_valid_checkpoint(run / "checkpoints")
+    assert final.step == 8
+    prices = full_model_state(final.path / "sharded")["budget.prices"]
+    assert prices.tolist() == calibrated and any(calibrated)
