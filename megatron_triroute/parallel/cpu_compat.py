@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import os
 import sys
 from typing import Any, Callable, Iterator
 
@@ -274,13 +275,37 @@ _RESULTS_QUEUE: Any = None
 
 
 def _forked_results_queue() -> Any:
-    """One manager queue per process, as Megatron keeps one, served by a forked process."""
+    """One manager queue per process, as Megatron keeps one, served by a forked process that dies
+    with the rank (`_serve_for_parent_only`)."""
     global _RESULTS_QUEUE
     if _RESULTS_QUEUE is None:
         import multiprocessing
+        from multiprocessing.managers import SyncManager
 
-        _RESULTS_QUEUE = multiprocessing.get_context("fork").Manager().Queue()
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(_serve_for_parent_only, (os.getpid(),))
+        _RESULTS_QUEUE = manager.Queue()
     return _RESULTS_QUEUE
+
+
+def _serve_for_parent_only(parent: int) -> None:
+    """The manager process's first act. A SIGKILLed rank cannot shut its manager down: without this
+    the manager lives on as an orphan holding the rank's stdout and stderr, so a launcher reading
+    them (srun) waits for it (about 90 s on the test cluster) and the job's processes outlive it. The
+    kernel kills the manager when the rank dies (Linux's PR_SET_PDEATHSIG), and its output goes to
+    /dev/null: it writes nothing a user needs."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the redirect below still frees the launcher
+        pass
+    if os.getppid() != parent:  # the rank died before the request took effect
+        os._exit(0)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)
 
 
 def _no_shm_op() -> None:
