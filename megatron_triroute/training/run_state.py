@@ -84,7 +84,12 @@ def find_resume_checkpoint(root: str, groups, *, full_check: bool = False) -> Ch
     candidates (`checkpoint_candidates`) is broadcast; for each in turn every rank checks every
     file's size and the sha256 of its share of the files (with `full_check`, of all of them), and
     the ranks agree by an all-reduce. None for a fresh root; `NoVerifiedCheckpointError` (every
-    rank) when checkpoints exist but none verifies."""
+    rank) when checkpoints exist but none verifies. Without torch.distributed, this process checks
+    everything (`latest_valid_checkpoint`)."""
+    if not dist.is_initialized():
+        from ..checkpoint import latest_valid_checkpoint
+
+        return latest_valid_checkpoint(root)
     device = collective_device()
     listed = [[step, str(path)] for step, path in checkpoint_candidates(root)] if groups.rank == 0 else None
     candidates = broadcast_json(listed, device)
