@@ -49,6 +49,9 @@ def main(argv=None) -> int:
     for noisy in ("megatron", "deepspeed", "DeepSpeed"):  # per-file index logs drown the progress line
         logging.getLogger(noisy).setLevel(logging.WARNING)
     args = parse_args(argv)
+    from megatron_triroute.process_exit import children_die_with_this_process
+
+    children_die_with_this_process()  # no checkpoint writer outlives a killed rank
     from megatron_triroute.distributed.launch_env import export_torch_env, resolve_launch_env
 
     env = resolve_launch_env()

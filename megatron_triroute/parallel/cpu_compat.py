@@ -291,18 +291,12 @@ def _forked_results_queue() -> Any:
 def _serve_for_parent_only(parent: int) -> None:
     """The manager process's first act. A SIGKILLed rank cannot shut its manager down: without this
     the manager lives on as an orphan holding the rank's stdout and stderr, so a launcher reading
-    them (srun) waits for it (about 90 s on the test cluster) and the job's processes outlive it. The
-    kernel kills the manager when the rank dies (Linux's PR_SET_PDEATHSIG), and its output goes to
-    /dev/null: it writes nothing a user needs."""
-    import ctypes
-    import signal
+    them (srun) waits for it and the job's processes outlive it. The kernel kills the manager when
+    the rank dies (`process_exit.die_with_parent`), and its output goes to /dev/null: it writes
+    nothing a user needs."""
+    from ..process_exit import die_with_parent
 
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1: PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the redirect below still frees the launcher
-        pass
-    if os.getppid() != parent:  # the rank died before the request took effect
-        os._exit(0)
+    die_with_parent(parent)
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 1)
     os.dup2(devnull, 2)
