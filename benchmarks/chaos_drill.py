@@ -725,11 +725,19 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     env = job_environment()
-    if args.local_cluster:
-        state = REPO / ".slurm-test"
-        env["SLURM_CONF"] = str(state / "slurm.conf")
-        subprocess.run(["bash", str(CLUSTER_SCRIPT), "up"], env=dict(env, TRIROUTE_SLURM_DIR=str(state)), check=True,
-                       stdout=subprocess.DEVNULL)
+    if not args.local_cluster:
+        return drill_main(args, env)
+    state = REPO / ".slurm-test"
+    env["SLURM_CONF"] = str(state / "slurm.conf")
+    cluster_env = dict(env, TRIROUTE_SLURM_DIR=str(state))
+    subprocess.run(["bash", str(CLUSTER_SCRIPT), "up"], env=cluster_env, check=True, stdout=subprocess.DEVNULL)
+    try:
+        return drill_main(args, env)
+    finally:  # the cluster this command brought up goes down with it
+        subprocess.run(["bash", str(CLUSTER_SCRIPT), "down"], env=cluster_env, stdout=subprocess.DEVNULL)
+
+
+def drill_main(args, env: dict) -> int:
     if shutil.which("sbatch", path=env["PATH"]) is None:
         raise UsageError("sbatch not found: run on a Slurm cluster, or pass --local-cluster (launchers/install.sh)")
     answer = subprocess.run(["sinfo", "-h"], env=env, capture_output=True, text=True, timeout=60)
