@@ -11,13 +11,17 @@ Layout under `root`:
         rank_00000.json         rank 0's tree skeleton and plain values (see tree.py)
         rank_00001.safetensors  ...
     .tmp-step_00000300/         a save in progress or one that died: never read, removed by the next save
+    step_00000400.set-aside-T/  a checkpoint pruning or train.start_fresh would otherwise have dropped
+                                unverified: never read, never deleted
 
 A save is committed only when `latest` names it. Every file is fsynced before the manifest is
 written; the directory is published (`durability.publish_dir`: re-saving an existing step swaps it
 with no window where neither the old nor the new directory exists) and the parent fsynced before
 `latest` moves. A crash at any point therefore leaves `latest` on the previous checkpoint. Loading verifies sizes and sha256
-of every file against the manifest and falls back, with a warning, to the newest older checkpoint
-that verifies.
+of every file against the manifest (once per process for an unchanged directory; a trainer resume
+shares the checksums between its ranks) and falls back, with a warning, to the newest older
+checkpoint that verifies; with checkpoints present and none verifying it raises
+`NoVerifiedCheckpointError` rather than letting a run start over them.
 """
 
 from __future__ import annotations
@@ -160,8 +164,9 @@ def save_checkpoint(
     `latest` pointer are durable.
 
     `meta` (JSON) is taken from rank 0. `keep_last=K` then keeps the K newest checkpoints at or below
-    this step, never the one `latest` names, and removes any newer ones (an abandoned timeline left
-    behind when a run resumed from an older checkpoint).
+    this step, removes older ones that still verify, and sets aside (never deletes) older ones that
+    do not and any newer ones (an abandoned timeline left behind when a run resumed from an older
+    checkpoint): see `_prune`.
 
     `write_extra(directory)`, called collectively on every rank before the shards are written,
     may add files under `directory/EXTRA_DIR` (e.g. a Megatron sharded checkpoint). It returns the
