@@ -5,7 +5,7 @@ Megatron-Core 0.16.1's common-state load calls `torch.load` on `common.pt` relyi
 default `weights_only`. Both loads here go through:
 
 - `AllowListedReader`: torch DCP's reader whose metadata read is the allow-listed one
-  (`sharded.read_metadata`), done once; it also checks that every data file is at least as long as
+  (`dcp_metadata.read_metadata`), done once; it also checks that every data file is at least as long as
   the metadata says, so a truncated `.distcp` is refused by name before any tensor is read;
 - `AllowListedTorchDistLoad`: Megatron's torch_dist load strategy reading through that reader;
 - `WeightsOnlyCommonLoad`: Megatron's common-state load with `weights_only=True` stated.
@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
-from .sharded import read_metadata
+from .dcp_metadata import read_metadata
 from .store import CheckpointError
 
 FIX = ("Fix: copy the checkpoint again from where it was written, or load an earlier step_* directory "

@@ -9,7 +9,7 @@ experts describe themselves by global expert id (see `TriRouteExperts.sharded_st
 chunks that overlap it.
 
 No untrusted pickle on load: torch DCP stores its `.metadata` pickled, and every load reads it
-(once) through a restricted unpickler that admits only the metadata classes below (anything else
+(once) through a restricted unpickler that admits only the metadata classes of `dcp_metadata.py` (anything else
 raises); the common state (`common.pt`) is loaded with `weights_only=True` stated; a data file
 shorter than the metadata says is refused by name (`safe_load.py`). Only tensors are saved and
 requested: torch DCP would read pickled byte items with a full unpickle.
@@ -17,16 +17,14 @@ requested: torch DCP would read pickled byte items with a full unpickle.
 
 from __future__ import annotations
 
-import io
 import logging
 import math
-import pickle
 import re
 from pathlib import Path
-from typing import Any
 
 import torch
 
+from .dcp_metadata import METADATA_FILE, read_metadata  # noqa: F401 - read_metadata is this module's API too
 from .store import CheckpointError
 
 GLOBAL_FORMAT = "global-tensors-v1"
@@ -34,44 +32,9 @@ GLOBAL_FORMAT = "global-tensors-v1"
 
 log = logging.getLogger(__name__)
 
-METADATA_FILE = ".metadata"
-"""torch DCP's metadata (rank 0, written once every rank's data files are)."""
 COMMON_FILE = "common.pt"
 CONFIG_FILE = "metadata.json"
 """Megatron's non-tensor state and its format record (rank 0; this code stores no non-tensor state)."""
-
-_ALLOWED_GLOBALS = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                 "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.distributed.checkpoint.planner", "LoadItemType"), ("torch.serialization", "_get_layout"),
-    ("torch.distributed.checkpoint.planner", "WriteItemType"), ("torch.distributed.checkpoint.planner", "SavePlan"),
-    ("torch.distributed.checkpoint.planner", "WriteItem"), ("torch.distributed.checkpoint.planner", "TensorWriteData"),
-    ("torch", "Size"), ("torch", "float32"), ("torch", "float64"), ("torch", "float16"), ("torch", "bfloat16"),
-    ("torch", "int64"), ("torch", "int32"), ("torch", "int16"), ("torch", "int8"), ("torch", "uint8"),
-    ("torch", "bool"), ("torch", "strided"), ("torch", "contiguous_format"), ("torch", "preserve_format"),
-    ("torch", "channels_last"), ("torch", "channels_last_3d"), ("torch", "sparse_coo"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("collections", "OrderedDict"), ("enum", "Enum"),
-}
-
-
-class _RestrictedUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) not in _ALLOWED_GLOBALS:
-            raise CheckpointError(
-                f"checkpoint metadata refers to {module}.{name}, which is not on the allow-list of "
-                "torch DCP metadata classes: refusing to unpickle it")
-        return super().find_class(module, name)
-
-
-def read_metadata(directory: str | Path):
-    """torch DCP metadata of a sharded checkpoint, through the restricted unpickler."""
-    path = Path(directory) / METADATA_FILE
-    if not path.is_file():
-        raise CheckpointError(f"{path} is missing: not a complete sharded checkpoint")
-    return _RestrictedUnpickler(io.BytesIO(path.read_bytes())).load()
 
 
 def coverage_problems(metadata, keys: list[str] | None = None) -> list[str]:
