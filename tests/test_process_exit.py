@@ -50,12 +50,7 @@ def test_every_command_line_entry_point_ends_with_it(path):
 def test_forked_children_and_grandchildren_die_with_the_process_and_free_its_output():
     """After children_die_with_this_process, a SIGKILLed process leaves no fork behind holding its
     stdout (srun would wait for it): the child and the child's child die with their parents."""
-    import os
-    import signal
-    import subprocess
-    import threading
-    import time
-    from pathlib import Path
+    from tests.fork_check import assert_forks_die_with_their_process
 
     code = ("import multiprocessing, os, time\n"
             "from megatron_triroute.process_exit import children_die_with_this_process\n"
@@ -65,45 +60,4 @@ def test_forked_children_and_grandchildren_die_with_the_process_and_free_its_out
             "    time.sleep(600)\n"
             "multiprocessing.get_context('fork').Process(target=child).start()\n"
             "print('ready', flush=True)\ntime.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parents[1])
-    try:
-        assert proc.stdout.readline().strip() == b"ready"
-        deadline = time.monotonic() + 10
-        forks = []
-        while len(forks) < 2 and time.monotonic() < deadline:  # the child, then its child
-            forks = _descendants(proc.pid)
-            time.sleep(0.05)
-        assert len(forks) == 2, forks
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        reader = threading.Thread(target=proc.stdout.read, daemon=True)
-        reader.start()
-        reader.join(10)
-        assert not reader.is_alive(), "the killed process's stdout is still held open by a fork"
-        deadline = time.monotonic() + 10
-        while any(_alive(pid) for pid in forks) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not any(_alive(pid) for pid in forks), forks
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _descendants(pid: int) -> list[int]:
-    from pathlib import Path
-
-    try:
-        children = [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except FileNotFoundError:
-        return []
-    return children + [d for c in children for d in _descendants(c)]
-
-
-def _alive(pid: int) -> bool:
-    from pathlib import Path
-
-    try:  # a zombie waiting for init to reap it is dead
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
+    assert_forks_die_with_their_process(code, forks=2)  # the child, then its child

@@ -160,39 +160,9 @@ def test_patched_paths_run_on_cpu():
 def test_the_checkpoint_results_manager_dies_with_its_rank_and_frees_its_output():
     """A SIGKILLed rank's manager must not live on holding the rank's stdout (a launcher reading it,
     srun, would wait for the orphan) nor outlive it at all."""
-    import os
-    import signal
-    import subprocess
-    import threading
-    import time
-    from pathlib import Path
+    from tests.fork_check import assert_forks_die_with_their_process
 
     code = ("from megatron_triroute.parallel import cpu_compat\n"
             "queue = cpu_compat._forked_results_queue()\nqueue.put(1)\nassert queue.get() == 1\n"
             "print('ready', flush=True)\nimport time\ntime.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            cwd=Path(__file__).resolve().parents[2])
-    try:
-        assert proc.stdout.readline().strip() == b"ready"
-        children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        assert len(children) == 1, children  # the manager
-        manager = int(children[0])
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        rest = []
-        reader = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
-        reader.start()
-        reader.join(10)
-        assert not reader.is_alive(), "the rank's stdout is still held open after it died"
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{manager}").exists() and time.monotonic() < deadline:
-            try:
-                if Path(f"/proc/{manager}/stat").read_text().split(")")[-1].split()[0] == "Z":
-                    break  # a zombie: dead, waiting for init to reap it
-            except FileNotFoundError:
-                break
-            time.sleep(0.1)
-        assert time.monotonic() < deadline, f"the manager {manager} outlived its rank"
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+    assert_forks_die_with_their_process(code, forks=1)  # the manager
