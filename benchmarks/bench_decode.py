@@ -57,7 +57,8 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
-from megatron_triroute.config import ATTN_MODES, ModelConfig, TriRouteConfig  # noqa: E402
+from megatron_triroute.config import ModelConfig, TriRouteConfig  # noqa: E402
+from megatron_triroute.routing.modes import ATTN_MODES  # noqa: E402
 from megatron_triroute.routing.controller import AxisDecision, RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.gating import NULL_EXPERT, ExpertRoutes  # noqa: E402

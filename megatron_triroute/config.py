@@ -18,11 +18,6 @@ from typing import Any, Literal
 
 from .input_errors import InputError
 
-ATTN_MODES = ("skip", "local", "full")
-"""Attention read modes, in logit order (index 0 = skip)."""
-SKIP, LOCAL, FULL = range(len(ATTN_MODES))
-"""Option indices of the attention read modes (the one definition every module uses)."""
-
 SUPPORTED_BITS = (2, 4, 8, 16)
 """KV-cache bit-widths the bit head may choose (16 = stored as float16, no quantisation metadata)."""
 

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_triroute import systems
-from megatron_triroute.config import ATTN_MODES, ConfigError, TriRouteConfig
+from megatron_triroute.config import ConfigError, TriRouteConfig
+from megatron_triroute.routing.modes import ATTN_MODES
 from megatron_triroute.routing.controller import TriRouteController, decision_features
 from megatron_triroute.routing.cost import dense_cost, expected_cost, expert_width, noise_free_cost
 from megatron_triroute.routing.factory import build_controller

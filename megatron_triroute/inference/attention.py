@@ -26,7 +26,7 @@ import torch
 
 from triroute_kernels import decode_attention_pool, merge_partials
 
-from ..config import FULL, LOCAL, SKIP
+from ..routing.modes import SKIP, read_start
 from .audit import CostAudit
 from .kv_cache import PagedKVCache
 
@@ -131,7 +131,7 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
             reads.append(None)
             continue
         t = pos_flat[flat]
-        start = torch.where(modes[flat, head] == LOCAL, (t - window).clamp_min(0), torch.zeros_like(t))
+        start = read_start(t, modes[flat, head], window)
         q = apply_rope((flat_h[flat] @ wq[head].T).unsqueeze(1), cos[flat], sin[flat]).squeeze(1)  # (R, d)
         reads.append(_HeadReads(flat, q, batch_of[flat], t, start))
         if audit is not None:
@@ -201,8 +201,7 @@ def _decode_attention(flat_h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, 
             q[rows[head], head] = x[rows[head]] @ wq[head].T
     q = apply_rope(q, cos, sin)
     tt = t.view(-1, 1).expand_as(mode)
-    lo = torch.where(mode == FULL, torch.zeros_like(tt),
-                     torch.where(mode == LOCAL, (tt - window).clamp_min(0), tt + 1))
+    lo = read_start(tt, mode, window)  # skip: t + 1, an empty range
     rows_rids = [rids[int(b)] for b in tokens.tolist()]
     outs, lses = [], []
     for option, pool in enumerate(cache.layers[layer].pools):

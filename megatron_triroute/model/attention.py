@@ -28,7 +28,8 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..config import FULL, LOCAL, TriRouteConfig
+from ..config import TriRouteConfig
+from ..routing.modes import READING_MODES, SKIP, read_mask, read_start
 from ..routing.quant import fake_quantize, relaxed_kv_write
 
 
@@ -47,11 +48,9 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: t
     qh = q.transpose(1, 2)  # (B, H, T, d)
     kh = k.repeat_interleave(rep, dim=2).transpose(1, 2)
     vh = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    pos = torch.arange(T, device=q.device)
-    full = pos.view(T, 1) >= pos.view(1, T)
-    local = full & (pos.view(1, T) >= pos.view(T, 1) - window)
     out = torch.zeros_like(q)
-    for mode, mask in ((LOCAL, local), (FULL, full)):
+    for mode in READING_MODES:
+        mask = read_mask(T, mode, window, q.device)  # (T, T) [query, key]
         weight = modes[..., mode, None]
         if not weight.requires_grad and not bool(weight.any()):
             continue  # a mode nobody reads and no gradient needs (e.g. local in a dense model)
@@ -159,8 +158,8 @@ class TriRouteSelfAttention(MegatronModule):
         """(T, G) first key each (token, head) reads: 0 for full, t - w for local, -1 for skip."""
         T = modes.shape[0]
         t = torch.arange(T, device=modes.device).view(T, 1).expand_as(modes)
-        local = (t - self.triroute.router.window).clamp_min(0)
-        return torch.where(modes == FULL, torch.zeros_like(t), torch.where(modes == LOCAL, local, torch.full_like(t, -1)))
+        start = read_start(t, modes, self.triroute.router.window)
+        return torch.where(modes == SKIP, torch.full_like(t, -1), start)
 
     @staticmethod
     def _keys_read(starts: torch.Tensor) -> torch.Tensor:

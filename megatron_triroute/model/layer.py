@@ -33,7 +33,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import TriRouteConfig
+from ..routing.modes import ATTN_MODES
 from ..routing.controller import AxisDecision, RouterOutput, decision_features
 from ..routing.factory import build_controller
 from ..routing.cost import budget_fractions, dense_cost, expected_cost, noise_free_cost

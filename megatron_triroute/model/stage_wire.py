@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import TriRouteConfig
+from ..routing.modes import ATTN_MODES
 from ..routing.controller import AxisDecision
 from ..routing.side_features import decision_feature_size
 from .routing_state import RoutingState, has_leader, has_reward

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import TriRouteConfig
+from ..routing.modes import ATTN_MODES
 from ..routing.budget import BudgetController
 from ..routing.running_stats import in_backward_pass
 

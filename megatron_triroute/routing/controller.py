@@ -18,7 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTN_MODES, FULL, TriRouteConfig
+from ..config import TriRouteConfig
+from .modes import ATTN_MODES, FULL
 from .gating import ExpertRoutes, top_k_gating
 from .grad_balance import GradBalance
 from .gumbel import sample_gumbel, soft_gumbel_sample, straight_through

@@ -26,13 +26,8 @@ import torch
 
 from ..config import ModelConfig, RouterConfig
 from .controller import RouterOutput
+from .modes import N_MODES, keys_read
 from .quant import kv_bits_per_token
-
-
-def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
-    """(..., 3) keys a query at 0-based `positions` reads in modes (skip, local, full)."""
-    t = positions.to(torch.float64)
-    return torch.stack([torch.zeros_like(t), torch.clamp(t, max=float(window)) + 1.0, t + 1.0], dim=-1)
 
 
 def expert_width(model: ModelConfig, router: RouterConfig) -> int:
@@ -75,7 +70,7 @@ def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig
     """
     B, T = out.attn.y.shape[:2]
     pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
-    kappa = 2.0 * model.d_head * keys_read(pos, router.window)  # (B, T, 3)
+    kappa = 2.0 * model.d_head * keys_read(pos, router.window)  # (B, T, N_MODES)
     attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
     flops = attn + _expert_flops(out, model, router)
     mem = (out.bits.y_cost.double() * bit_costs(router, model, out.bits.y_cost.device)).sum(-1)
@@ -156,8 +151,8 @@ def hard_cost(
     router.bits (or 0 = the uniform width)."""
     B, T, _ = attn_modes.shape
     pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
-    keys = keys_read(pos, router.window)  # (B, T, 3)
-    per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], 3).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
+    keys = keys_read(pos, router.window)  # (B, T, N_MODES)
+    per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], N_MODES).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
     attn = 2.0 * model.d_head * per_head.sum(-1)
     if expert_index is None:
         runs = torch.ones(B, T, dtype=torch.float64, device=attn_modes.device)

@@ -34,7 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..config import ATTN_MODES, FULL, SKIP, ConfigError, RouterConfig, TriRouteConfig
+from ..config import ConfigError, RouterConfig, TriRouteConfig
+from .modes import ATTN_MODES, FULL, SKIP
 from .controller import AxisDecision, RouterOutput, _constant_axis
 from .gating import NULL_EXPERT, ExpertRoutes
 from .noise import NoiseKey

@@ -35,7 +35,8 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig, RouterConfig
 from .controller import AxisDecision, RouterOutput
-from .cost import bit_costs, dense_cost, expert_width, keys_read
+from .cost import bit_costs, dense_cost, expert_width
+from .modes import keys_read
 from .gating import top_k_gating
 
 

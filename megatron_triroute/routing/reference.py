@@ -19,22 +19,13 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 
-from ..config import FULL, LOCAL, SKIP
+from .modes import READING_MODES, read_mask, read_start
 
 
 
 def _repeat_kv(x: torch.Tensor, n_heads: int) -> torch.Tensor:
     """(B, T, H_kv, d) -> (B, T, H, d): query head h reads kv head h // (H / H_kv) (GQA)."""
     return x.repeat_interleave(n_heads // x.shape[2], dim=2)
-
-
-def mode_masks(T: int, window: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(T, T) boolean masks [query, key] for local and full reads."""
-    q = torch.arange(T, device=device).view(T, 1)
-    k = torch.arange(T, device=device).view(1, T)
-    full = k <= q
-    local = full & (k >= q - window)
-    return local, full
 
 
 def reference_attention(
@@ -50,9 +41,9 @@ def reference_attention(
     k = _repeat_kv(k, H).transpose(1, 2)  # (B, H, T, d)
     v = _repeat_kv(v, H).transpose(1, 2)
     scores = q.transpose(1, 2) @ k.transpose(-1, -2) / math.sqrt(d)  # (B, H, Tq, Tk)
-    local, full = mode_masks(T, window, q.device)
     out = torch.zeros_like(q)
-    for mode, mask in ((LOCAL, local), (FULL, full)):
+    for mode in READING_MODES:
+        mask = read_mask(T, mode, window, q.device)
         probs = scores.masked_fill(~mask, float("-inf")).softmax(-1)
         ctx = (probs @ v).transpose(1, 2)  # (B, T, H, d)
         out = out + modes[..., mode, None].to(q.dtype) * ctx
@@ -69,10 +60,9 @@ def hard_attention(
     for b in range(B):
         for t in range(T):
             for h in range(H):
-                mode = int(mode_index[b, t, h])
-                if mode == SKIP:
-                    continue
-                start = max(0, t - window) if mode == LOCAL else 0
+                start = int(read_start(torch.tensor(t), mode_index[b, t, h], window))
+                if start > t:
+                    continue  # skip: nothing read
                 keys = k[b, start : t + 1, h // group]  # (n, d)
                 vals = v[b, start : t + 1, h // group]
                 probs = (q[b, t, h].view(1, d) @ keys.T / math.sqrt(d)).softmax(-1)  # (1, n)

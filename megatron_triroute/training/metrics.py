@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from ..config import ATTN_MODES, TriRouteConfig
+from ..config import TriRouteConfig
+from ..routing.modes import ATTN_MODES
 from ..model.step_state import RouterStatistics
 
 log = logging.getLogger("megatron_triroute.train")

@@ -17,7 +17,7 @@ import traceback
 import pytest
 import torch
 
-from megatron_triroute.config import ATTN_MODES
+from megatron_triroute.routing.modes import ATTN_MODES
 from megatron_triroute.routing.mod import capacity_tokens
 from megatron_triroute.systems import SYSTEMS, VARIANTS, system_config
 from tests.dist_utils import run_distributed

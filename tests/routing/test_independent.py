@@ -5,7 +5,8 @@ import math
 import pytest
 import torch
 
-from megatron_triroute.config import ATTN_MODES, ConfigError
+from megatron_triroute.config import ConfigError
+from megatron_triroute.routing.modes import ATTN_MODES
 from megatron_triroute.routing.cost import dense_cost, expected_cost, expert_width, noise_free_cost
 from megatron_triroute.routing.factory import build_controller
 from megatron_triroute.routing.independent import IndependentController

@@ -7,7 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_triroute.config import ATTN_MODES, ConfigError
+from megatron_triroute.config import ConfigError
+from megatron_triroute.routing.modes import ATTN_MODES
 from megatron_triroute.routing.cost import dense_cost, expected_cost, noise_free_cost
 from megatron_triroute.routing.factory import build_controller
 from megatron_triroute.routing.losses import router_aux_loss

@@ -1,0 +1,46 @@
+"""The attention read modes and what each reads: the one definition every path uses.
+
+A query at 0-based position t in mode m reads the keys [read_start(t, m), t] (Sec. axes, axis A):
+skip reads nothing (start t + 1, an empty range), local reads the window max(0, t - w) .. t, full
+reads 0 .. t. Training's relaxed attention (model/attention.py), the cost model (routing/cost.py),
+the inference engine (inference/attention.py) and, through the ranges the engine hands them, the
+kernels (`triroute_kernels`, which take [lo, hi] per query and know no modes) all read it here.
+
+Adding a mode: append its name to `ATTN_MODES` and its start to `read_start`; every shape that holds
+one value per mode is sized by `N_MODES`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ATTN_MODES = ("skip", "local", "full")
+"""Attention read modes, in logit order (index 0 = skip)."""
+SKIP, LOCAL, FULL = range(len(ATTN_MODES))
+"""Option indices of the attention read modes."""
+N_MODES = len(ATTN_MODES)
+"""Options of the attention head per query head (the last axis of every mode tensor)."""
+READING_MODES = tuple(m for m in range(N_MODES) if m != SKIP)
+"""Modes that read keys (each has its own attention output in the relaxed path)."""
+
+
+def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
+    """First key a query at `positions` reads in `mode` (an int or a tensor broadcastable to
+    `positions`); `positions + 1` (an empty range) for skip. Keys read: [start, position]."""
+    t = positions
+    mode = torch.as_tensor(mode, device=t.device)
+    local = (t - window).clamp_min(0)
+    return torch.where(mode == FULL, torch.zeros_like(t), torch.where(mode == LOCAL, local, t + 1))
+
+
+def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """(..., N_MODES) float64: how many keys a query at `positions` reads in each mode."""
+    t = positions.to(torch.float64)
+    return torch.stack([t + 1.0 - read_start(t, m, window) for m in range(N_MODES)], dim=-1)
+
+
+def read_mask(T: int, mode: int, window: int, device=None) -> torch.Tensor:
+    """(T, T) bool [query, key]: which keys a query of a length-T sequence reads in `mode`."""
+    q = torch.arange(T, device=device).view(T, 1)
+    k = torch.arange(T, device=device).view(1, T)
+    return (k >= read_start(q, mode, window)) & (k <= q)

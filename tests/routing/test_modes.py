@@ -1,0 +1,29 @@
+"""The attention-mode contract (routing/modes.py) against hand-written ranges."""
+
+import torch
+
+from megatron_triroute.routing.modes import ATTN_MODES, FULL, LOCAL, N_MODES, READING_MODES, SKIP, keys_read, read_mask, read_start
+
+
+def test_each_mode_reads_its_hand_written_range():
+    window = 2
+    t = torch.arange(6)
+    assert read_start(t, SKIP, window).tolist() == [1, 2, 3, 4, 5, 6]  # empty: start past the query
+    assert read_start(t, LOCAL, window).tolist() == [0, 0, 0, 1, 2, 3]  # max(0, t - w)
+    assert read_start(t, FULL, window).tolist() == [0] * 6
+    mixed = torch.tensor([SKIP, LOCAL, FULL, LOCAL, SKIP, FULL])
+    assert read_start(t, mixed, window).tolist() == [1, 0, 0, 1, 5, 0]
+
+
+def test_counts_and_masks_agree_with_the_ranges():
+    window, T = 3, 9
+    counts = keys_read(torch.arange(T), window)  # (T, N_MODES)
+    assert counts.shape == (T, N_MODES) and counts.dtype == torch.float64
+    assert counts[:, SKIP].tolist() == [0.0] * T
+    assert counts[:, LOCAL].tolist() == [float(min(t, window) + 1) for t in range(T)]
+    assert counts[:, FULL].tolist() == [float(t + 1) for t in range(T)]
+    for mode in range(N_MODES):
+        mask = read_mask(T, mode, window)
+        assert mask.sum(1).tolist() == counts[:, mode].long().tolist()
+        assert not bool(mask.triu(1).any())  # causal
+    assert READING_MODES == tuple(m for m in range(len(ATTN_MODES)) if ATTN_MODES[m] != "skip")
