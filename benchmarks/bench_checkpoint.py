@@ -55,7 +55,7 @@ def main() -> int:
 
     from megatron_triroute.checkpoint import store
     from megatron_triroute.checkpoint.async_save import AsyncSaves
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
     from megatron_triroute.training.recipes import get_recipe
     from megatron_triroute.training.run_state import load_run, save_run
     from megatron_triroute.training.trainer import build_optimizer

@@ -359,17 +359,10 @@ def bench(label: str, base: TriRouteConfig, mix: dict, contexts, batches, steps,
 
 def load_checkpoint_model(checkpoint: str, data: str | None):
     """The trained `InferenceModel` of a run's checkpoint, and its tokenizer."""
-    from data_prep.tables import load_token_tables
-    from data_prep.tokenizer import load_processor, tokenizer_path
-    from megatron_triroute.inference.checkpoint import build_model, load_inference_checkpoint
+    from megatron_triroute.evaluation.loading import load_for_evaluation
 
-    tree, state = load_inference_checkpoint(checkpoint)
-    root = Path(data or tree["data"]["path"])
-    tables = root / "tokenizer" / "token_tables.safetensors"
-    if not tables.exists():
-        raise SystemExit(f"{tables} not found: the run's data directory is not reachable from here. Fix: pass --data DIR.")
-    _, _, eod = load_token_tables(tables)
-    return build_model(tree, state, eod), load_processor(tokenizer_path(root))
+    loaded = load_for_evaluation(checkpoint, data)
+    return loaded.model, loaded.processor
 
 
 def checkpoint_mix(model, processor, length: int) -> dict:

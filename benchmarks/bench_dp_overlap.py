@@ -189,7 +189,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        from megatron_triroute.overhead import build_model
+        from megatron_triroute.distributed.one_process import build_model
         from megatron_triroute.parallel import cpu_shim, destroy_parallel, initialize_parallel
         from megatron_triroute.training.engine import TrainEngine
         from megatron_triroute.training.recipes import resolve

@@ -58,10 +58,10 @@ BYTES_PER_KIB = 1024  # ru_maxrss is in KiB on Linux
 # --- the checkpoint ------------------------------------------------------------------------------------
 def padded_tables(data: Path, vocab: int):
     """The data directory's token tables padded to `vocab` ids, as `train.py` pads them."""
-    from data_prep.tables import load_token_tables
     from megatron_triroute.routing.side_features import TokenTables
+    from megatron_triroute.vocab import load_token_tables, tables_path
 
-    log_prob, word_start, eod = load_token_tables(data / "tokenizer" / "token_tables.safetensors")
+    log_prob, word_start, eod = load_token_tables(tables_path(data))
     n = log_prob.numel()
     if vocab < n:
         raise ValueError(f"the recipe's vocabulary ({vocab}) is smaller than the tokenizer's ({n})")
@@ -73,13 +73,13 @@ def padded_tables(data: Path, vocab: int):
 def recipe_config(recipe: str, data: Path):
     """(run config, TriRouteConfig, tables, tokenizer vocab): the recipe's vocabulary, or the tokenizer's
     padded to a multiple of 128 when it is larger."""
-    from data_prep.tables import load_token_tables
     from megatron_triroute.training.data import padded_vocab
     from megatron_triroute.training.recipes import get_recipe
+    from megatron_triroute.vocab import load_token_tables, tables_path
 
     run = get_recipe(recipe)
     cfg = run.triroute
-    n = load_token_tables(data / "tokenizer" / "token_tables.safetensors")[0].numel()
+    n = load_token_tables(tables_path(data))[0].numel()
     cfg.model.vocab_size = max(cfg.model.vocab_size, padded_vocab(n, 1))
     cfg.validate()
     tables, n = padded_tables(data, cfg.model.vocab_size)
@@ -92,9 +92,9 @@ def write_checkpoint(root: Path, recipe: str, data: Path) -> dict:
 
     from megatron_triroute.checkpoint.sharded import GLOBAL_FORMAT, plan_state_save
     from megatron_triroute.checkpoint.store import save_checkpoint
+    from megatron_triroute.distributed.one_process import single_process_parallel
     from megatron_triroute.model.gpt import TriRouteGPTModel
     from megatron_triroute.model.spec import transformer_config
-    from megatron_triroute.overhead import single_process_parallel
     from megatron_triroute.routing.cost import expert_width
 
     run, cfg, tables, tokenizer_vocab = recipe_config(recipe, data)

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from megatron_triroute.overhead import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
+from megatron_triroute.distributed.one_process import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 from megatron_triroute.training.engine import MicroBatch, TrainEngine  # noqa: E402
 from megatron_triroute.training.metrics import training_flops_per_token  # noqa: E402

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from data_prep.config import BucketConfig, PrepConfig, PrepError, ShardConfig, TokenizerConfig
 from data_prep.corpus import CorpusConfig
+from megatron_triroute.input_errors import InputError
 
 log = logging.getLogger("data_prep")
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         run(args)
-    except PrepError as err:
+    except (PrepError, InputError) as err:  # InputError: what the shared vocabulary files refuse
         print(f"data_prep: error: {err}", file=sys.stderr)
         return 2
     return 0

@@ -30,14 +30,13 @@ from data_prep.inputs import Shard, expand_inputs, task_range
 from data_prep.manifest import load_record, outputs_intact, write_consolidated
 from data_prep.pool import map_shards
 from data_prep.progress import Counters, ProgressLine
-from data_prep.tables import save_token_tables
+from megatron_triroute.vocab import TABLES_FILE, load_processor, save_token_tables
 
 log = logging.getLogger("data_prep")
 
 TRAIN_PREFIX = "train_text_document"
 VALID_PREFIX = "valid_text_document"
 BUCKET_DIR = "buckets"
-TABLES_PATH = "tokenizer/token_tables.safetensors"
 
 
 def _work(output: Path) -> Path:
@@ -114,7 +113,7 @@ def run_merge(config: PrepConfig) -> dict:
 
     counts = sum((np.load(tokenize_stage.tokenized_dir(work, s) / "train_counts.npy") for s in shards),
                  np.zeros(info.vocab_size, dtype=np.int64))
-    save_token_tables(output / TABLES_PATH, tokenizer_step.load_processor(Path(model)), counts, info.eod_id, info.sha256)
+    save_token_tables(output / TABLES_FILE, load_processor(Path(model)), counts, info.eod_id, info.sha256)
 
     rare_file = work / "rare_entity_keys.npy"
     write_npy_atomic(rare_file, _rare_entity_keys(work, shards, config.buckets.rare_entity_max_train_count))
@@ -249,7 +248,7 @@ def _summary(config, shards, parse_stats, assignment, info, dtype, tok_stats, bu
                    "buckets": buckets},
         "datasets": datasets,
         "token_dtype": dtype,
-        "tokenizer": {**info.__dict__, "tables": TABLES_PATH},
+        "tokenizer": {**info.__dict__, "tables": TABLES_FILE},
         "inputs": inputs,
         "rejects_file": "rejects.jsonl",
         "config": cfg,

@@ -23,6 +23,7 @@ from data_prep.doc_hash import in_tokenizer_sample
 from data_prep.inputs import Shard
 from data_prep.parse_stage import iter_parsed_docs, load_index
 from data_prep.pool import map_shards
+from megatron_triroute.vocab import load_processor, tokenizer_path
 
 log = logging.getLogger("data_prep")
 
@@ -44,20 +45,6 @@ class TokenizerInfo:
     sample_bytes: int
 
 
-def tokenizer_path(output: Path) -> Path:
-    return output / "tokenizer" / "tokenizer.model"
-
-
-def load_processor(path: Path):
-    import sentencepiece
-
-    try:
-        return sentencepiece.SentencePieceProcessor(model_file=str(path))
-    except (OSError, RuntimeError) as err:
-        raise PrepError(f"tokenizer {str(path)!r} cannot be loaded ({err}). Fix: pass a sentencepiece "
-                        ".model file, or --vocab-size N to train one.") from err
-
-
 def prepare(config: PrepConfig, output: Path, work: Path, shards: list[Shard], assignment: Assignment,
             fingerprint: str) -> TokenizerInfo:
     """Produce `output/tokenizer/tokenizer.model`, reusing a previous run's when its record matches."""
@@ -66,7 +53,7 @@ def prepare(config: PrepConfig, output: Path, work: Path, shards: list[Shard], a
         source = Path(config.tokenizer.model)
         if not source.is_file():
             raise PrepError(f"--tokenizer {str(source)!r}: no such file. Fix: pass a sentencepiece .model path.")
-        processor = load_processor(source)
+        processor = load_processor(source, fix="pass a sentencepiece .model file, or --vocab-size N to train one")
         if target.resolve() != source.resolve():
             write_bytes_atomic(target, source.read_bytes())
         return _info(output, processor, trained=False, requested=None, sample=(0, 0))

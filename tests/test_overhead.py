@@ -128,7 +128,7 @@ def test_a_process_group_of_one_leaves_the_environment_as_it_was(monkeypatch):
     next tests start (they would all try the same port)."""
     import os
 
-    from megatron_triroute.overhead import single_process_parallel
+    from megatron_triroute.distributed.one_process import single_process_parallel
 
     monkeypatch.setenv("RANK", "7")
     monkeypatch.delenv("MASTER_PORT", raising=False)

@@ -11,7 +11,7 @@ chunks that overlap it.
 No untrusted pickle on load: torch DCP stores its `.metadata` pickled, and every load reads it
 (once) through a restricted unpickler that admits only the metadata classes of `dcp_metadata.py` (anything else
 raises); the common state (`common.pt`) is loaded with `weights_only=True` stated; a data file
-shorter than the metadata says is refused by name (`safe_load.py`). Only tensors are saved and
+shorter than the metadata says is refused by name (`dcp_metadata.py`). Only tensors are saved and
 requested: torch DCP would read pickled byte items with a full unpickle.
 """
 
@@ -223,7 +223,8 @@ def load_state(directory: str | Path, model, optimizer=None, *, adam_step: int |
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    from .safe_load import AllowListedReader, AllowListedTorchDistLoad, WeightsOnlyCommonLoad, reading
+    from .dcp_metadata import AllowListedReader, reading
+    from .safe_load import AllowListedTorchDistLoad, WeightsOnlyCommonLoad
 
     reader = AllowListedReader(directory)  # the one read of the metadata: allow-listed, data files checked
     metadata = reader.read_metadata()
@@ -290,7 +291,7 @@ def stored_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .safe_load import AllowListedReader, reading
+    from .dcp_metadata import AllowListedReader, reading
 
     reader = AllowListedReader(directory)  # the one read of the metadata: allow-listed, data files checked
     metadata = reader.read_metadata()

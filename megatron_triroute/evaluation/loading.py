@@ -37,35 +37,18 @@ class Loaded:
 
 
 def load_for_evaluation(checkpoint: str | Path, data: str | Path | None = None) -> Loaded:
-    from data_prep.tables import load_token_tables
-    from data_prep.tokenizer import load_processor, tokenizer_path
-
-    from ..checkpoint.store import latest_valid_checkpoint, split_step_dir
+    """The newest verified checkpoint under `checkpoint` (a root or one `step_*` directory) as the
+    engine's model, with the run's tokenizer and tables from `data` (default: the run's data.path)."""
     from ..inference.checkpoint import build_model, read_inference_checkpoint
     from ..inference.prices import read_prices_record
+    from ..vocab import load_processor, load_token_tables, run_vocab_files
 
-    path = Path(checkpoint)
-    if split_step_dir(path)[1] is not None:
-        step_path = path
-    else:
-        if not path.is_dir():
-            raise EvaluationSetupError(f"{path} is not a directory. Fix: pass a run's checkpoint root "
-                                       "(RUN/checkpoints) or one of its step_* directories.")
-        info = latest_valid_checkpoint(path)
-        if info is None:
-            raise EvaluationSetupError(f"no checkpoint under {path}. Fix: pass a run's checkpoint root "
-                                       "(RUN/checkpoints) or one of its step_* directories.")
-        step_path = info.path  # pinned, so the weights and the meta below are of one step
-    checkpoint = read_inference_checkpoint(step_path)
-    tree, state, meta = checkpoint.tree, checkpoint.state, checkpoint.meta
+    checkpoint = read_inference_checkpoint(checkpoint)  # pinned: the weights and the meta are of one step
+    tree, meta = checkpoint.tree, checkpoint.meta
     data = Path(data) if data is not None else Path(tree["data"]["path"])
-    tables_file = data / "tokenizer" / "token_tables.safetensors"
-    if not tables_file.exists():
-        raise EvaluationSetupError(
-            f"{tables_file} not found: the data directory {str(data)!r} (the run's recorded data.path unless "
-            "given) is not reachable here. Fix: run from where the run started, or pass --data DIR (data=DIR "
-            "in lm_eval's model_args), the run's data_prep output.")
-    _, _, eod = load_token_tables(tables_file)
-    model = build_model(tree, state, eod)
-    return Loaded(model, tree, int(meta["step"]), step_path, dict(meta.get("layout", {})), data, eod,
-                  load_processor(tokenizer_path(data)), read_prices_record(meta, model.prices), checkpoint.dual)
+    model_file, tables = run_vocab_files(data, "run from where the run started, or pass --data DIR (data=DIR in "
+                                         "lm_eval's model_args), the run's data_prep output")
+    _, _, eod = load_token_tables(tables)
+    model = build_model(tree, checkpoint.state, eod)
+    return Loaded(model, tree, checkpoint.step, checkpoint.path, dict(meta.get("layout", {})), data, eod,
+                  load_processor(model_file), read_prices_record(meta, model.prices), checkpoint.dual)

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,41 +29,41 @@ HF_PREFIX = "model."
 """`TriRouteForCausalLM` holds the engine's `InferenceModel` as `.model`: HF name = prefix + engine name."""
 
 
-def checkpoint_step(checkpoint: Path) -> int:
-    from ..checkpoint.store import latest_valid_checkpoint, split_step_dir
+@dataclass
+class ExportSource:
+    """What an export reads: one verified checkpoint step and the run's tokenizer."""
 
-    _, step = split_step_dir(checkpoint)
-    if step is not None:
-        return step
-    info = latest_valid_checkpoint(checkpoint)
-    return info.step if info is not None else 0
+    path: Path
+    """The `step_*` directory read (a second read, for --calibrate, pins this one)."""
+    step: int
+    tree: dict
+    config: TriRouteConfig
+    state: dict[str, torch.Tensor]
+    """Engine names -> tensors."""
+    eod: int
+    model_file: Path
+    """The run's sentencepiece model."""
+    prices: dict
+    """The checkpoint's prices record (inference/prices.py)."""
 
 
-def load_checkpoint_for_export(checkpoint: Path, data: Path | None):
-    """(run config tree, TriRouteConfig, engine-name state, eod id, tokenizer model file, prices
-    record (inference/prices.py))."""
-    from data_prep.tables import load_token_tables
-    from data_prep.tokenizer import tokenizer_path
-
+def read_export_source(checkpoint: Path, data: Path | None) -> ExportSource:
     from ..inference.checkpoint import InferenceCheckpointError, read_inference_checkpoint
     from ..inference.prices import read_prices_record
+    from ..vocab import VocabError, load_token_tables, run_vocab_files
 
     log.info("reading %s", checkpoint)
     try:
         loaded = read_inference_checkpoint(checkpoint, copy=False)  # views: the model held once
-    except InferenceCheckpointError as error:
+        config = TriRouteConfig.from_dict(loaded.tree["triroute"]).validate()
+        data = Path(data) if data is not None else Path(loaded.tree.get("data", {}).get("path", ""))
+        model_file, tables = run_vocab_files(data, "run from where the run started, or pass --data DIR (the "
+                                             "data_prep output the run trained on)")
+        _, _, eod = load_token_tables(tables)
+    except (InferenceCheckpointError, VocabError) as error:
         raise ExportError(f"{str(error).rstrip('.')}. Nothing was written.") from error
-    tree, state = loaded.tree, loaded.state
-    config = TriRouteConfig.from_dict(tree["triroute"]).validate()
-    data = Path(data) if data is not None else Path(tree.get("data", {}).get("path", ""))
-    tables = data / "tokenizer" / "token_tables.safetensors"
-    model_file = tokenizer_path(data)
-    if not tables.is_file() or not model_file.is_file():
-        raise ExportError(f"the run's tokenizer is not at {model_file} (with {tables.name}): its data.path="
-                          f"{str(data)!r} does not resolve from here. Nothing was written. Fix: run from where "
-                          "the run started, or pass --data DIR (the data_prep output the run trained on).")
-    _, _, eod = load_token_tables(tables)
-    return tree, config, state, eod, model_file, read_prices_record(loaded.meta, state["prices"])
+    return ExportSource(loaded.path, loaded.step, loaded.tree, config, loaded.state, eod, model_file,
+                        read_prices_record(loaded.meta, loaded.state["prices"]))
 
 
 def is_dense(config: TriRouteConfig) -> bool:
@@ -80,10 +81,11 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     output = Path(output)
     if output.exists():
         raise ExportError(f"{output} already exists. Fix: pass a new --output directory (or remove it).")
-    tree, config, state, eod, model_file, prices = load_checkpoint_for_export(checkpoint, data)
-    check_complete(config, state)
-    state, prices = _served_prices(checkpoint, data, config, state, prices, calibrate)
-    tree = dict(tree, training_step=checkpoint_step(checkpoint))
+    source = read_export_source(checkpoint, data)
+    config, eod = source.config, source.eod
+    check_complete(config, source.state)
+    state, prices = _served_prices(source, data, calibrate)
+    tree = dict(source.tree, training_step=source.step)
     log.info("complete: %d tensors (%d layers%s)", len(state), config.model.n_layers,
              f", {config.router.num_experts} experts each" if config.router.expert_routing else "")
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -91,13 +93,15 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     try:
         from .tokenizer import write_tokenizer
 
-        write_tokenizer(tmp, model_file, eod, config.model.seq_len)  # first: it checks the EOD id
+        write_tokenizer(tmp, source.model_file, eod, config.model.seq_len)  # first: it checks the EOD id
         if native and is_dense(config):
             from .llama import write_llama
 
-            write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
+            hf_config = write_llama(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
         else:
-            write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
+            hf_config = write_triroute(tmp, tree, config, state, eod, DTYPES[dtype], max_shard_size, prices)
+        write_json(tmp / "config.json", hf_config)
+        write_json(tmp / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})
         for file in tmp.iterdir():
             os.chmod(file, 0o644)
         os.chmod(tmp, 0o755)
@@ -109,24 +113,24 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     return output
 
 
-def _served_prices(checkpoint: Path, data: Path | None, config: TriRouteConfig, state: dict, prices: dict,
-                   calibrate: bool) -> tuple[dict, dict]:
+def _served_prices(source: ExportSource, data: Path | None, calibrate: bool) -> tuple[dict, dict]:
     """(state, prices record) to export: the checkpoint's, or with `calibrate` freshly calibrated
-    ones (the model is then loaded a second time, as the evaluation tools load it); an export of
+    ones (the same step loaded a second time, as the evaluation tools load it); an export of
     uncalibrated prices is warned about."""
     from ..inference.prices import is_priced, price_warning
 
+    config, state, prices = source.config, source.state, source.prices
     if calibrate and is_priced(config):
         from ..evaluation.calibration import calibrate_loaded
         from ..evaluation.loading import EvaluationSetupError, load_for_evaluation
 
         try:
-            loaded = load_for_evaluation(checkpoint, data)
+            loaded = load_for_evaluation(source.path, data)
             calibrate_loaded(loaded)
         except (EvaluationSetupError, FileNotFoundError) as error:
             raise ExportError(f"--calibrate: {error} Nothing was written.") from error
         state, prices = dict(state, prices=loaded.model.prices.clone()), loaded.prices
-    message = price_warning(config, prices, checkpoint_step(checkpoint), "pass --calibrate")
+    message = price_warning(config, prices, source.step, "pass --calibrate")
     if message is not None:
         log.warning("warning: %s", message)
     return state, prices
@@ -149,7 +153,8 @@ def engine_cast(config: TriRouteConfig, dtype: torch.dtype):
 
 
 def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: dict, eod: int, dtype: torch.dtype,
-                   max_shard_size: int, prices: dict | None = None) -> None:
+                   max_shard_size: int, prices: dict | None = None) -> dict:
+    """The remote code and the weights into `directory`; returns the config.json to write beside them."""
     from .remote_code import remote_code_files
 
     for name, source in remote_code_files().items():
@@ -157,7 +162,7 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
     tensors = {HF_PREFIX + k: v for k, v in state.items()}
     write_weights(directory, tensors, max_shard_size, engine_cast(config, dtype))
     m = config.model
-    hf_config = {
+    return {
         "architectures": ["TriRouteForCausalLM"],
         "model_type": "triroute",
         "auto_map": {"AutoConfig": "configuration_triroute.TriRouteConfig",
@@ -174,8 +179,6 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         "training_step": tree["training_step"],
         "prices": prices,
     }
-    write_json(directory / "config.json", hf_config)
-    write_json(directory / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})
 
 
 def write_json(path: Path, obj) -> None:

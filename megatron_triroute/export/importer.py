@@ -123,11 +123,11 @@ def import_hf(directory: Path, output: Path) -> Path:
     """Write `directory` (an export) as a layout-independent, weights-only checkpoint at `output`:
     a one-process model of the recorded config is built, loaded with the mapped weights and saved
     through the same `dist_checkpointing` path as training, so a run at any layout starts from it
-    with `train.init_from` and every reader of checkpoints reads it."""
+    with `train.init_from`; it is then read back through the checkpoint reader (`check_read_back`)."""
     from ..checkpoint.sharded import GLOBAL_FORMAT, plan_state_save
     from ..checkpoint.store import save_checkpoint
+    from ..distributed.one_process import build_model, single_process_parallel
     from ..inference.checkpoint import map_megatron_state
-    from ..overhead import build_model, single_process_parallel
 
     output = Path(output)
     if output.exists():
@@ -156,5 +156,18 @@ def import_hf(directory: Path, output: Path) -> Path:
             raise ExportError(f"internal error: the import does not fill the model: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
         path = save_checkpoint(output, step, {}, meta, write_extra=lambda d: plan_state_save(d, model, None))
+    check_read_back(output, config, megatron)
     log.info("imported %s -> %s (%d tensors)", directory, path, len(megatron))
     return output
+
+
+def check_read_back(output: Path, config: TriRouteConfig, megatron: dict[str, torch.Tensor]) -> None:
+    """Read the written checkpoint as every reader reads it (`checkpoint/reader.py`: verified, the
+    recorded config validated) and refuse unless it gives back the config and every imported tensor
+    bit for bit."""
+    from ..checkpoint.reader import read_model_checkpoint
+
+    read = read_model_checkpoint(output, copy=False)
+    differ = sorted(k for k, v in megatron.items() if k not in read.state or not torch.equal(read.state[k], v))
+    if differ or read.config.to_dict() != config.to_dict():
+        raise ExportError(f"internal error: {output} does not read back as imported ({differ[:4] or 'the config'})")

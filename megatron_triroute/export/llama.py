@@ -95,15 +95,13 @@ def llama_config(config: TriRouteConfig, eod: int, tree: dict, prices: dict | No
 
 
 def write_llama(directory: Path, tree: dict, config: TriRouteConfig, state: dict, eod: int, dtype: torch.dtype,
-                max_shard_size: int, prices: dict | None = None) -> None:
+                max_shard_size: int, prices: dict | None = None) -> dict:
+    """The Llama weights and the side file into `directory`; returns the config.json to write beside them."""
     from safetensors.torch import save_file
-
-    from .exporter import write_json
 
     weights, side = engine_to_llama(config, state)
     write_weights(directory, weights, max_shard_size, lambda name, t: t.to(dtype))
     save_file({k: _own(v) for k, v in side.items()}, str(directory / SIDE_FILE), metadata={"format": "pt"})
     cfg = llama_config(config, eod, tree, prices)
     cfg["dtype"] = str(dtype).replace("torch.", "")
-    write_json(directory / "config.json", cfg)
-    write_json(directory / "generation_config.json", {"eos_token_id": eod, "pad_token_id": eod, "do_sample": False})
+    return cfg

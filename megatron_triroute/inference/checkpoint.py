@@ -1,9 +1,7 @@
 """Read a training checkpoint for inference: config tree + the engine's name -> tensor state dict.
 
-The directory is what `checkpoint/store.py` writes (safetensors shards, JSON skeletons and meta;
-every file verified against its manifest, nothing unpickled). A layout-independent checkpoint is
-read whole in this process whatever tensor/pipeline/expert layout wrote it (`checkpoint.sharded.
-full_model_state`); the earlier per-rank format only at layout 1/1/1. Megatron names
+The checkpoint is read by `checkpoint/reader.py` (verified against its manifest, nothing
+unpickled, any tensor/pipeline/expert layout of the layout-independent format). Megatron names
 map onto `InferenceModel`'s:
 
     embedding.word_embeddings.weight                -> embed.weight
@@ -27,7 +25,6 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint.sharded import GLOBAL_FORMAT
 from ..config import TriRouteConfig
 from ..input_errors import InputError
 
@@ -43,6 +40,8 @@ class InferenceCheckpointError(InputError, ValueError):
 
 @dataclass
 class InferenceCheckpoint:
+    path: Path
+    """The `step_*` directory read."""
     tree: dict
     """The config tree as saved by the run."""
     state: dict[str, torch.Tensor]
@@ -65,39 +64,18 @@ def load_inference_checkpoint(path: str | Path, *, copy: bool = True) -> tuple[d
 
 
 def read_inference_checkpoint(path: str | Path, *, copy: bool = True) -> InferenceCheckpoint:
-    """`load_inference_checkpoint` with the checkpoint's step, meta and budget dual variables."""
-    from ..checkpoint.store import CheckpointError, load_checkpoint, split_step_dir
+    """`load_inference_checkpoint` with the step directory read, its step, meta and budget dual variables."""
+    from ..checkpoint.reader import read_model_checkpoint
+    from ..checkpoint.store import CheckpointError
 
-    path = Path(path)
-    root, step = split_step_dir(path)
     try:
-        step, tree, meta = load_checkpoint(root, rank=0, step=step)
+        read = read_model_checkpoint(path, copy=copy)
     except CheckpointError as error:
-        raise InferenceCheckpointError(f"{path}: {error}") from error
-    tree_config = meta["config"]
-    config = TriRouteConfig.from_dict(tree_config["triroute"]).validate()
-    if meta.get("checkpoint_format") == GLOBAL_FORMAT:  # layout-independent: whatever layout wrote it
-        from ..checkpoint.sharded import full_model_state
-        from ..checkpoint.store import step_dir_name
-        from ..durability import resolve_dir
-
-        try:
-            state = full_model_state(resolve_dir(root / step_dir_name(step)) / "sharded", copy=copy)
-        except CheckpointError as error:
-            raise InferenceCheckpointError(f"{path}: {error}") from error
-    else:
-        layout = meta.get("layout", {})
-        shape = tuple(layout.get(k) for k in ("tp", "pp", "ep"))
-        if shape != (1, 1, 1):
-            raise InferenceCheckpointError(
-                f"{path}: written with tensor/pipeline/expert parallel {shape}; the engine reads only (1, 1, 1). "
-                "Fix: convert the checkpoint to a layout-independent one first (or train with parallel.tensor="
-                "parallel.pipeline=parallel.expert=1).")
-        from ..checkpoint.sharded import current_name
-
-        state = {current_name(k): v for k, v in tree["model"].items()}
+        raise InferenceCheckpointError(str(error)) from error
+    state = read.state
     dual = {k[len("budget."):]: state[k].clone() for k in IGNORED if k in state and k != "budget.targets"}
-    return InferenceCheckpoint(tree_config, map_megatron_state(state, config), step, meta, dual)
+    return InferenceCheckpoint(read.path, read.tree, map_megatron_state(state, read.config), read.step, read.meta,
+                               dual)
 
 
 def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -> dict[str, torch.Tensor]:

@@ -39,11 +39,10 @@ class TokenizerInfo:
 
 def load_tables(run: RunConfig):
     """Token tables saved with the tokenizer (log-probabilities, word starts, EOD id)."""
-    from data_prep.tables import load_token_tables
-
     from ..routing.side_features import TokenTables
+    from ..vocab import load_token_tables, tables_path
 
-    path = Path(run.data.path) / "tokenizer" / "token_tables.safetensors"
+    path = tables_path(Path(run.data.path))
     if not path.exists():
         raise FileNotFoundError(f"{path} not found: data.path={run.data.path!r} is not a data_prep output. "
                                 "Fix: run `python -m data_prep build ... --output DIR` and set data.path=DIR.")

@@ -26,7 +26,7 @@ def _save_under_earlier_names(directory, model, monkeypatch):
 
 
 def test_final_norm_under_its_earlier_name_loads(tmp_path, monkeypatch):
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
 
     cfg = tiny_triroute()
     with single_process_parallel() as groups:

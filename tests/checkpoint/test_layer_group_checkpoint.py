@@ -19,7 +19,7 @@ def _config():
 
 
 def test_leader_only_controller_tensors_round_trip(tmp_path):
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
 
     cfg = _config()
     with single_process_parallel() as groups:

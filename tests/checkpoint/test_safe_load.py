@@ -29,7 +29,7 @@ def saved(tmp_path_factory):
     """(the config, a model's `sharded/` directory) of a tiny TriRoute model (one process)."""
     from megatron_triroute.checkpoint.sharded import save_model
     from megatron_triroute.config import TriRouteConfig
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
 
     cfg = TriRouteConfig().validate()
     directory = tmp_path_factory.mktemp("safe_load") / "sharded"
@@ -40,7 +40,7 @@ def saved(tmp_path_factory):
 
 def _load(cfg, directory):
     from megatron_triroute.checkpoint.sharded import load_model
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
 
     with single_process_parallel() as groups:
         load_model(directory, build_model(cfg, groups, seed=7))

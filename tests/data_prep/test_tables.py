@@ -1,4 +1,5 @@
-"""Token tables: log_prob from TRAIN counts (add-one smoothed), the word_start rule, the loader."""
+"""Token tables (megatron_triroute/vocab.py) as data_prep writes them: log_prob from TRAIN counts
+(add-one smoothed), the word_start rule, the loader."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import pytest
 import sentencepiece
 import torch
 
-from data_prep.tables import load_token_tables, log_prob_table, word_start_table
 from dp_helpers import read_dataset, summary
+from megatron_triroute.vocab import load_token_tables, log_prob_table, word_start_table
 
 
 def test_log_prob_by_hand():

@@ -75,7 +75,7 @@ def save(root, model, groups, cfg, data, system):
 def _write_checkpoints(rank, world_size, root, data, layouts):
     from safetensors.torch import save_file
 
-    from data_prep.tables import load_token_tables
+    from megatron_triroute.vocab import load_token_tables
     from megatron_triroute.parallel import destroy_parallel
     from megatron_triroute.routing.side_features import TokenTables
 

@@ -4,7 +4,7 @@ import torch
 
 
 def engine_model(checkpoint):
-    from data_prep.tables import load_token_tables
+    from megatron_triroute.vocab import load_token_tables
     from megatron_triroute.inference.checkpoint import build_model, load_inference_checkpoint
 
     tree, state = load_inference_checkpoint(checkpoint)

@@ -25,7 +25,7 @@ def tokenizers(tiny_data, tmp_path_factory):
     from transformers import AutoTokenizer
     from transformers.dynamic_module_utils import get_class_from_dynamic_module
 
-    from data_prep.tables import load_token_tables
+    from megatron_triroute.vocab import load_token_tables
     from megatron_triroute.export.remote_code import TEMPLATES
     from megatron_triroute.export.tokenizer import write_tokenizer
 

@@ -8,7 +8,7 @@ import torch
 def test_reward_baseline_is_training_only():
     from megatron_triroute.config import TriRouteConfig
     from megatron_triroute.inference.checkpoint import InferenceCheckpointError, map_megatron_state
-    from megatron_triroute.overhead import build_model, single_process_parallel
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
     from megatron_triroute.systems import system_config
 
     cfg = TriRouteConfig()

@@ -1,11 +1,16 @@
-"""Per-token tables the router's side features need, saved beside the tokenizer.
+"""The run's vocabulary on disk: the sentencepiece tokenizer and its per-token tables.
 
-`tokenizer/token_tables.safetensors` holds
-  log_prob    float32[V]  natural-log unigram probability of every token id, counted over the
-                          TRAIN split only (EOD tokens included), add-one smoothed:
-                          log((count[i] + 1) / (total + V)), so every id is finite.
-  word_start  uint8[V]    1 if the token starts a word (rule: `word_start_table`).
-and metadata (strings, as safetensors requires): eod_id, vocab_size, tokenizer_sha256.
+`python -m data_prep` writes both under the data directory; training, evaluation, generation and
+export read them from there (one place, so data_prep and the package share it without importing
+each other both ways: data_prep imports this package, never the reverse).
+
+    DATA/tokenizer/tokenizer.model            the sentencepiece model (EOD = its EOS piece)
+    DATA/tokenizer/token_tables.safetensors   the tables the router's side features need:
+      log_prob    float32[V]  natural-log unigram probability of every token id, counted over the
+                              TRAIN split only (EOD tokens included), add-one smoothed:
+                              log((count[i] + 1) / (total + V)), so every id is finite.
+      word_start  uint8[V]    1 if the token starts a word (rule: `word_start_table`).
+    and metadata (strings, as safetensors requires): eod_id, vocab_size, tokenizer_sha256.
 """
 
 from __future__ import annotations
@@ -13,6 +18,47 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+
+from .input_errors import InputError
+
+TOKENIZER_FILE = "tokenizer/tokenizer.model"
+"""The sentencepiece model, relative to the data directory."""
+TABLES_FILE = "tokenizer/token_tables.safetensors"
+"""The per-token tables, relative to the data directory."""
+
+
+class VocabError(InputError, ValueError):
+    """The tokenizer or its tables cannot be read; the message names the file and the fix."""
+
+
+def tokenizer_path(data: Path) -> Path:
+    return Path(data) / TOKENIZER_FILE
+
+
+def tables_path(data: Path) -> Path:
+    return Path(data) / TABLES_FILE
+
+
+def load_processor(path: Path, fix: str = "regenerate it with `python -m data_prep build`"):
+    """The sentencepiece processor of the model file `path`."""
+    import sentencepiece
+
+    try:
+        return sentencepiece.SentencePieceProcessor(model_file=str(path))
+    except (OSError, RuntimeError) as err:
+        raise VocabError(f"tokenizer {str(path)!r} cannot be loaded ({err}). Fix: {fix}.") from err
+
+
+def run_vocab_files(data: Path, fix: str) -> tuple[Path, Path]:
+    """(tokenizer model, token tables) of the data directory `data` a run recorded (or was given);
+    refused, naming both and `fix`, when either is not there."""
+    model_file, tables = tokenizer_path(data), tables_path(data)
+    if not model_file.is_file() or not tables.is_file():
+        raise VocabError(f"the run's tokenizer is not at {model_file} (with {tables.name}): the data directory "
+                         f"{str(data)!r} (the run's recorded data.path unless given) is not reachable here. Fix: "
+                         f"{fix}.")
+    return model_file, tables
+
 
 WHITESPACE_BYTES = (0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20)
 """Tab, newline, vertical tab, form feed, carriage return, space."""
@@ -51,7 +97,7 @@ def word_start_table(processor) -> np.ndarray:
 def save_token_tables(path: Path, processor, train_counts: np.ndarray, eod_id: int, tokenizer_sha256: str) -> None:
     from safetensors.numpy import save
 
-    from data_prep.atomic import write_bytes_atomic
+    from .durability import write_bytes_atomic
 
     if len(train_counts) != processor.vocab_size():
         raise AssertionError(f"{len(train_counts)} counts for a vocabulary of {processor.vocab_size()}")
@@ -79,7 +125,7 @@ def _sorted_header(blob: bytes) -> bytes:
 def load_token_tables(path):
     """Load `token_tables.safetensors` -> (log_prob float32 tensor [V], word_start bool tensor [V], eod_id).
 
-    Raises ValueError naming the file when it lacks a table or the metadata disagree with the shapes.
+    Raises `VocabError` naming the file when it lacks a table or the metadata disagree with the shapes.
     """
     from safetensors import safe_open
 
@@ -88,12 +134,12 @@ def load_token_tables(path):
         names = set(handle.keys())
         missing = {"log_prob", "word_start"} - names
         if missing or "eod_id" not in metadata or "vocab_size" not in metadata:
-            raise ValueError(f"{path}: not a token-tables file (missing {sorted(missing) or 'metadata'}). "
+            raise VocabError(f"{path}: not a token-tables file (missing {sorted(missing) or 'metadata'}). "
                              "Fix: regenerate it with `python -m data_prep build`.")
         log_prob = handle.get_tensor("log_prob")
         word_start = handle.get_tensor("word_start").bool()
     vocab_size, eod_id = int(metadata["vocab_size"]), int(metadata["eod_id"])
     if log_prob.shape != (vocab_size,) or word_start.shape != (vocab_size,) or not 0 <= eod_id < vocab_size:
-        raise ValueError(f"{path}: tables of shape {tuple(log_prob.shape)}/{tuple(word_start.shape)} with "
+        raise VocabError(f"{path}: tables of shape {tuple(log_prob.shape)}/{tuple(word_start.shape)} with "
                          f"eod_id={eod_id} disagree with vocab_size={vocab_size}. Fix: regenerate the file.")
     return log_prob, word_start, eod_id
