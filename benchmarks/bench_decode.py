@@ -58,14 +58,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megatron_triroute.config import ModelConfig, TriRouteConfig  # noqa: E402
-from megatron_triroute.routing.modes import ATTN_MODES, N_MODES  # noqa: E402
+from megatron_triroute.routing.modes import FULL, N_MODES, SKIP  # noqa: E402
 from megatron_triroute.routing.controller import AxisDecision, RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.gating import NULL_EXPERT, ExpertRoutes  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 
 ROUTED = ("kvquant", "mod", "independent", "triroute")
-SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
 DEFAULT_MIX = {"attn": [0.3, 0.3, 0.4], "bits": [0.25, 0.25, 0.25, 0.25], "expert_null": 0.3}
 """Synthetic mix without a checkpoint: attention (skip, local, full) per (token, head), bit options
 over router.bits, and the probability that a token's first route is the null expert."""
