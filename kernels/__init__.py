@@ -5,8 +5,8 @@ K/V into page slots, and decode attention over one pool returning (out, lse) for
 merge across pools. `quant` is the cache's number format: the supported widths (`SUPPORTED_BITS`)
 and the group quantisation and packing every writer uses. Each kernel has a vectorised
 pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_ops`, CUDA, or
-CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional GPU extra. The package imports only torch (and triton):
-nothing of `megatron_triroute`.
+CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
+GPU extra. The package imports only torch (and triton): nothing of `megatron_triroute`.
 """
 
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into

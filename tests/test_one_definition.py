@@ -35,7 +35,8 @@ def _is_three(node: ast.AST) -> bool:
 
 
 def _names(node: ast.AST) -> set[str]:
-    return {n.id if isinstance(n, ast.Name) else n.attr for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
+    return {n.id if isinstance(n, ast.Name) else n.attr
+            for n in ast.walk(node) if isinstance(n, (ast.Name, ast.Attribute))}
 
 
 def _head_count(node: ast.AST) -> bool:
@@ -140,7 +141,8 @@ def second_definitions(rel: str, index, widths: tuple[int, ...], mode_names: tup
                         found.append(f"{rel}:{node.lineno}: assigns {n.id} (defined in {HOMES[n.id]})")
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node is not allowed:
             values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
-            if rel != WIDTHS_HOME and sorted(v for v in values if type(v) is int) == sorted(widths) and len(values) == len(node.elts):
+            ints = sorted(v for v in values if type(v) is int)
+            if rel != WIDTHS_HOME and ints == sorted(widths) and len(values) == len(node.elts):
                 found.append(f"{rel}:{node.lineno}: the supported widths spelled out: {ast.unparse(node)}")
             if rel != MODES_HOME and sum(v in mode_names for v in values if isinstance(v, str)) >= 2:
                 found.append(f"{rel}:{node.lineno}: attention mode names spelled out: {ast.unparse(node)}")

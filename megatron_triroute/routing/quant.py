@@ -19,7 +19,7 @@ is defined once beside the supported widths, in `triroute_kernels.quant`; this m
 from __future__ import annotations
 
 import torch
-from triroute_kernels.quant import (  # noqa: F401  (pack/unpack re-exported: the cache layout's reference)
+from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
     PackedKV,
     dequantize_groups,
@@ -31,6 +31,11 @@ from triroute_kernels.quant import (  # noqa: F401  (pack/unpack re-exported: th
 )
 from triroute_kernels.quant import group_channels as _groups
 from triroute_kernels.quant import quantize_grouped as _quantize_grouped
+
+__all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
+    "METADATA_BITS_PER_GROUP", "PackedKV", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
+    "pack_kv", "quantize_groups", "quantized_values", "relaxed_kv_write", "unpack_codes", "unpack_kv",
+]
 
 
 def kv_bits_per_token(bits: int, d_kv: int, group_size: int) -> int:
