@@ -58,14 +58,13 @@ import torch.nn.functional as F  # noqa: E402
 from torch import nn  # noqa: E402
 
 from megatron_triroute.config import ModelConfig, TriRouteConfig  # noqa: E402
-from megatron_triroute.routing.modes import ATTN_MODES  # noqa: E402
+from megatron_triroute.routing.modes import FULL, N_MODES, SKIP  # noqa: E402
 from megatron_triroute.routing.controller import AxisDecision, RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.gating import NULL_EXPERT, ExpertRoutes  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 
 ROUTED = ("kvquant", "mod", "independent", "triroute")
-SKIP, LOCAL, FULL = (ATTN_MODES.index(m) for m in ("skip", "local", "full"))
 DEFAULT_MIX = {"attn": [0.3, 0.3, 0.4], "bits": [0.25, 0.25, 0.25, 0.25], "expert_null": 0.3}
 """Synthetic mix without a checkpoint: attention (skip, local, full) per (token, head), bit options
 over router.bits, and the probability that a token's first route is the null expert."""
@@ -186,7 +185,7 @@ class MixController(nn.Module):
                 index = torch.where(processed.unsqueeze(-1), index, NULL_EXPERT)
             experts = ExpertRoutes(probs=torch.zeros(B, T, E + int(r.null_expert)), index=index,
                                    weight=torch.full(index.shape, 1.0 / k), option=index.clamp_min(0))
-        ya, yb = F.one_hot(attn, 3).float(), F.one_hot(bits, n_bits).float()
+        ya, yb = F.one_hot(attn, N_MODES).float(), F.one_hot(bits, n_bits).float()
         return RouterOutput(attn=AxisDecision(ya, ya, attn), bits=AxisDecision(yb, yb, bits), experts=experts)
 
 
@@ -196,7 +195,7 @@ def measure_mix(decisions: list[list[RouterOutput]], n_bits: int) -> dict:
     modes = torch.cat([o.attn.y.argmax(-1).flatten() for o in outs])
     bits = torch.cat([o.bits.y.argmax(-1).flatten() for o in outs])
     firsts = [o.experts.index[..., 0].flatten() for o in outs if o.experts is not None]
-    return {"attn": [float((modes == i).float().mean()) for i in range(3)],
+    return {"attn": [float((modes == i).float().mean()) for i in range(N_MODES)],
             "bits": [float((bits == i).float().mean()) for i in range(n_bits)],
             "expert_null": float((torch.cat(firsts) < 0).float().mean()) if firsts else 0.0}
 

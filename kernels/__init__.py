@@ -2,13 +2,16 @@
 
 Two kernels over the paged, precision-segregated KV pools (`pool.PagePool`): quantise-and-pack
 K/V into page slots, and decode attention over one pool returning (out, lse) for a log-sum-exp
-merge across pools. Each has a vectorised pure-PyTorch twin (`torch_ops`, the CPU fast path) and
-a Triton kernel (`triton_ops`, CUDA, or CPU under TRITON_INTERPRET=1); `dispatch` is the one
-point that chooses. Triton is an optional GPU extra.
+merge across pools. `quant` is the cache's number format: the supported widths (`SUPPORTED_BITS`)
+and the group quantisation and packing every writer uses. Each kernel has a vectorised
+pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_ops`, CUDA, or
+CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
+GPU extra. The package imports only torch (and triton): nothing of `megatron_triroute`.
 """
 
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
-from .pool import SUPPORTED_BITS, PagePool, allocate_kv_pools, allocate_pool
+from .pool import PagePool, allocate_kv_pools, allocate_pool
+from .quant import SUPPORTED_BITS
 from .torch_ops import (
     decode_attention_pool_torch,
     dequantize_slots,

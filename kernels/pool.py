@@ -3,8 +3,8 @@
 One pool per (layer, K-or-V, bit-width b), fixed page size P tokens:
 - b in {2, 4, 8}: `codes` uint8 [num_pages, P, H_kv, d_h * b // 8] (the d_h codes of one
   (token, kv-head) packed along the channel axis, code i of a byte at bit offset i * b, exactly
-  `routing.quant.pack_kv`'s order for one token and head), `scale` and `zero` float16
-  [num_pages, P, H_kv, d_h // g] (exactly `quantize_groups`' scale and zero);
+  `quant.pack_kv`'s order for one token and head), `scale` and `zero` float16
+  [num_pages, P, H_kv, d_h // g] (exactly `quant.quantize_groups`' scale and zero);
 - b = 16: `values` float16 [num_pages, P, H_kv, d_h];
 - `token_pos` int32 [num_pages, P]: the per-request sequence position of each slot, -1 when free.
 A K pool and the V pool of the same width may share one `token_pos` tensor (`allocate_kv_pools`).
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-SUPPORTED_BITS = (2, 4, 8, 16)
+from .quant import SUPPORTED_BITS
 
 
 @dataclass

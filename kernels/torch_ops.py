@@ -1,8 +1,9 @@
 """Pure-PyTorch twins of the two kernels: vectorised (no per-token loops), the CPU fast path.
 
-The arithmetic is written out here (not imported from `megatron_triroute.routing.quant`) so the
-package stands alone; tests/kernels check it is bit-identical to `quantize_groups` /
-`dequantize_groups` / `pack_kv`.
+Writes quantise with the cache's own arithmetic (`quant.quantize_groups`, `quant.pack_codes`: the
+same functions training's fake quantiser uses); reads unpack and dequantise with shifts written
+out here for speed, which tests/kernels check are bit-identical to `quant.dequantize_groups` /
+`quant.pack_kv`. The package imports nothing of `megatron_triroute`.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ import math
 
 import torch
 
-from megatron_triroute.routing.quant import pack_codes, quantize_groups
-
 from .pool import PagePool, check_pool_shape
+from .quant import pack_codes, quantize_groups
+
 
 def _check_write(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, slots: torch.Tensor) -> None:
     if x.dim() != 3:
@@ -34,7 +35,7 @@ def _check_write(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, sl
 
 def quantize_codes(x: torch.Tensor, bits: int, group_size: int):
     """Unpacked int32 codes [..., d_h], float16 scale and zero [..., d_h // g]: the training
-    quantiser's own arithmetic (routing.quant.quantize_groups), so the cache is bit-exact with it."""
+    quantiser's own arithmetic (quant.quantize_groups), so the cache is bit-exact with it."""
     *lead, d_h = x.shape
     codes, scale, zero = quantize_groups(x, bits, group_size)
     return codes.to(torch.int32).reshape(*lead, d_h), scale, zero

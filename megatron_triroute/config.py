@@ -18,9 +18,6 @@ from typing import Any, Literal
 
 from .input_errors import InputError
 
-SUPPORTED_BITS = (2, 4, 8, 16)
-"""KV-cache bit-widths the bit head may choose (16 = stored as float16, no quantisation metadata)."""
-
 
 class ConfigError(InputError, ValueError):
     """A configuration value is invalid; the message names field, value and fix."""
@@ -91,8 +88,11 @@ class RouterConfig:
     window: int = 128
     """Local attention window w: a local token at position t reads keys max(0, t-w)..t,
     i.e. min(t, w) + 1 keys (ours: the paper's K_[t-w, t] taken inclusively)."""
-    bits: tuple[int, ...] = SUPPORTED_BITS
-    """Bit-widths the bit head chooses among, in logit order."""
+    bits: tuple[int, ...] = (2, 4, 8, 16)
+    """Bit-widths the bit head chooses among, in logit order; each one of the cache kernels'
+    `triroute_kernels.quant.SUPPORTED_BITS`. The default is written out, not `SUPPORTED_BITS`:
+    a width the kernels gain later must not silently change every recipe's choices (and its
+    checkpoints' logit count); a recipe opts in by listing it."""
     kv_group_size: int = 32
     """Quantisation group size along the head dimension; groups never span heads, so it must
     divide d_head (ours: 32, or d_head when smaller)."""
@@ -161,6 +161,10 @@ class RouterConfig:
                   f" = {self.num_expert_options}]", "lower top_k or add experts")
         if self.window < 0:
             _fail(f"{path}.window", self.window, "must be >= 0", "use e.g. 128")
+        # The widths the cache can store are the kernels' (one definition). Imported here, not at
+        # the top: that package imports torch, and this module stays importable without it.
+        from triroute_kernels.quant import SUPPORTED_BITS
+
         if not self.bits or any(b not in SUPPORTED_BITS for b in self.bits):
             _fail(f"{path}.bits", self.bits, f"every bit-width must be one of {SUPPORTED_BITS}",
                   "remove unsupported widths")
@@ -168,7 +172,7 @@ class RouterConfig:
             _fail(f"{path}.bits", self.bits, "must be strictly increasing", "sort and de-duplicate")
         if self.uniform_bits not in SUPPORTED_BITS:
             _fail(f"{path}.uniform_bits", self.uniform_bits, f"must be one of {SUPPORTED_BITS}",
-                  "pick 2, 4, 8 or 16")
+                  f"pick one of {SUPPORTED_BITS}")
         if not 0 < self.tau_end <= self.tau_start:
             _fail(f"{path}.tau_end", self.tau_end, f"must satisfy 0 < tau_end <= tau_start={self.tau_start}",
                   "use the paper's 2.0 -> 0.5")

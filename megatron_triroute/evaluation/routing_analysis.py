@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..routing.modes import N_MODES
+
 CATEGORIES = ("sentence-initial", "function word", "content word", "rare/entity", "number", "code symbol")
 FUNCTION_WORDS = frozenset("""a an the and or but nor so yet if then else of in on at to for from by with without
 about as into onto over under between through during before after above below up down out off is are was were
@@ -152,7 +154,8 @@ def routing_vectors(routing: Routing, n_bits: int, n_experts: int) -> np.ndarray
     """Per token, over all layers: one-hot attention mode per head, expert multi-hot (real
     experts and the null), one-hot KV width."""
     N, L, H = routing.attn.shape
-    parts = [np.eye(3)[routing.attn].reshape(N, L * H * 3), np.eye(n_bits)[routing.bits].reshape(N, L * n_bits)]
+    parts = [np.eye(N_MODES)[routing.attn].reshape(N, L * H * N_MODES),
+             np.eye(n_bits)[routing.bits].reshape(N, L * n_bits)]
     if routing.experts is not None:
         onehot = np.eye(n_experts + 1)[np.where(routing.experts < 0, n_experts, routing.experts)]
         parts.append(onehot.sum(2).reshape(N, L * (n_experts + 1)))

@@ -27,8 +27,8 @@ class SideState:
 
 def advance(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], tables: TokenTables,
             max_doc_position: int) -> torch.Tensor:
-    """Side features (B, n, 3) of the next `lengths[b]` tokens of each request (tokens (B, n),
-    right-padded) and the states moved past them."""
+    """Side features (B, n, N_STATIC_FEATURES) of the next `lengths[b]` tokens of each request
+    (tokens (B, n), right-padded) and the states moved past them."""
     B, n = tokens.shape
     dev = tokens.device
     start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev).view(B, 1)

@@ -20,13 +20,14 @@ import torch
 
 from ..config import TriRouteConfig
 from ..routing.controller import AxisDecision, RouterOutput
+from ..routing.modes import N_MODES
 from ..routing.side_features import TokenTables, decision_feature_size, static_side_features
 
 
 @dataclass(frozen=True)
 class RoutingInputs:
     psi: torch.Tensor
-    """(B, T, 3) float32 static side features of the tokens."""
+    """(B, T, N_STATIC_FEATURES) float32 static side features of the tokens."""
     sample_index: torch.Tensor
     """(B,) int64 global sample index (the noise key)."""
 
@@ -54,7 +55,7 @@ class RoutingState:
         H = config.model.n_heads
         leader = None
         if has_leader(config):
-            zeros = torch.zeros(batch, seq, H, 3, device=device)
+            zeros = torch.zeros(batch, seq, H, N_MODES, device=device)
             leader = AxisDecision(zeros, zeros.clone(), torch.zeros(batch, seq, H, dtype=torch.long, device=device))
         return cls(torch.zeros(batch, seq, decision_feature_size(len(config.router.bits)), device=device), leader,
                    torch.zeros(batch, seq, 2, device=device) if has_reward(config) else None)

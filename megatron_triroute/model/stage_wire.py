@@ -4,9 +4,9 @@ Megatron's pipeline schedules send exactly one tensor of shape [s, b, h] between
 a stage boundary (and only there) the routing state travels as R extra rows after the T token
 rows:
 
-    per sequence: [decision features (T x F) | leader attention y, y_cost, hard (T x 7H, layer
-                   groups only) | reward slots (T x 2, REINFORCE only)]  flattened, zero-padded
-                   to R * h.
+    per sequence: [decision features (T x F) | leader attention y, y_cost, hard
+                   (T x (2 N_MODES + 1) H, layer groups only) | reward slots (T x 2, REINFORCE
+                   only)]  flattened, zero-padded to R * h.
 
 Packing is cat/reshape only, so gradients flow back across the boundary (the followers' gradient
 to a leader's straight-through sample, the LM loss's gradient to the reward slots). The values
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TriRouteConfig
-from ..routing.modes import ATTN_MODES
+from ..routing.modes import N_MODES
 from ..routing.controller import AxisDecision
 from ..routing.side_features import decision_feature_size
 from .routing_state import RoutingState, has_leader, has_reward
@@ -44,7 +44,7 @@ class WireLayout:
 
     @property
     def per_token(self) -> int:
-        leader = (2 * len(ATTN_MODES) + 1) * self.n_heads if self.leader else 0  # y, y_cost, hard
+        leader = (2 * N_MODES + 1) * self.n_heads if self.leader else 0  # y, y_cost, hard
         return self.n_decision + leader + (2 if self.reward else 0)
 
     @property
@@ -63,7 +63,7 @@ def send(hidden: torch.Tensor, state: RoutingState, layout: WireLayout) -> torch
     parts = [state.decisions]
     if layout.leader:
         lead, H = state.leader, layout.n_heads
-        parts += [lead.y.reshape(B, T, 3 * H), lead.y_cost.reshape(B, T, 3 * H), lead.hard.reshape(B, T, H)]
+        parts += [lead.y.reshape(B, T, N_MODES * H), lead.y_cost.reshape(B, T, N_MODES * H), lead.hard.reshape(B, T, H)]
     if layout.reward:
         parts.append(state.reward)
     flat = torch.cat([p.to(hidden.dtype) for p in parts], -1).reshape(B, T * layout.per_token)
@@ -80,10 +80,11 @@ def receive(tensor: torch.Tensor, layout: WireLayout) -> tuple[torch.Tensor, Rou
     decisions, off = body[..., : layout.n_decision], layout.n_decision
     leader = None
     if layout.leader:
+        n = N_MODES * layout.n_heads  # one (y or y_cost) block: (H, N_MODES) per token
         H = layout.n_heads
-        leader = AxisDecision(body[..., off : off + 3 * H].reshape(B, T, H, 3),
-                              body[..., off + 3 * H : off + 6 * H].reshape(B, T, H, 3),
-                              body[..., off + 6 * H : off + 7 * H].round().to(torch.int64))
-        off += 7 * H
+        leader = AxisDecision(body[..., off : off + n].reshape(B, T, H, N_MODES),
+                              body[..., off + n : off + 2 * n].reshape(B, T, H, N_MODES),
+                              body[..., off + 2 * n : off + 2 * n + H].round().to(torch.int64))
+        off += 2 * n + H
     reward = body[..., off : off + 2] if layout.reward else None
     return hidden, RoutingState(decisions, leader, reward)

@@ -25,7 +25,7 @@ from ..routing.running_stats import in_backward_pass
 
 class RouterStatistics(nn.Module):
     """Per-layer float64 sums; layout per layer:
-    [tokens, attn counts(3), attn prob sums(3), expert counts(E'), expert prob sums(E'),
+    [tokens, attn counts(N_MODES), attn prob sums(N_MODES), expert counts(E'), expert prob sums(E'),
      bit counts(|B|), bit prob sums(|B|), hard flops, hard mem, dense flops, dense mem]."""
 
     def __init__(self, config: TriRouteConfig):

@@ -19,12 +19,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TriRouteConfig
-from .modes import ATTN_MODES, FULL
+from .modes import FULL, N_MODES
 from .gating import ExpertRoutes, top_k_gating
 from .grad_balance import GradBalance
 from .gumbel import sample_gumbel, soft_gumbel_sample, straight_through
 from .noise import NoiseKey
-from .side_features import STATIC_FEATURES, decision_feature_size
+from .side_features import (
+    MODE_FRACTIONS,
+    N_STATIC_FEATURES,
+    REAL_EXPERT_FRACTION,
+    WIDTH_ONE_HOT,
+    decision_feature_size,
+)
 from .whitening import RunningWhitening
 
 AXES = ("attn", "experts", "bits")
@@ -64,7 +70,7 @@ class RouterOutput:
 
 def controller_input_width(d_model: int, n_bits_options: int) -> int:
     """Width of the controller's input [Norm(x); psi]: the residual stream plus the side features."""
-    return d_model + STATIC_FEATURES + decision_feature_size(n_bits_options)
+    return d_model + N_STATIC_FEATURES + decision_feature_size(n_bits_options)
 
 
 class Trunk(nn.Module):
@@ -118,7 +124,7 @@ class TriRouteController(nn.Module):
         self.attn_heads = 0  # H_a: logit groups of the attention head (0 = no attention head)
         if router.attn_routing and self.leads_attention_group:
             self.attn_heads = model.n_heads if router.attn_granularity == "per_head" else 1
-            sizes["attn"] = self.attn_heads * len(ATTN_MODES)
+            sizes["attn"] = self.attn_heads * N_MODES
         if router.expert_routing:
             sizes["experts"] = router.num_expert_options
         if router.bit_routing:
@@ -183,13 +189,13 @@ class TriRouteController(nn.Module):
         raw = self.logits(hidden, side)
 
         if "attn" in raw:
-            z = raw["attn"].view(B, T, self.attn_heads, len(ATTN_MODES))  # (B, T, H_a, 3)
+            z = raw["attn"].view(B, T, self.attn_heads, N_MODES)  # (B, T, H_a, N_MODES)
             attn = self._categorical("attn", z, noise_key, tau)
             attn = _expand_heads(attn, self.n_heads)
         elif router.attn_routing and prev is not None:  # layer_group follower reuses the leader's
             attn = AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard)
         else:
-            attn = _constant_axis((B, T, self.n_heads), FULL, len(ATTN_MODES), hidden.device)
+            attn = _constant_axis((B, T, self.n_heads), FULL, N_MODES, hidden.device)
 
         if "bits" in raw:
             bits = self._categorical("bits", raw["bits"], noise_key, tau)
@@ -247,7 +253,7 @@ def _constant_axis(shape: tuple[int, ...], option: int, n_options: int, device) 
 
 def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_options: int,
                       top_k: int, device=None) -> torch.Tensor:
-    """psi's previous-layer block (see side_features): (B, T, 3 + 1 + |bits|), detached.
+    """psi's previous-layer block (see side_features): (B, T, N_MODES + 1 + |bits|), detached.
 
     Reads the executed decisions. `n_bits_options` is len(router.bits); with bit routing off
     the uniform width has no one-hot slot and the bit block stays zero.
@@ -255,11 +261,11 @@ def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_opt
     feats = torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
     if out is None:
         return feats
-    feats[..., :3] = out.attn.y.detach().float().mean(2)
+    feats[..., MODE_FRACTIONS] = out.attn.y.detach().float().mean(2)
     if out.experts is not None:
-        feats[..., 3] = (out.experts.index >= 0).float().sum(-1) / top_k
+        feats[..., REAL_EXPERT_FRACTION] = (out.experts.index >= 0).float().sum(-1) / top_k
     else:
-        feats[..., 3] = 1.0
+        feats[..., REAL_EXPERT_FRACTION] = 1.0
     if out.bits.y.shape[-1] == n_bits_options:
-        feats[..., 4:] = out.bits.y.detach().float()
+        feats[..., WIDTH_ONE_HOT] = out.bits.y.detach().float()
     return feats

@@ -35,11 +35,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import ConfigError, RouterConfig, TriRouteConfig
-from .modes import ATTN_MODES, FULL, SKIP
+from .modes import FULL, N_MODES, SKIP
 from .controller import AxisDecision, RouterOutput, _constant_axis
 from .gating import NULL_EXPERT, ExpertRoutes
 from .noise import NoiseKey
-from .side_features import STATIC_FEATURES, decision_feature_size
+from .side_features import N_STATIC_FEATURES, decision_feature_size
 
 
 
@@ -123,7 +123,7 @@ class MoDBlockRouter(nn.Module):
         self.knobs = MoDConfig.from_router(router)
         self.norm = nn.RMSNorm(model.d_model, elementwise_affine=False)
         self.score = nn.Linear(model.d_model, 1)
-        d_in = model.d_model + STATIC_FEATURES + decision_feature_size(len(router.bits))
+        d_in = model.d_model + N_STATIC_FEATURES + decision_feature_size(len(router.bits))
         width = self.knobs.predictor_width
         self.predictor = nn.Sequential(nn.Linear(d_in, width), nn.GELU(), nn.Linear(width, 1))
 
@@ -146,10 +146,10 @@ def block_attention(processed: torch.Tensor, gate: torch.Tensor, n_heads: int) -
     """Whole-block attention decision: `full * g` on every head of a processed token, `skip` on
     every head of a skipped one. No learned categorical head (logits=None)."""
     B, T = processed.shape
-    full = F.one_hot(torch.tensor(FULL), len(ATTN_MODES)).to(gate)  # (3,)
-    skip = F.one_hot(torch.tensor(SKIP), len(ATTN_MODES)).to(gate)
-    y = torch.where(processed[..., None], gate[..., None] * full, skip)  # (B, T, 3)
-    y = y.unsqueeze(2).expand(B, T, n_heads, len(ATTN_MODES))  # (B, T, H, 3)
+    full = F.one_hot(torch.tensor(FULL), N_MODES).to(gate)  # (N_MODES,)
+    skip = F.one_hot(torch.tensor(SKIP), N_MODES).to(gate)
+    y = torch.where(processed[..., None], gate[..., None] * full, skip)  # (B, T, N_MODES)
+    y = y.unsqueeze(2).expand(B, T, n_heads, N_MODES)  # (B, T, H, N_MODES)
     hard = torch.where(processed, FULL, SKIP).unsqueeze(2).expand(B, T, n_heads)  # (B, T, H)
     return AxisDecision(y=y, y_cost=y, hard=hard)
 

@@ -43,7 +43,7 @@ from .gating import top_k_gating
 def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: RouterConfig, attn_heads: int):
     """Per-token option costs as fractions of the dense cost of the token's layer.
 
-    Returns (attn (T, 3): one attention head's share per mode, expert (T,): one real expert,
+    Returns (attn (T, N_MODES): one attention head's share per mode, expert (T,): one real expert,
     bits (|bits|,)). positions: (T,) 0-based. `attn_heads` heads share the query heads evenly.
     """
     dense = dense_cost(positions, model)

@@ -11,16 +11,31 @@ fake-quantiser rounds them to float16 too, and at 16 bits it rounds the values t
 float16, so at every width the training-time values equal what the inference cache stores and
 dequantises; a constant group has s = 0 and dequantises to z exactly. The gradient is
 straight-through (identity w.r.t. k).
+
+The storage arithmetic itself (group quantise, dequantise, pack) is the cache's number format and
+is defined once beside the supported widths, in `triroute_kernels.quant`; this module trains on it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
+from triroute_kernels.quant import (
+    METADATA_BITS_PER_GROUP,
+    PackedKV,
+    dequantize_groups,
+    pack_codes,
+    pack_kv,
+    quantize_groups,
+    unpack_codes,
+    unpack_kv,
+)
+from triroute_kernels.quant import group_channels as _groups
+from triroute_kernels.quant import quantize_grouped as _quantize_grouped
 
-METADATA_BITS_PER_GROUP = 2 * 16
-"""float16 scale + float16 zero per quantisation group."""
+__all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
+    "METADATA_BITS_PER_GROUP", "PackedKV", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
+    "pack_kv", "quantize_groups", "quantized_values", "relaxed_kv_write", "unpack_codes", "unpack_kv",
+]
 
 
 def kv_bits_per_token(bits: int, d_kv: int, group_size: int) -> int:
@@ -33,41 +48,6 @@ def kv_bits_per_token(bits: int, d_kv: int, group_size: int) -> int:
     if bits >= 16:
         return payload
     return payload + (2 * d_kv // group_size) * METADATA_BITS_PER_GROUP
-
-
-def _groups(x: torch.Tensor, group_size: int) -> torch.Tensor:
-    """(..., H_kv, d_h) -> (..., H_kv, d_h // g, g); groups stay inside one head."""
-    *lead, d_h = x.shape
-    if d_h % group_size:
-        raise ValueError(f"group_size={group_size} must divide the head dim {d_h} (groups never span heads)")
-    return x.reshape(*lead, d_h // group_size, group_size)
-
-
-def quantize_groups(x: torch.Tensor, bits: int, group_size: int):
-    """Integer codes (uint8, unpacked), float16 scale and zero per group of x (..., H_kv, d_h)."""
-    g = _groups(x.float(), group_size)
-    return _quantize_grouped(g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), bits)
-
-
-def _quantize_grouped(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, bits: int):
-    """`quantize_groups` on grouped fp32 values whose per-group min and max are given."""
-    levels = 2**bits - 1
-    # A tensor divisor, not a Python number: CUDA turns division by a scalar into multiplication
-    # by its reciprocal, which differs in the last bit from the CPU's and the Triton kernel's
-    # correctly rounded quotient (and the difference survives the float16 rounding).
-    scale = ((hi - lo) / torch.full_like(hi, float(levels))).half()
-    zero = lo.half()
-    s = scale.float()
-    safe = torch.where(s > 0, s, torch.ones_like(s))
-    codes = torch.round((g - zero.float()) / safe).clamp_(0, levels)
-    codes = torch.where(s > 0, codes, torch.zeros_like(codes))
-    return codes.to(torch.uint8), scale.squeeze(-1), zero.squeeze(-1)
-
-
-def dequantize_groups(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """Inverse of `quantize_groups`: (..., H_kv, d_h // g, g) codes -> (..., H_kv, d_h) float32."""
-    x = codes.float() * scale.float().unsqueeze(-1) + zero.float().unsqueeze(-1)
-    return x.flatten(-2)
 
 
 def fake_quantize(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
@@ -111,62 +91,3 @@ def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) ->
             lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
         out.append(dequantize_groups(*_quantize_grouped(grouped, lo, hi, b)).to(x.dtype).view_as(x))
     return out
-
-
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """(..., d) integer codes in [0, 2^bits) -> (..., d * bits / 8) uint8: 8 // bits codes per
-    byte, code i of a byte at bit offset i * bits (the cache's byte layout)."""
-    per_byte = 8 // bits
-    grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, per_byte)
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
-    return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (..., n) uint8 -> (..., n * 8 / bits) int32 codes."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2)
-
-
-@dataclass
-class PackedKV:
-    """One token-set's K or V at one bit-width, bit-packed into bytes (the cache layout)."""
-
-    bits: int
-    shape: tuple[int, ...]
-    codes: torch.Tensor
-    """uint8, 8 // bits codes per byte (bits < 16), or the float16 values themselves."""
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
-
-    @property
-    def nbytes(self) -> int:
-        n = self.codes.numel() * self.codes.element_size()
-        for t in (self.scale, self.zero):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n
-
-
-def pack_kv(x: torch.Tensor, bits: int, group_size: int) -> PackedKV:
-    """Bit-pack x (N, H_kv, d_h) at `bits` (N * H_kv * d_h * bits must be a multiple of 8)."""
-    if bits >= 16:
-        return PackedKV(16, tuple(x.shape), x.detach().half().contiguous(), None, None)
-    codes, scale, zero = quantize_groups(x, bits, group_size)
-    flat = codes.reshape(-1)
-    if flat.numel() % (8 // bits):
-        raise ValueError(f"{flat.numel()} codes at {bits} bits do not fill whole bytes")
-    return PackedKV(bits, tuple(x.shape), pack_codes(flat, bits), scale, zero)
-
-
-def unpack_kv(p: PackedKV) -> torch.Tensor:
-    """Dequantised float32 tensor of shape `p.shape`."""
-    if p.bits >= 16:
-        return p.codes.float()
-    codes = unpack_codes(p.codes, p.bits)
-    *lead, d_h = p.shape
-    g = d_h // p.scale.shape[-1]
-    codes = codes.reshape(*lead, d_h // g, g)
-    return dequantize_groups(codes, p.scale, p.zero)

@@ -14,8 +14,9 @@ of the token's predictive entropy, and the previous layer's decisions. Our defin
   per-token stand-in for the paper's running predictive-entropy estimate), divided by
   log(vocab_size) so a uniform unigram gives 1.
 - previous layer's hard decisions (zeros at the first layer): fraction of heads in each
-  attention mode (3), fraction of the k expert slots on real experts (1), one-hot of the
-  written bit-width (|bits|). Detached: they are features, not a gradient path.
+  attention mode (N_MODES), fraction of the k expert slots on real experts (1), one-hot of the
+  written bit-width (|bits|), at the slices `MODE_FRACTIONS`, `REAL_EXPERT_FRACTION`,
+  `WIDTH_ONE_HOT`. Detached: they are features, not a gradient path.
 
 Every feature of token t reads only tokens <= t.
 """
@@ -27,7 +28,17 @@ from dataclasses import dataclass
 
 import torch
 
-STATIC_FEATURES = 3
+from .modes import N_MODES
+
+N_STATIC_FEATURES = 3
+"""Static features per token: document position, word distance, surprisal (not a mode count)."""
+
+MODE_FRACTIONS = slice(0, N_MODES)
+"""Previous-layer block: fraction of the heads in each attention mode."""
+REAL_EXPERT_FRACTION = N_MODES
+"""Previous-layer block: fraction of the k expert slots on real experts."""
+WIDTH_ONE_HOT = slice(N_MODES + 1, None)
+"""Previous-layer block: one-hot of the written bit-width (|bits| entries)."""
 
 
 @dataclass
@@ -82,7 +93,7 @@ def word_distances(tokens: torch.Tensor, word_start: torch.Tensor, eod_id: int) 
 
 
 def static_side_features(tokens: torch.Tensor, tables: TokenTables, max_doc_position: int) -> torch.Tensor:
-    """(B, T, 3) float32: [document position, word distance, surprisal], normalised."""
+    """(B, T, N_STATIC_FEATURES) float32: [document position, word distance, surprisal], normalised."""
     scale = math.log1p(max_doc_position)
     pos = torch.log1p(document_positions(tokens, tables.eod_id).float()) / scale
     dist = torch.log1p(word_distances(tokens, tables.word_start, tables.eod_id).float()) / scale
@@ -92,4 +103,5 @@ def static_side_features(tokens: torch.Tensor, tables: TokenTables, max_doc_posi
 
 
 def decision_feature_size(num_bits: int) -> int:
-    return 3 + 1 + num_bits
+    """Width of psi's previous-layer block: mode fractions, real-expert fraction, width one-hot."""
+    return N_MODES + 1 + num_bits

@@ -6,6 +6,7 @@ import torch
 from megatron_triroute.model.routing_state import RoutingState, has_leader, has_reward
 from megatron_triroute.model.stage_wire import WireLayout, receive, send
 from megatron_triroute.routing.controller import AxisDecision
+from megatron_triroute.routing.modes import N_MODES
 from tests.model.harness import tiny_triroute
 
 
@@ -14,7 +15,7 @@ def _state(layout: WireLayout, B: int, g: torch.Generator) -> RoutingState:
     decisions = torch.rand(B, T, layout.n_decision, generator=g).requires_grad_()
     leader = None
     if layout.leader:
-        y = torch.nn.functional.one_hot(torch.randint(0, 3, (B, T, H), generator=g), 3).float()
+        y = torch.nn.functional.one_hot(torch.randint(0, N_MODES, (B, T, H), generator=g), N_MODES).float()
         leader = AxisDecision(y.clone().requires_grad_(), y.clone().requires_grad_(), y.argmax(-1))
     reward = torch.zeros(B, T, 2).requires_grad_() if layout.reward else None
     return RoutingState(decisions, leader, reward)

@@ -3,6 +3,7 @@
 import torch
 
 from megatron_triroute.config import TriRouteConfig
+from megatron_triroute.routing.side_features import N_STATIC_FEATURES, decision_feature_size
 
 
 def tiny_config(**router_overrides) -> TriRouteConfig:
@@ -17,7 +18,7 @@ def tiny_config(**router_overrides) -> TriRouteConfig:
 
 
 def side_dim(cfg: TriRouteConfig) -> int:
-    return 3 + 4 + len(cfg.router.bits)
+    return N_STATIC_FEATURES + decision_feature_size(len(cfg.router.bits))
 
 
 def make_inputs(cfg: TriRouteConfig, batch: int = 2, seed: int = 0):
