@@ -4,9 +4,9 @@ The pages are `triroute_kernels` pools (`triroute_kernels.pool` documents the la
 `triroute_kernels.quantize_pack_into` and read by its dequantiser and decode-attention kernel
 (the torch twins on CPU, Triton on CUDA): the engine has no packing code of its own. Per
 (layer, width) a K pool and a V pool share one `token_pos` index. One slot stores one token's K
-(or V) for every KV head in the layout `routing.quant.pack_kv` gives one (token, head): for
-b < 16 bits, d_h * b / 8 bytes of codes (code i of a byte at bit i * b) and one float16 scale and
-zero per quantisation group; for 16 bits the float16 values. A token's K and V therefore take
+(or V) for every KV head; per (token, head), for b < 16 bits, d_h * b / 8 bytes of codes
+(`quant.pack_codes`' order: code i of a byte at bit i * b) and one float16 scale and zero per
+quantisation group (`quant.quantize_groups`'); for 16 bits the float16 values. A token's K and V therefore take
 exactly `quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and every cached K/V dequantises
 bit-identically to `quant.fake_quantize` of the training code (tested at 2/4/8/16 bits).
 

@@ -15,8 +15,6 @@ straight-through (identity w.r.t. k).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 METADATA_BITS_PER_GROUP = 2 * 16
@@ -120,53 +118,3 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
     grouped = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, per_byte)
     shifts = torch.arange(per_byte, dtype=torch.int32, device=codes.device) * bits
     return (grouped << shifts).sum(-1).to(torch.uint8)
-
-
-def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """Inverse of `pack_codes`: (..., n) uint8 -> (..., n * 8 / bits) int32 codes."""
-    per_byte = 8 // bits
-    shifts = torch.arange(per_byte, dtype=torch.int32, device=packed.device) * bits
-    codes = (packed.to(torch.int32).unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    return codes.flatten(-2)
-
-
-@dataclass
-class PackedKV:
-    """One token-set's K or V at one bit-width, bit-packed into bytes (the cache layout)."""
-
-    bits: int
-    shape: tuple[int, ...]
-    codes: torch.Tensor
-    """uint8, 8 // bits codes per byte (bits < 16), or the float16 values themselves."""
-    scale: torch.Tensor | None
-    zero: torch.Tensor | None
-
-    @property
-    def nbytes(self) -> int:
-        n = self.codes.numel() * self.codes.element_size()
-        for t in (self.scale, self.zero):
-            if t is not None:
-                n += t.numel() * t.element_size()
-        return n
-
-
-def pack_kv(x: torch.Tensor, bits: int, group_size: int) -> PackedKV:
-    """Bit-pack x (N, H_kv, d_h) at `bits` (N * H_kv * d_h * bits must be a multiple of 8)."""
-    if bits >= 16:
-        return PackedKV(16, tuple(x.shape), x.detach().half().contiguous(), None, None)
-    codes, scale, zero = quantize_groups(x, bits, group_size)
-    flat = codes.reshape(-1)
-    if flat.numel() % (8 // bits):
-        raise ValueError(f"{flat.numel()} codes at {bits} bits do not fill whole bytes")
-    return PackedKV(bits, tuple(x.shape), pack_codes(flat, bits), scale, zero)
-
-
-def unpack_kv(p: PackedKV) -> torch.Tensor:
-    """Dequantised float32 tensor of shape `p.shape`."""
-    if p.bits >= 16:
-        return p.codes.float()
-    codes = unpack_codes(p.codes, p.bits)
-    *lead, d_h = p.shape
-    g = d_h // p.scale.shape[-1]
-    codes = codes.reshape(*lead, d_h // g, g)
-    return dequantize_groups(codes, p.scale, p.zero)

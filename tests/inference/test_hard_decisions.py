@@ -11,7 +11,7 @@ alone (K/V projected for every token, since the cache keeps what later tokens ma
 output projections only for reading (token, head) pairs; one score and one value product per key
 read; one SwiGLU per real route; bytes at each token's width), and its budgeted attention and
 expert MACs against the FLOPs torch's FlopCounterMode counts when the test oracles
-(`routing.reference.hard_attention`, `hard_experts`) execute the same decisions.
+(`tests.oracles.hard_attention`, `hard_experts`) execute the same decisions.
 """
 
 import dataclasses
@@ -99,7 +99,7 @@ def _hand_counts(cfg, modes, bits, index):
 def _oracle_flops(cfg, modes, index, weight):
     """FLOPs FlopCounterMode counts while the test oracles execute only the selected work."""
     from megatron_triroute.routing.cost import expert_width
-    from megatron_triroute.routing.reference import hard_attention, hard_experts, swiglu
+    from tests.oracles import hard_attention, hard_experts, swiglu
 
     m, r = cfg.model, cfg.router
     B, T, H = modes.shape

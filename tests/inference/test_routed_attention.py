@@ -1,4 +1,4 @@
-"""Routed attention over the paged cache against `routing.reference.hard_attention` on
+"""Routed attention over the paged cache against `tests.oracles.hard_attention` on
 fake-quantised K/V, with designed decisions: per-head skip/local/full modes (heads of one KV
 group differing), whole tokens skipping every head whose K/V are read later at their width,
 local windows cut at t - w, K/V at 2, 4, 8 and 16 bits; as one prefill and token by token. The
@@ -17,7 +17,7 @@ from megatron_triroute.routing.controller import AxisDecision, RouterOutput
 from megatron_triroute.routing.cost import hard_cost
 from megatron_triroute.routing.gating import ExpertRoutes
 from megatron_triroute.routing.quant import fake_quantize
-from megatron_triroute.routing.reference import hard_attention
+from tests.oracles import hard_attention
 from tests.inference.test_engine import tiny_model
 
 B, T, H, H_KV, D_HEAD, D, W, G = 2, 12, 4, 2, 8, 32, 3, 8
