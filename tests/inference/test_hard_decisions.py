@@ -104,7 +104,8 @@ def _oracle_flops(cfg, modes, index, weight):
     m, r = cfg.model, cfg.router
     B, T, H = modes.shape
     d_e = expert_width(m, r)
-    q, k, v = torch.randn(B, T, H, m.d_head), torch.randn(B, T, m.n_kv_heads, m.d_head), torch.randn(B, T, m.n_kv_heads, m.d_head)
+    q = torch.randn(B, T, H, m.d_head)
+    k, v = torch.randn(2, B, T, m.n_kv_heads, m.d_head)
     experts = [swiglu(torch.randn(m.d_model, d_e), torch.randn(m.d_model, d_e), torch.randn(d_e, m.d_model))
                for _ in range(r.num_experts)]
     with FlopCounterMode(display=False) as attn:
@@ -118,7 +119,8 @@ def _megatron_forward(model, tokens, idx):
     """Layer 0's input and output, and the logits, of the eval-mode forward."""
     layer = model.decoder.layers[0]
     captured = {}
-    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw["hidden_states"]), with_kwargs=True)
+    h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw["hidden_states"]),
+                                         with_kwargs=True)
     h2 = layer.register_forward_hook(lambda m, a, kw, out: captured.__setitem__("out", out[0]), with_kwargs=True)
     model.eval()
     with torch.no_grad():
@@ -233,7 +235,8 @@ def _checks(rank, world_size, tp):
                                                         model.rotary_pos_emb(T), designed, cfg)
         assert _rel_err(attn_engine, attn) < 1e-4, (where, _rel_err(attn_engine, attn))
         assert _rel_err(ffn_engine, ffn) < 1e-4, (where, _rel_err(ffn_engine, ffn))
-        assert torch.allclose(got_out, x_out[:T].transpose(0, 1), atol=1e-5), (where, (got_out - x_out[:T].transpose(0, 1)).abs().max())
+        want_out = x_out[:T].transpose(0, 1)
+        assert torch.allclose(got_out, want_out, atol=1e-5), (where, (got_out - want_out).abs().max())
         if tp_size > 1:  # vocab-sharded on the TP ranks
             parts = [torch.empty_like(logits) for _ in range(tp_size)]
             dist.all_gather(parts, logits.contiguous())

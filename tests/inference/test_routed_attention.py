@@ -92,7 +92,8 @@ def test_prefill_counts_what_decoding_token_by_token_counts():
     # bytes read: each (token, pool) reads that pool's slots at positions <= t, at the pool's slot size
     slot = {b: kv_bits_per_token(b, H_KV * D_HEAD, G) // 8 for b in BITS}
     t = torch.arange(T)
-    want = sum(slot[BITS[o]] * int(((bits[b] == o) & (t <= s)).sum()) for b in range(B) for s in range(T) for o in range(4))
+    want = sum(slot[BITS[o]] * int(((bits[b] == o) & (t <= s)).sum())
+               for b in range(B) for s in range(T) for o in range(len(BITS)))
     assert prefill.total("bytes_read") == want
 
 
