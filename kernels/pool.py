@@ -3,7 +3,7 @@
 One pool per (layer, K-or-V, bit-width b), fixed page size P tokens:
 - b in {2, 4, 8}: `codes` uint8 [num_pages, P, H_kv, d_h * b // 8] (the d_h codes of one
   (token, kv-head) packed along the channel axis, code i of a byte at bit offset i * b, exactly
-  `quant.pack_kv`'s order for one token and head), `scale` and `zero` float16
+  `quant.pack_codes`' order for one token and head), `scale` and `zero` float16
   [num_pages, P, H_kv, d_h // g] (exactly `quant.quantize_groups`' scale and zero);
 - b = 16: `values` float16 [num_pages, P, H_kv, d_h];
 - `token_pos` int32 [num_pages, P]: the per-request sequence position of each slot, -1 when free.

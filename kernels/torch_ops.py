@@ -3,7 +3,7 @@
 Writes quantise with the cache's own arithmetic (`quant.quantize_groups`, `quant.pack_codes`: the
 same functions training's fake quantiser uses); reads unpack and dequantise with shifts written
 out here for speed, which tests/kernels check are bit-identical to `quant.dequantize_groups` /
-`quant.pack_kv`. The package imports nothing of `megatron_triroute`.
+`quant.pack_codes` (the reference packer the tests hold is `tests/oracles.pack_kv`). The package imports nothing of `megatron_triroute`.
 """
 
 from __future__ import annotations

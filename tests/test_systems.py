@@ -19,7 +19,7 @@ from megatron_triroute.routing.losses import router_aux_loss
 from megatron_triroute.routing.mod import MoDController
 from megatron_triroute.routing.noise import NoiseKey
 from megatron_triroute.routing.quant import kv_bits_per_token, relaxed_kv_write
-from megatron_triroute.routing.reference import combine_experts, reference_attention, swiglu
+from tests.oracles import combine_experts, reference_attention, swiglu
 from megatron_triroute.routing.side_features import TokenTables, static_side_features
 
 from .routing.helpers import tiny_config

@@ -3,19 +3,16 @@
 Every valid token first writes its K/V to the pool of its chosen width (skip is a read
 decision). Then per query head h, only the (token, h) pairs whose mode is not `skip` get a
 query projection, read keys and an output projection: `local` reads keys at positions
-max(0, t - w)..t, `full` 0..t. Each precision pool is read separately and the partial results
-are merged by their log-sum-exp, so scratch memory is O(chunk), not O(context). Heads of one KV
-group may take different modes.
+max(0, t - w)..t, `full` 0..t. Heads of one KV group may take different modes.
 
-Two read paths, both over the `triroute_kernels` pools:
-- decode (one new token per request): `triroute_kernels.decode_attention_pool` per pool (the
-  torch twin on CPU, the Triton kernel on CUDA), a skipping head given an empty key range, and
-  `merge_partials` across pools;
-- prompt chunks (several tokens of a request): each chunk of pages is dequantised once by the
-  kernels' dequantiser and every head's reading rows whose window meets it update a running
-  (max, sum, weighted V).
-Work is vectorised over the batch and the reading tokens; the Python loops run over pools, page
-chunks and heads, never over tokens.
+Prefill and decode take one read path: every new token is one query row of the kernels'
+`triroute_kernels.decode_attention_pool`, called once per precision pool for all rows and heads
+(the torch twin on CPU, the Triton kernel on CUDA) with the row's request's page table, keys
+lo..t (a skipping head gets the empty range lo = t + 1); the pools' partials are merged by
+their log-sum-exp (`merge_partials`). The kernels keep the online softmax, bounded scratch
+included: the engine has none of its own. Work is vectorised over the batch and the reading
+tokens; the Python loops run over pools, heads and (for long prompts) row blocks, never over
+tokens.
 """
 
 from __future__ import annotations
@@ -30,8 +27,9 @@ from ..routing.modes import SKIP, read_start
 from .audit import CostAudit
 from .kv_cache import PagedKVCache
 
-SCRATCH_ELEMENTS = 1 << 24
-"""Cap on the keys gathered per chunk for one head (rows x slots x d_h floats: 64 MiB in fp32)."""
+ROW_BLOCKS = 1 << 22
+"""Cap on (row, kv head, page) entries per kernel call: a long prompt's rows go in several calls,
+so the page tables and the kernels' block lists stay O(ROW_BLOCKS), not O(prompt x context)."""
 
 
 def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,54 +51,15 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return apply_rope(x, *rope_tables(positions, x.shape[-1], base))
 
 
-class _HeadReads:
-    """Online-softmax state of the reading (token, head) rows of one head (the prompt-chunk path)."""
-
-    def __init__(self, flat: torch.Tensor, q: torch.Tensor, batch: torch.Tensor, t: torch.Tensor, start: torch.Tensor):
-        self.flat, self.q, self.batch, self.t, self.start = flat, q, batch, t, start
-        self.m = self.l = self.acc = None  # allocated by the first chunk update (the prompt-chunk path)
-
-    def _begin(self) -> None:
-        R, d = self.q.shape
-        self.m = torch.full((R,), float("-inf"), device=self.q.device)
-        self.l = torch.zeros(R, device=self.q.device)
-        self.acc = torch.zeros(R, d, device=self.q.device)
-
-    def update(self, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, slot_ok: torch.Tensor) -> int:
-        """Merge one chunk: k, v (B, N, d), pos (B, N), slot_ok (B, N). Returns keys read."""
-        mask = slot_ok[self.batch] & (pos[self.batch] >= self.start[:, None]) & (pos[self.batch] <= self.t[:, None])
-        rows = mask.any(1).nonzero().flatten()  # rows whose window meets this chunk
-        if rows.numel() == 0:
-            return 0
-        if self.m is None:
-            self._begin()
-        mask = mask[rows]
-        b = self.batch[rows]
-        d = self.q.shape[1]
-        scores = torch.einsum("rd,rnd->rn", self.q[rows], k[b]) / math.sqrt(d)
-        scores = scores.masked_fill(~mask, float("-inf"))
-        m_new = torch.maximum(self.m[rows], scores.amax(1))
-        keep = torch.exp(self.m[rows] - m_new)  # exp(-inf) = 0 for a row's first chunk
-        p = torch.exp(scores - m_new[:, None])
-        self.l[rows] = self.l[rows] * keep + p.sum(1)
-        self.acc[rows] = self.acc[rows] * keep[:, None] + torch.einsum("rn,rnd->rd", p, v[b])
-        self.m[rows] = m_new
-        return int(mask.sum())
-
-    def context(self) -> torch.Tensor:
-        return self.acc / self.l[:, None]
-
-
 def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
                      mode: torch.Tensor, bit_option: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
-                     cache: PagedKVCache, layer: int, rids: list[int], window: int, audit: CostAudit | None,
-                     chunk_pages: int = 64) -> torch.Tensor:
+                     cache: PagedKVCache, layer: int, rids: list[int], window: int,
+                     audit: CostAudit | None) -> torch.Tensor:
     """h (B, n, D) normed input; wq (H, d, D), wk/wv (H_kv, d, D), wo (D, H, d); mode (B, n, H)
     in ATTN_MODES order; bit_option (B, n); positions, valid (B, n). Returns (B, n, D)."""
     B, n, D = h.shape
     H, d = wq.shape[:2]
     n_kv = wk.shape[0]
-    G = H // n_kv
     flat_h = h.reshape(B * n, D)
     tokens = valid.flatten().nonzero().flatten()  # (N,) valid flat indices, request-major then position
     batch_of = torch.arange(B, device=h.device).repeat_interleave(n)
@@ -108,8 +67,8 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
 
     # --- writes: every token, at its chosen width ---------------------------------------------
     x = flat_h[tokens]
-    cos, sin = rope_tables(pos_flat, d)  # once per call: shared by K and every head's Q
-    k = apply_rope(torch.einsum("nD,hdD->nhd", x, wk), cos[tokens], sin[tokens])
+    cos, sin = rope_tables(pos_flat[tokens], d)  # once per call: shared by K and every head's Q
+    k = apply_rope(torch.einsum("nD,hdD->nhd", x, wk), cos, sin)
     v = torch.einsum("nD,hdD->nhd", x, wv)
     written = cache.bytes_written
     cache.write(layer, rids, batch_of[tokens], bit_option.flatten()[tokens], pos_flat[tokens], k, v)
@@ -118,79 +77,28 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
         audit.add(layer, "v_proj", tokens.numel() * n_kv * d * D)
         audit.add(layer, "bytes_written", cache.bytes_written - written)
 
-    modes = mode.reshape(B * n, H)
-    if n == 1:
-        return _decode_attention(flat_h, x, cos[tokens], sin[tokens], wq, wo, tokens, pos_flat, modes, cache, layer,
-                                 rids, window, audit).view(B, n, D)
-
-    # --- queries: only (token, head) pairs that read -------------------------------------------
-    reads: list[_HeadReads | None] = []
-    for head in range(H):
-        flat = tokens[modes[tokens, head] != SKIP]
-        if flat.numel() == 0:
-            reads.append(None)
-            continue
-        t = pos_flat[flat]
-        start = read_start(t, modes[flat, head], window)
-        q = apply_rope((flat_h[flat] @ wq[head].T).unsqueeze(1), cos[flat], sin[flat]).squeeze(1)  # (R, d)
-        reads.append(_HeadReads(flat, q, batch_of[flat], t, start))
-        if audit is not None:
-            audit.add(layer, "q_proj", flat.numel() * d * D)
-
-    # --- reads: pool by pool, chunk by chunk, every head's rows updated per chunk -------------------
-    if any(r is not None for r in reads):
-        _chunk_reads(reads, cache, layer, rids, d, G, chunk_pages, audit)
-
-    # --- output projection of the reading pairs only --------------------------------------------
+    # --- reads: one query row per new token -----------------------------------------------------
     out = torch.zeros(B * n, D, dtype=h.dtype, device=h.device)
-    for head, r in enumerate(reads):
-        if r is not None:
-            out.index_add_(0, r.flat, r.context() @ wo[:, head].T)
-            if audit is not None:
-                audit.add(layer, "o_proj", r.flat.numel() * d * D)
-    return out.view(B, n, D)
+    proj = _read_rows(x, cos, sin, wq, wo, batch_of[tokens], pos_flat[tokens], mode.reshape(B * n, H)[tokens], cache,
+                      layer, rids, window, audit)
+    return out.index_copy_(0, tokens, proj).view(B, n, D)
 
 
-def _chunk_reads(reads: list[_HeadReads | None], cache: PagedKVCache, layer: int, rids: list[int], d: int, G: int,
-                 chunk_pages: int, audit: CostAudit | None) -> None:
-    """Prompt chunks: each pool a chunk of pages at a time, dequantised once for every head's rows."""
-    P = cache.page_size
-    # Bound the per-chunk scratch (rows x slots x d_h gathered keys) to SCRATCH_ELEMENTS.
-    rows = max(r.flat.numel() for r in reads if r is not None)
-    chunk_pages = max(1, min(chunk_pages, SCRATCH_ELEMENTS // (rows * P * d)))
-    for option, pool in enumerate(cache.layers[layer].pools):
-        table, counts = cache.page_table(layer, option, rids)
-        for c0 in range(0, table.shape[1], chunk_pages):
-            K, V, pos = pool.read(table[:, c0 : c0 + chunk_pages])  # (B, C, P, H_kv, d), (B, C, P)
-            K, V, pos = K.flatten(1, 2), V.flatten(1, 2), pos.flatten(1, 2)
-            slot_ok = (c0 * P + torch.arange(pos.shape[1], device=pos.device)).view(1, -1) < counts.view(-1, 1)
-            if audit is not None:
-                audit.add(layer, "bytes_read", int(slot_ok.sum()) * pool.slot_bytes)
-            for head, r in enumerate(reads):
-                if r is not None:
-                    keys = r.update(K[:, :, head // G], V[:, :, head // G], pos, slot_ok)
-                    if audit is not None:
-                        audit.add(layer, "attn", 2 * d * keys)
-
-
-def _decode_attention(flat_h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq: torch.Tensor,
-                      wo: torch.Tensor, tokens: torch.Tensor, pos_flat: torch.Tensor, modes: torch.Tensor,
-                      cache: PagedKVCache, layer: int, rids: list[int], window: int,
-                      audit: CostAudit | None) -> torch.Tensor:
-    """One token per request (flat index b = request b): the query and output projections of the
-    reading (token, head) pairs only, head by head; one rotary embedding over all of them; every
-    pool read by the kernels' decode attention for all requests and heads at once (a skipping head
-    gets the empty range lo = t + 1); partials merged by log-sum-exp. x (N, D) the valid tokens'
-    inputs, cos/sin (N, 1, d) their rotary tables. Returns (B, D)."""
+def _read_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq: torch.Tensor, wo: torch.Tensor,
+               request: torch.Tensor, t: torch.Tensor, mode: torch.Tensor, cache: PagedKVCache, layer: int,
+               rids: list[int], window: int, audit: CostAudit | None) -> torch.Tensor:
+    """Attention of N query rows (N, D) -> (N, D): row i is a token of request `request[i]` at
+    position t[i] with per-head modes mode[i] (N, H); x its normed input, cos/sin (N, 1, d) its
+    rotary tables. The query and output projections of the reading (row, head) pairs only, head
+    by head; one rotary embedding over all of them; every pool read by the kernels' decode
+    attention for all rows and heads at once (a skipping head gets the empty range lo = t + 1);
+    partials merged by log-sum-exp."""
     H, d, D = wq.shape
-    N = tokens.numel()
-    t = pos_flat[tokens]  # (N,)
-    mode = modes[tokens]  # (N, H)
+    N = x.shape[0]
     reading = mode != SKIP
-    n_read = reading.sum(0).tolist()  # per head: reading tokens
-    out = torch.zeros(flat_h.shape[0], D, dtype=flat_h.dtype, device=flat_h.device)
+    n_read = reading.sum(0).tolist()  # per head: reading rows
     if not any(n_read):
-        return out
+        return x.new_zeros(N, D)
     every = [c == N for c in n_read]
     rows = [None if c in (0, N) else reading[:, head].nonzero().flatten() for head, c in enumerate(n_read)]
     q = torch.zeros(N, H, d, dtype=x.dtype, device=x.device)  # skipping pairs stay 0 and are never read
@@ -200,22 +108,24 @@ def _decode_attention(flat_h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, 
         elif c:
             q[rows[head], head] = x[rows[head]] @ wq[head].T
     q = apply_rope(q, cos, sin)
-    tt = t.view(-1, 1).expand_as(mode)
-    lo = read_start(tt, mode, window)  # skip: t + 1, an empty range
-    rows_rids = [rids[int(b)] for b in tokens.tolist()]
+    lo = read_start(t.view(-1, 1).expand_as(mode), mode, window)  # skip: t + 1, an empty range
     outs, lses = [], []
     for option, pool in enumerate(cache.layers[layer].pools):
-        table, counts = cache.page_table(layer, option, rows_rids)
-        if table.shape[1] == 0:
+        pages, _ = cache.page_table(layer, option, rids)  # (B, max pages) per request
+        if pages.shape[1] == 0:
             continue
-        o, lse = decode_attention_pool(q, pool.k, pool.v, pool.bits, cache.group_size, table, lo, t, 1.0 / math.sqrt(d))
-        outs.append(o)
-        lses.append(lse)
+        step = max(1, ROW_BLOCKS // (pool.k.num_kv_heads * pages.shape[1]))  # rows per kernel call
+        parts = [decode_attention_pool(q[i : i + step], pool.k, pool.v, pool.bits, cache.group_size,
+                                       pages[request[i : i + step]], lo[i : i + step], t[i : i + step],
+                                       1.0 / math.sqrt(d)) for i in range(0, N, step)]
+        outs.append(torch.cat([o for o, _ in parts]))
+        lses.append(torch.cat([lse for _, lse in parts]))
         if audit is not None:
-            audit.add(layer, "bytes_read", int(counts.sum()) * pool.slot_bytes)
-            audit.add(layer, "attn", 2 * d * _keys_read(pool.token_pos, table, lo, t))
+            slots, keys = _slots_and_keys_read(pool.token_pos, pages, request, lo, t)
+            audit.add(layer, "bytes_read", slots * pool.slot_bytes)
+            audit.add(layer, "attn", 2 * d * keys)
     context = merge_partials(outs, lses)[0] if len(outs) > 1 else outs[0]  # (N, H, d)
-    proj = torch.zeros(N, D, dtype=flat_h.dtype, device=flat_h.device)
+    proj = torch.zeros(N, D, dtype=x.dtype, device=x.device)
     for head, c in enumerate(n_read):
         if every[head]:
             proj += context[:, head] @ wo[:, head].T
@@ -224,11 +134,20 @@ def _decode_attention(flat_h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor, 
     if audit is not None:
         audit.add(layer, "q_proj", sum(n_read) * d * D)
         audit.add(layer, "o_proj", sum(n_read) * d * D)
-    return out.index_copy_(0, tokens, proj)
+    return proj
 
 
-def _keys_read(token_pos: torch.Tensor, table: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> int:
-    """Keys a (row, head) range [lo, hi] meets in the pages of `table` (absent pages -1), summed."""
-    pos = torch.where(table.unsqueeze(-1) >= 0, token_pos[table.clamp(min=0)], -1).flatten(1)  # (N, L)
-    inside = (pos >= 0) & (pos <= hi.view(-1, 1))
-    return int((inside.unsqueeze(1) & (pos.unsqueeze(1) >= lo.unsqueeze(-1))).sum())
+def _slots_and_keys_read(token_pos: torch.Tensor, pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
+                         hi: torch.Tensor) -> tuple[int, int]:
+    """In one pool, with `pages` (B, max pages; absent -1) each request's page list: the slots of
+    row i's request at positions <= hi[i] (its context in this pool, whatever its heads read),
+    summed over rows, and the keys the (row, head) ranges [lo, hi] meet, summed over rows and
+    heads; so a prefill of n tokens counts what n decode steps count. Memory O(B x positions)."""
+    pos = torch.where(pages.unsqueeze(-1) >= 0, token_pos[pages.clamp(min=0)], -1).flatten(1).long()  # (B, L)
+    size = max(int(hi.max()), int(pos.max())) + 2
+    before = torch.zeros(pos.shape[0], size, dtype=torch.long, device=pos.device)
+    before.scatter_add_(1, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
+    before = before.cumsum(1)  # before[b, p]: b's slots at positions < p
+    upto = before[request, hi + 1]  # (N,)
+    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), lo.clamp(max=size - 1)]  # (N, H); skip: lo = hi + 1
+    return int(upto.sum()), int(keys.clamp(min=0).sum())

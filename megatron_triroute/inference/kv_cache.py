@@ -4,11 +4,11 @@ The pages are `triroute_kernels` pools (`triroute_kernels.pool` documents the la
 `triroute_kernels.quantize_pack_into` and read by its dequantiser and decode-attention kernel
 (the torch twins on CPU, Triton on CUDA): the engine has no packing code of its own. Per
 (layer, width) a K pool and a V pool share one `token_pos` index. One slot stores one token's K
-(or V) for every KV head in the layout `triroute_kernels.quant.pack_kv` gives one (token, head):
-for b < 16 bits, d_h * b / 8 bytes of codes (code i of a byte at bit i * b) and one float16 scale
-and zero per quantisation group; for 16 bits the float16 values. A token's K and V therefore take
-exactly `routing.quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and every cached K/V dequantises
-bit-identically to `routing.quant.fake_quantize` of the training code (tested at 2/4/8/16 bits).
+(or V) for every KV head; per (token, head), for b < 16 bits, d_h * b / 8 bytes of codes
+(`triroute_kernels.quant.pack_codes`' order: code i of a byte at bit i * b) and one float16 scale and
+zero per quantisation group (`quantize_groups`'); for 16 bits the float16 values. A token's K and V
+therefore take exactly `routing.quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and every cached K/V
+dequantises bit-identically to `routing.quant.fake_quantize` of the training code (tested at 2/4/8/16 bits).
 
 Each request owns, per layer and pool, a list of page ids and a slot count; `token_pos` holds the
 position of the token in each slot (-1 when free), and a pool holds only the tokens that chose its

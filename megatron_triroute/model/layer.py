@@ -94,9 +94,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
         modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
         bit_weights = tensor_parallel.copy_to_tensor_model_parallel_region(out.bits.y)
-        hard = not self.training and step.hard_execution
-        attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, out.bits.y.argmax(-1),
-                                   rotary_pos_emb=rotary_pos_emb, hard=hard)
+        attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, rotary_pos_emb=rotary_pos_emb)
         x = x + attn
 
         # --- experts (null = nothing runs) ---------------------------------------------------
@@ -109,7 +107,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             # holds the full gradient of the route weights; an all-reduce would multiply it by tp.
             weight = out.experts.weight
             flat = lambda t: t.transpose(0, 1).reshape(T * B, -1)  # (B, T, k) -> (T*B, k), token-major like h
-            ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight), hard=hard).view(T, B, -1)
+            ffn = self.mlp(h.reshape(T * B, -1), flat(out.experts.index), flat(weight)).view(T, B, -1)
         x = x + ffn
 
         # --- losses and statistics (lines 5-6) -------------------------------------------------

@@ -23,7 +23,6 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
 from ..routing.cost import expert_width
-from ..routing.reference import hard_experts
 from .attention import RoutedAttentionSubmodules, TriRouteSelfAttention
 from .layer import TriRouteLayerSubmodules, TriRouteTransformerLayer
 
@@ -64,18 +63,8 @@ class RoutedExperts(MegatronModule):
             sequence_parallel=config.sequence_parallel,
         )
 
-    def forward(self, hidden, expert_index, expert_weight, hard: bool = False):
-        """hidden (N, d); expert_index/weight (N, k). `hard` (inference): run each expert only on
-        its own tokens instead of DeepSpeed's capacity-padded dispatch, so a null-routed token
-        costs nothing.
-
-        Only with expert parallel 1 (every expert on this rank). With expert parallel > 1,
-        `hard=True` falls back to DeepSpeed's dispatch: the outputs are the same (no token is
-        dropped), but each expert runs on its whole capacity buffer, padded up to the busiest
-        expert's route count, so the executed expert FLOPs are not the selected-only count the
-        hard path measures elsewhere. Measure executed cost with expert parallel 1."""
-        if hard and self.experts.num_local_experts == self.experts.num_experts:
-            return hard_experts(hidden, expert_index, expert_weight, list(self.experts.experts))
+    def forward(self, hidden, expert_index, expert_weight):
+        """hidden (N, d); expert_index/weight (N, k), index -1 = the null expert (nothing runs)."""
         return self.experts(hidden, expert_index, expert_weight)
 
 

@@ -66,11 +66,6 @@ class RoutingStepState:
     record_eval: bool = False
     """Accumulate statistics in eval mode too (the trainer measures the realised cost of the
     noise-free policy on held-out data); never feeds the budget."""
-    hard_execution: bool = False
-    """In eval mode, run the hard path (only what decisions select executes, token by token).
-    False: evaluate with the noise-free one-hot decisions on the batched relaxed path, which
-    computes the same outputs (tested) much faster; the hard path is the executed-cost
-    reference for the inference engine."""
 
     def should_record(self, training: bool) -> bool:
         if in_backward_pass():

@@ -21,20 +21,16 @@ from __future__ import annotations
 import torch
 from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
-    PackedKV,
     dequantize_groups,
     pack_codes,
-    pack_kv,
     quantize_groups,
-    unpack_codes,
-    unpack_kv,
 )
 from triroute_kernels.quant import group_channels as _groups
 from triroute_kernels.quant import quantize_grouped as _quantize_grouped
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
-    "METADATA_BITS_PER_GROUP", "PackedKV", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
-    "pack_kv", "quantize_groups", "quantized_values", "relaxed_kv_write", "unpack_codes", "unpack_kv",
+    "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
+    "quantize_groups", "quantized_values", "relaxed_kv_write",
 ]
 
 

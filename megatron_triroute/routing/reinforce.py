@@ -5,6 +5,8 @@ no straight-through path. Gradient: the score-function estimator
 
     surrogate = - mean_t sum_{heads} (R_t - b) * log pi(a_t | z_t),
 
+delivered layer by layer through the reward slots that travel with the activations
+(`reward_tap`, `reward_slots_loss`), so the pipeline stages need no list of every layer's output.
 Reward (ours): R_t = -l_t, the token's own next-token LM loss (detached). Baseline b: an EMA
 (momentum 0.9) of the global-batch mean reward, updated once per optimizer step like every
 router statistic, so it never depends on the current batch.
@@ -47,24 +49,6 @@ class RewardBaseline(RunningStatistic):
         mean = total / count
         self.value.fill_(mean if self.steps.item() == 0 else self.momentum * self.value.item() + (1 - self.momentum) * mean)
         self.steps += 1
-
-
-def reinforce_loss(outputs: list[RouterOutput], token_loss: torch.Tensor, baseline: RewardBaseline) -> torch.Tensor:
-    """Score-function surrogate over all layers' attention and bit decisions.
-
-    token_loss: (B, T) per-token LM loss. Layers without REINFORCE log-probs contribute 0.
-    """
-    reward = -token_loss.detach()
-    baseline.observe(reward)
-    advantage = (reward - baseline.value.to(reward.dtype)).unsqueeze(-1)  # (B, T, 1)
-    total = token_loss.new_zeros(())
-    for out in outputs:
-        for axis in (out.attn, out.bits):
-            if axis.log_prob is None:
-                continue
-            lp = axis.log_prob if axis.log_prob.dim() == 3 else axis.log_prob.unsqueeze(-1)
-            total = total - (advantage * lp).sum(-1).mean()
-    return total
 
 
 class _RewardTap(torch.autograd.Function):

@@ -1,12 +1,13 @@
-"""The paged cache stores exactly what training writes: bytes equal to `quant.pack_kv` of one
-(token, head), dequantised values bit-identical to `quant.fake_quantize` (16 bits: the float16
+"""The paged cache stores exactly what training writes: bytes equal to `tests.oracles.pack_kv` of
+one (token, head), dequantised values bit-identical to `quant.fake_quantize` (16 bits: the float16
 value `pack_kv` stores), bytes at rest equal to the sum of `kv_bits_per_token / 8`, and freed
 pages are reused."""
 
 import torch
 
 from megatron_triroute.inference.kv_cache import PagedKVCache
-from megatron_triroute.routing.quant import fake_quantize, kv_bits_per_token, pack_kv
+from megatron_triroute.routing.quant import fake_quantize, kv_bits_per_token
+from tests.oracles import pack_kv
 
 BITS = (2, 4, 8, 16)
 

@@ -1,5 +1,5 @@
-"""The engine's logits equal the Megatron model's eval-mode hard-execution forward (1e-4, fp32),
-with identical decisions, for TriRoute (zero and nonzero prices), each of the six systems and
+"""The engine's logits equal the Megatron model's eval-mode forward (1e-4, fp32), with identical
+(priced, noise-free) decisions, for TriRoute (zero and nonzero prices), each of the six systems and
 the token-level and layer-group attention variants;
 both as one prefill and decoded token by token. The weights go through the checkpoint name
 mapping (`inference.checkpoint.map_megatron_state`); controller biases and whitening statistics
@@ -39,18 +39,17 @@ def _perturb(model, seed):
 
 
 def _megatron_forward(model, tokens):
-    """Logits and per-layer executed decisions (modes, bit option, expert index) of the hard path."""
+    """Logits and per-layer decisions (modes, bit option, expert index) of the eval-mode forward."""
     seen = []
     hooks = []
     for layer in model.decoder.layers:
         rec = {}
         seen.append(rec)
         hooks.append(layer.self_attention.register_forward_pre_hook(
-            lambda m, a, kw, rec=rec: rec.update(mode=a[1].argmax(-1), bits=a[3]), with_kwargs=True))
+            lambda m, a, kw, rec=rec: rec.update(mode=a[1].argmax(-1), bits=a[2].argmax(-1)), with_kwargs=True))
         if hasattr(layer.mlp, "experts"):
             hooks.append(layer.mlp.register_forward_pre_hook(lambda m, a, kw, rec=rec: rec.update(index=a[1]), with_kwargs=True))
     model.eval()
-    model.step_state.hard_execution = True
     with torch.no_grad():
         logits = model(tokens, torch.arange(tokens.shape[0]))
     for h in hooks:
@@ -150,5 +149,5 @@ def _checks(rank, world_size):
 
 
 @pytest.mark.distributed
-def test_engine_logits_and_decisions_equal_megatron_hard_path():
+def test_engine_logits_and_decisions_equal_megatron_eval_forward():
     run_distributed(_checks, 1, timeout=600)

@@ -1,4 +1,4 @@
-"""Routed attention over the paged cache against `routing.reference.hard_attention` on
+"""Routed attention over the paged cache against `tests.oracles.hard_attention` on
 fake-quantised K/V, with designed decisions: per-head skip/local/full modes (heads of one KV
 group differing), whole tokens skipping every head whose K/V are read later at their width,
 local windows cut at t - w, K/V at 2, 4, 8 and 16 bits; as one prefill and token by token. The
@@ -16,8 +16,8 @@ from megatron_triroute.inference.kv_cache import PagedKVCache
 from megatron_triroute.routing.controller import AxisDecision, RouterOutput
 from megatron_triroute.routing.cost import hard_cost
 from megatron_triroute.routing.gating import ExpertRoutes
-from megatron_triroute.routing.quant import fake_quantize
-from megatron_triroute.routing.reference import hard_attention
+from megatron_triroute.routing.quant import fake_quantize, kv_bits_per_token
+from tests.oracles import hard_attention
 from tests.inference.test_engine import tiny_model
 
 B, T, H, H_KV, D_HEAD, D, W, G = 2, 12, 4, 2, 8, 32, 3, 8
@@ -65,7 +65,7 @@ def run(h, wq, wk, wv, wo, modes, bits, one_by_one):
     if not one_by_one:
         return routed_attention(h, wq, wk, wv, wo, modes, bits, pos, ok, cache, 0, [0, 1], W, audit), audit, cache
     outs = [routed_attention(h[:, t : t + 1], wq, wk, wv, wo, modes[:, t : t + 1], bits[:, t : t + 1], pos[:, t : t + 1],
-                             ok[:, t : t + 1], cache, 0, [0, 1], W, audit, chunk_pages=1) for t in range(T)]
+                             ok[:, t : t + 1], cache, 0, [0, 1], W, audit) for t in range(T)]
     return torch.cat(outs, 1), audit, cache
 
 
@@ -82,6 +82,30 @@ def test_routed_attention_equals_reference_on_written_kv(one_by_one):
     keys = torch.where(modes == 0, 0, torch.where(modes == 1, t.clamp(max=W) + 1, t + 1))
     assert audit.total("attn") == 2 * D_HEAD * int(keys.sum())
     assert audit.total("q_proj") == audit.total("o_proj") == int((modes != 0).sum()) * D_HEAD * D
+
+
+def test_prefill_counts_what_decoding_token_by_token_counts():
+    h, wq, wk, wv, wo = weights()
+    modes, bits = designed()
+    prefill, decode = run(h, wq, wk, wv, wo, modes, bits, False)[1], run(h, wq, wk, wv, wo, modes, bits, True)[1]
+    assert prefill.layers == decode.layers
+    # bytes read: each (token, pool) reads that pool's slots at positions <= t, at the pool's slot size
+    slot = {b: kv_bits_per_token(b, H_KV * D_HEAD, G) // 8 for b in BITS}
+    t = torch.arange(T)
+    want = sum(slot[BITS[o]] * int(((bits[b] == o) & (t <= s)).sum())
+               for b in range(B) for s in range(T) for o in range(len(BITS)))
+    assert prefill.total("bytes_read") == want
+
+
+def test_prefill_in_row_blocks_equals_one_call(monkeypatch):
+    import megatron_triroute.inference.attention as attention
+
+    h, wq, wk, wv, wo = weights()
+    modes, bits = designed()
+    whole, audit, _ = run(h, wq, wk, wv, wo, modes, bits, False)
+    monkeypatch.setattr(attention, "ROW_BLOCKS", 1)  # one query row per kernel call
+    blocks, audit_blocks, _ = run(h, wq, wk, wv, wo, modes, bits, False)
+    assert (blocks - whole).abs().max() < 1e-6 and audit_blocks.layers == audit.layers
 
 
 def test_skipped_token_kv_is_read_later_at_its_width_and_window_boundary_is_exact():

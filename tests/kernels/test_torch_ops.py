@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_triroute.routing.quant import dequantize_groups, pack_kv, quantize_groups, unpack_kv
+from megatron_triroute.routing.quant import dequantize_groups, quantize_groups
+from tests.oracles import pack_kv, unpack_kv
 from tests.kernels.scenario import fill_pools, naive_attention
 from triroute_kernels import (
     allocate_kv_pools,

@@ -9,8 +9,7 @@ from megatron_triroute.routing.controller import AxisDecision, RouterOutput
 from megatron_triroute.routing.cost import (budget_fractions, dense_cost, expected_cost, expert_count_surrogate,
                                            expert_width, hard_cost)
 from megatron_triroute.routing.gating import top_k_gating
-from megatron_triroute.routing.quant import pack_kv
-from megatron_triroute.routing.reference import hard_attention, hard_experts, swiglu
+from tests.oracles import hard_attention, hard_experts, pack_kv, swiglu
 
 
 def small_config():

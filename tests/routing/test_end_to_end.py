@@ -5,7 +5,7 @@ import torch.nn.functional as F
 
 from megatron_triroute.routing.gumbel import soft_gumbel_sample
 from megatron_triroute.routing.quant import fake_quantize, relaxed_kv_write
-from megatron_triroute.routing.reference import reference_attention
+from tests.oracles import reference_attention
 from megatron_triroute.routing.side_features import TokenTables, document_positions, word_distances
 
 from .helpers import tiny_config

@@ -1,7 +1,7 @@
 import torch
 
 from megatron_triroute.routing.gating import NULL_EXPERT, top_k_gating
-from megatron_triroute.routing.reference import combine_experts, hard_experts, swiglu
+from tests.oracles import combine_experts, hard_experts, swiglu
 
 
 def _experts(d=6, d_e=5, n=3, seed=0):

@@ -5,8 +5,9 @@ import torch
 from megatron_triroute import TriRouteController
 from megatron_triroute.routing.losses import router_aux_loss
 from megatron_triroute.routing.noise import NoiseKey
-from megatron_triroute.routing.reinforce import RewardBaseline, reinforce_loss
+from megatron_triroute.routing.reinforce import RewardBaseline
 from megatron_triroute.routing.running_stats import commit_running_statistics
+from tests.oracles import reinforce_loss
 
 from .helpers import make_inputs, tiny_config
 

@@ -9,7 +9,7 @@ from megatron_triroute.routing.controller import decision_features
 from megatron_triroute.routing.cost import expert_width
 from megatron_triroute.routing.noise import NoiseKey
 from megatron_triroute.routing.quant import relaxed_kv_write
-from megatron_triroute.routing.reference import combine_experts, reference_attention, swiglu
+from tests.oracles import combine_experts, reference_attention, swiglu
 from megatron_triroute.routing.side_features import TokenTables, static_side_features
 
 
