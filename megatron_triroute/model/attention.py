@@ -42,7 +42,7 @@ class RoutedAttentionSubmodules:
 
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int) -> torch.Tensor:
     """Relaxed routed attention with SDPA: q (B, T, H, d), k/v (B, T, H_kv, d) written values,
-    modes (B, T, H, 3) -> (B, T, H, d). Same math as `routing.reference.reference_attention`."""
+    modes (B, T, H, 3) -> (B, T, H, d). Same math as the tests' oracle `tests/oracles.reference_attention`."""
     B, T, H, d = q.shape
     rep = H // k.shape[2]
     qh = q.transpose(1, 2)  # (B, H, T, d)
