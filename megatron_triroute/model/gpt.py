@@ -25,7 +25,7 @@ from ..routing.reinforce import reward_slots_loss
 from ..routing.side_features import TokenTables
 from . import stage_wire
 from .block import run_layers
-from .routing_state import RoutingInputs, RoutingState, has_leader
+from ..routing.state import RoutingInputs, RoutingState, has_leader
 from .routing_step import RoutingStep
 from .spec import get_triroute_block_spec
 from .step_state import RouterStatistics, RoutingStepState

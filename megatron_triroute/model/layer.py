@@ -42,7 +42,7 @@ from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
-from .routing_state import RoutingInputs, RoutingState, has_reward
+from ..routing.state import RoutingInputs, RoutingState, has_reward
 from .step_state import RoutingStepState
 
 

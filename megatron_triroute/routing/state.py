@@ -19,8 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TriRouteConfig
-from ..routing.controller import AxisDecision, RouterOutput
-from ..routing.side_features import TokenTables, decision_feature_size, static_side_features
+from .controller import AxisDecision, RouterOutput
+from .side_features import TokenTables, decision_feature_size, static_side_features
 
 
 @dataclass(frozen=True)
