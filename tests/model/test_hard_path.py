@@ -100,7 +100,7 @@ def _layer(model, tokens, idx, hard):
     h1 = layer.register_forward_pre_hook(lambda m, a, kw: captured.__setitem__("in", kw), with_kwargs=True)
     h2 = layer.register_forward_hook(lambda m, a, kw, out: captured.__setitem__("out", out[0]), with_kwargs=True)
     model.eval()
-    model.step_state.hard_execution = hard
+    model.routing_step.state.hard_execution = hard
     with torch.no_grad():
         logits = model(tokens, idx)
     h1.remove(), h2.remove()
@@ -161,7 +161,7 @@ def _checks(rank, world_size, tp):
         assert _rel_err(ffn_hard, ffn_relaxed) < 1e-4, (where, _rel_err(ffn_hard, ffn_relaxed))
         assert torch.allclose(hard_out[:T], relaxed_out[:T], atol=1e-5), (where, (hard_out[:T] - relaxed_out[:T]).abs().max())
         assert torch.allclose(hard_logits, relaxed_logits, atol=1e-4), (where, (hard_logits - relaxed_logits).abs().max())
-        model.step_state.hard_execution = True
+        model.routing_step.state.hard_execution = True
         with torch.no_grad(), FlopCounterMode(display=False) as counter:
             layer(hidden_states=x_in, rotary_pos_emb=rope, **routing)
         by_module = counter.get_flop_counts()

@@ -48,7 +48,7 @@ def _checks(rank, world_size):
     # --- the spec plugs into Megatron's own block ---------------------------------------------
     cfg = tiny_triroute(top_k=1)
     model, _ = build(cfg)
-    model.step_state.hard_execution = True  # eval runs only what the decisions select
+    model.routing_step.state.hard_execution = True  # eval runs only what the decisions select
     assert type(model.decoder) is TransformerBlock
     assert all(type(l) is TriRouteTransformerLayer for l in model.decoder.layers)
     tokens, labels, idx = batch(cfg)
@@ -68,7 +68,7 @@ def _checks(rank, world_size):
     # --- forced full + 16 bits + one fixed expert (k=1) equals the dense computation ----------
     _force(layer, attn_mode=2, bit_option=3, expert_option=2)  # option 2 = real expert 1
     x_in, x_out, routing = _layer_io(model, tokens, idx)
-    model.step_state.hard_execution = False  # the batched eval path gives the same output
+    model.routing_step.state.hard_execution = False  # the batched eval path gives the same output
     assert torch.allclose(_layer_io(model, tokens, idx)[1][:T], x_out[:T], atol=1e-5)
     x = x_in[:T]
     rope = model.rotary_pos_emb(T)
