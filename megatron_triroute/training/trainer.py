@@ -17,6 +17,7 @@ import time
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,6 +25,13 @@ import torch.distributed as dist
 from ..durability import write_text_atomic
 from . import signals
 from .config import RunConfig
+
+if TYPE_CHECKING:  # annotations only: the heavy imports happen in setup()
+    from ..checkpoint.async_save import AsyncSaves
+    from ..model.gpt import TriRouteGPTModel
+    from ..parallel.groups import ParallelGroups
+    from .engine import MicroBatch, StepReport, TrainEngine
+    from .metrics import StepLogger, TensorBoard
 
 log = logging.getLogger("megatron_triroute.train")
 
@@ -116,24 +124,26 @@ class TrainSession:
     """Everything the loop needs, built and resumed by `setup`."""
 
     run: RunConfig
-    groups: object
-    model: object
+    groups: ParallelGroups
+    model: TriRouteGPTModel
     optimizer: object
-    scheduler: object
-    engine: object
-    """training/engine.py TrainEngine: one optimizer step, one evaluation pass."""
+    """ShardedAdamW or Megatron-Core's distributed optimizer (build_optimizer)."""
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    engine: TrainEngine
+    """One optimizer step, one evaluation pass (training/engine.py)."""
     train_ds: object
-    valid_batches: list
-    bucket_batches: dict
+    """The training dataset (training/data.py)."""
+    valid_batches: list[MicroBatch]
+    bucket_batches: dict[str, list[MicroBatch]]
     """Held-out micro-batches per data bucket (run.data.buckets)."""
     out: Path
     start: int
     """The first step to train (the resumed checkpoint's step; 0 for a fresh run)."""
     loaded_uncalibrated: bool
     """The resumed checkpoint lacks calibrated prices (then a run with no step left must save them)."""
-    tb: object
-    step_log: object
-    saves: object | None = None
+    tb: TensorBoard
+    step_log: StepLogger
+    saves: AsyncSaves | None = None
     """checkpoint/async_save.AsyncSaves with train.saves_async; None saves synchronously."""
 
     @property
@@ -307,7 +317,7 @@ def run_loop(s: TrainSession) -> int:
     return status
 
 
-def _finish(s: TrainSession, report, tail) -> None:
+def _finish(s: TrainSession, report: StepReport | None, tail) -> None:
     """The normal end: calibrate the deployed prices, evaluate the priced policy, save the final
     checkpoint (with the prices) and write summary.json."""
     t = s.run.train
