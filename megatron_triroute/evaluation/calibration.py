@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from typing import Callable
 
+import torch
+
 from ..inference.prices import is_priced, price_warning, prices_record
 from .loading import EvaluationSetupError, Loaded
 from .perplexity import evaluate_sets, run_datasets
@@ -31,13 +33,13 @@ def calibrate_model(model, dual: dict, batches: list, page_size: int = 16) -> di
     for name, value in dual.items():
         getattr(budget, name).copy_(value)
 
-    def realised_at() -> list[float]:
-        model.prices.copy_(budget.prices)
+    def realised_at(prices: list[float]) -> list[float]:
+        model.prices.copy_(torch.tensor(prices, dtype=torch.float64))
         result = evaluate_sets(model, {"calibration": batches}, page_size)[0]
         return [result.realised_flops, result.realised_mem]
 
     calibration = calibrate_prices(budget, realised_at, movable_resources(config.router))
-    model.prices.copy_(budget.prices)
+    model.prices.copy_(torch.tensor(calibration["prices"], dtype=torch.float64))
     return calibration
 
 

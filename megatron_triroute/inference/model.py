@@ -1,14 +1,15 @@
 """The pure-PyTorch hard-decision TriRoute model (the engine's network and the export's modeling code).
 
-    for each layer:  out = priced noise-free controller([Norm(x); psi])
+    for each layer:  out = priced noise-free controller(x, [psi; state.decisions], state's leader)
                      x = x + RoutedAttn(Norm(x); out.attn modes, out.bits width)   (paged cache)
                      x = x + Experts(Norm(x); out.experts routes)  (or the dense FFN)
+                     state = state.after(out)     (routing/state.py: the training layers' own RoutingState)
     logits = W_out Norm(x)
 
 The controller is the routing core's own module (`routing.factory.build_controller`), in eval
 mode, and for `router.kind == "triroute"` its decisions are re-taken as the priced argmax
 (`routing.pricing.price_decisions` with the checkpoint's `budget.prices`), exactly as the
-Megatron layer does in eval mode. Imports only torch and the project's pure-torch routing code.
+Megatron layer does in an evaluation pass given those prices. Imports only torch and the project's pure-torch routing code.
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..config import TriRouteConfig
-from ..routing.controller import RouterOutput, decision_features
+from ..routing.controller import RouterOutput
 from ..routing.cost import dense_cost, expert_width
 from ..routing.factory import build_controller
 from ..routing.pricing import price_decisions
-from ..routing.side_features import TokenTables, decision_feature_size
+from ..routing.side_features import TokenTables
+from ..routing.state import RoutingState
 from .attention import routed_attention
 from .audit import CostAudit
 from .kv_cache import PagedKVCache
@@ -68,10 +70,11 @@ class InferenceLayer(nn.Module):
             self.expert_macs = 3 * m.d_model * m.d_ff
         self.controller_macs = sum(mod.weight.numel() for mod in self.controller.modules() if isinstance(mod, nn.Linear))
 
-    def decide(self, x: torch.Tensor, side: torch.Tensor, prev: RouterOutput | None, positions: torch.Tensor,
+    def decide(self, x: torch.Tensor, side: torch.Tensor, leader: RouterOutput | None, positions: torch.Tensor,
                prices: torch.Tensor) -> RouterOutput:
-        """Noise-free (priced) decisions of this layer for x (B, n, D), psi (B, n, F)."""
-        out = self.controller(x, side, None, 1.0, prev)
+        """Noise-free (priced) decisions of this layer for x (B, n, D), psi (B, n, F); `leader`: the
+        layer group's attention decision a follower reuses (RoutingState.leader_output)."""
+        out = self.controller(x, side, None, 1.0, leader)
         if self.config.router.kind != "triroute" or not bool(prices.ne(0).any()):
             return out
         # Prices depend on each token's position; price_decisions takes one position row.
@@ -161,13 +164,12 @@ class InferenceModel(nn.Module):
         valid = torch.arange(n, device=dev).view(1, n) < lengths.view(B, 1)
         static = advance(tokens, lengths, states, self.tables, r.max_doc_position)
         x = self.embed(tokens)
-        decisions = torch.zeros(B, n, decision_feature_size(len(r.bits)), device=dev)
-        prev, outs = None, []
+        state, outs = RoutingState.initial(self.config, B, n, dev), []
         for layer in self.layers:
-            out = layer.decide(x, torch.cat([static, decisions], -1), prev, positions, self.prices)
+            out = layer.decide(x, torch.cat([static, state.decisions], -1), state.leader_output(), positions,
+                               self.prices)
             x = layer(x, out, positions, valid, cache, rids, audit)
-            decisions = decision_features(out, B, n, len(r.bits), r.top_k, x.device)
-            prev = out
+            state = state.after(out, self.config)
             outs.append(out)
         x = self.final_norm(x)
         if not all_logits:

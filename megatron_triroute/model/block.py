@@ -19,7 +19,7 @@ import torch
 from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .routing_state import RoutingInputs, RoutingState
+from ..routing.state import RoutingInputs, RoutingState
 
 
 def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, inputs: RoutingInputs, state: RoutingState,

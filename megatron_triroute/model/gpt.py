@@ -9,8 +9,9 @@ One stage's forward (every pipeline stage is given the micro-batch's tokens):
     send(x, state)                                     not the last stage
     | loss(output_layer(norm(x))) (+ REINFORCE reward slots)   the last stage
 
-The model owns the budget controller, the router statistics and the per-step state its layers
-share.
+The model owns the budget controller (whose `prices` buffer is the checkpoint's copy of the
+deployed prices), the router statistics, and the routing step (model/routing_step.py) that owns
+the per-step state its layers share.
 """
 
 from __future__ import annotations
@@ -25,10 +26,9 @@ from ..routing.reinforce import reward_slots_loss
 from ..routing.side_features import TokenTables
 from . import stage_wire
 from .block import run_layers
-from .routing_state import RoutingInputs, RoutingState, has_leader
-from .routing_step import RoutingStep
+from ..routing.state import RoutingInputs, RoutingState, has_leader
+from .routing_step import RouterStatistics, RoutingStep
 from .spec import get_triroute_block_spec
-from .step_state import RouterStatistics, RoutingStepState
 
 
 class TriRouteGPTModel(GPTModel):
@@ -52,10 +52,9 @@ class TriRouteGPTModel(GPTModel):
         self.eod_id = tables.eod_id
         self.budget = BudgetController(triroute.budget)
         self.router_statistics = RouterStatistics(triroute)
-        self.step_state = RoutingStepState(triroute, self.budget, self.router_statistics)
-        self.routing_step = RoutingStep(self)
+        self.routing_step = RoutingStep(self, triroute, self.budget, self.router_statistics)
         for layer in self.decoder.layers:
-            layer.step_state = self.step_state
+            layer.step_state = self.routing_step.state
 
     _STAGE_PARTS = ("decoder.", "embedding.", "output_layer.")
 
@@ -85,9 +84,6 @@ class TriRouteGPTModel(GPTModel):
     def wire_seq_len(self) -> int:
         """First dimension of the tensor passed between pipeline stages: tokens + routing state rows."""
         return self.wire.seq_length
-
-    def set_routing_step(self, step: int, tau: float) -> None:
-        self.step_state.step, self.step_state.tau = step, tau
 
     def forward(self, tokens: torch.Tensor, sample_index: torch.Tensor, labels: torch.Tensor | None = None):
         """tokens, labels: (B, T) (every stage); sample_index: (B,) global sample indices. Returns

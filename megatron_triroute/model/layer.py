@@ -1,13 +1,15 @@
 """The TriRoute transformer layer: controller -> routed attention -> experts (Alg. 1, one layer).
 
-    x + Attn(Norm(x)) in per-head modes, K/V written at the bit head's width;
-    then + FFN(Norm(.)) through the selected experts (null = nothing runs).
+    out = controller(x, [psi; previous layer's decisions])   per token: attention modes, KV bits, experts
+    x = x + Attn(Norm(x))  read in per-head modes, K/V written at the chosen bit-width
+    x = x + FFN(Norm(x))   through the selected experts (null = nothing runs)
 
-It plugs into Megatron-Core's TransformerBlock through a ModuleSpec (see `spec.py`) and speaks
-its layer contract: built as (config, layer_number, submodules, ...), called with the block's
-built by Megatron's TransformerBlock from the spec. Called by the thin block (`block.py`) as
-(hidden_states, routing inputs, routing state) -> (hidden_states, next routing state); see
-`routing_state.py`.
+Megatron-Core's TransformerBlock builds it from the ModuleSpec of `spec.py` with Megatron's layer
+constructor (config, submodules, layer_number, ...). The thin block (`block.py`) calls it as
+(hidden_states, RoutingInputs, RoutingState) -> (hidden_states, the next layer's RoutingState), the
+typed per-micro-batch values of `routing/state.py`. What is constant within an optimizer step (the
+noise key's step, the temperature, the budget, the statistics, an evaluation pass's prices) it
+reads from the routing step's state (`routing_step.py`).
 
 Tensor parallel: the controller is replicated and sees the same tokens on every TP rank, so its
 decisions are identical there. Each rank uses only its heads' decisions, so the decisions enter
@@ -35,15 +37,15 @@ from megatron.core.transformer.transformer_layer import BaseTransformerLayer, ge
 
 from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
-from ..routing.controller import AxisDecision, RouterOutput, decision_features
+from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
 from ..routing.cost import budget_fractions, dense_cost, expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
-from .routing_state import RoutingInputs, RoutingState, has_reward
-from .step_state import RoutingStepState
+from ..routing.state import RoutingInputs, RoutingState, has_reward
+from .routing_step import RoutingStepState
 
 
 @dataclass
@@ -88,8 +90,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         side = torch.cat([inputs.psi, state.decisions], -1)
         key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions)
         out = self.controller(x.transpose(0, 1), side, key, step.tau, state.leader_output())
-        if not self.training and cfg.router.kind == "triroute":  # the deployed policy: priced argmax
-            out = price_decisions(out, step.budget.prices, positions, cfg.model, cfg.router)
+        if not self.training and cfg.router.kind == "triroute" and step.prices is not None:
+            out = price_decisions(out, step.prices, positions, cfg.model, cfg.router)  # the deployed policy
 
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
         modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
@@ -117,13 +119,10 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             self._record(out, positions, observe_budget=self.training)
 
         # --- the routing state the next layer reads -------------------------------------------
-        decisions = decision_features(out, B, T, len(cfg.router.bits), cfg.router.top_k, x.device)
-        # A follower reuses the executed choice only (not the leader's logits or log-probabilities).
-        leader = AxisDecision(out.attn.y, out.attn.y_cost, out.attn.hard) if state.leader is not None else None
         reward = state.reward
         if reward is not None and self.training:
             reward = reward_tap(reward, out, self.reward_baseline)
-        return x, RoutingState(decisions, leader, reward)
+        return x, state.after(out, cfg, reward)
 
     def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor) -> torch.Tensor:
         """alpha L_bal + beta L_z + gamma L_ent of this layer, plus its share of

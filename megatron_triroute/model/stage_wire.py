@@ -25,7 +25,7 @@ from ..config import TriRouteConfig
 from ..routing.modes import N_MODES
 from ..routing.controller import AxisDecision
 from ..routing.side_features import decision_feature_size
-from .routing_state import RoutingState, has_leader, has_reward
+from ..routing.state import RoutingState, has_leader, has_reward
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,7 @@ class _RewardTap(torch.autograd.Function):
 
 def reward_tap(slots: torch.Tensor, out: RouterOutput, baseline: "RewardBaseline") -> torch.Tensor:
     """Route the LM loss back to this layer's REINFORCE decisions through the reward slots
-    (B, T, 2) that travel with the activations (see model.routing_state)."""
+    (B, T, 2) that travel with the activations (see routing.state)."""
     log_prob = slots.new_zeros(slots.shape[:2])
     for axis in (out.attn, out.bits):
         if axis.log_prob is not None:

@@ -2,10 +2,12 @@
 `routing.pricing` (see its module docstring for why), run once at the end of training, and by the
 serving tools' `--calibrate` on a checkpoint written mid-run (evaluation/calibration.py).
 
-The evaluation callback runs the noise-free policy over calibration batches of *training* data
-(held-out data stays untouched for the report) with the prices set on the model's
-`BudgetController`, and returns the realised (FLOPs, memory) fractions reduced over all ranks,
-so every rank takes the same bisection path and ends with bit-identical prices.
+The evaluation callback is given the prices to try and runs the noise-free policy priced by them
+over calibration batches of *training* data (held-out data stays untouched for the report),
+returning the realised (FLOPs, memory) fractions reduced over all ranks, so every rank takes the
+same bisection path and ends with bit-identical prices. The bisection only reads the budget (its
+targets and multipliers); the caller keeps the prices it returns (the checkpoint stores them in
+`BudgetController.prices`).
 """
 
 from __future__ import annotations
@@ -42,9 +44,10 @@ def movable_resources(router: RouterConfig) -> tuple[bool, bool]:
     return (router.attn_routing or (router.expert_routing and router.null_expert), router.bit_routing)
 
 
-def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[float]],
+def calibrate_prices(budget: BudgetController, realised_at: Callable[[list[float]], list[float]],
                      movable: tuple[bool, bool] = (True, True), bisection_steps: int = 14) -> dict:
-    """Set `budget.prices` so the noise-free policy's realised fractions meet the targets.
+    """The prices (mu_flops, mu_mem) at which the noise-free policy's realised fractions meet
+    `budget`'s targets; `realised_at(prices)` measures the policy priced by `prices`.
 
     Resource r is *active* when its multiplier is positive at the end of training (the tied knob
     makes both active together). An active resource is met with equality (its price may be
@@ -61,19 +64,15 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
     the lowest fraction seen there: every larger price gives the same cost on the calibration data
     and only moves the policy further from the trained logits, and the bracket's top is an artefact
     of BRACKET_STEPS. A resource no decision prices is infeasible when its fixed cost exceeds the
-    target. Returns the record for the log and summary.json: prices, realised_before/after,
+    target. Returns the record for the log and summary.json: prices (the calibrated ones: the
+    caller keeps them), realised_before/after,
     targets, active, feasible (per resource: realised_after within TOLERANCE of the target or under).
     """
     cfg = budget.config
     targets = budget.targets.tolist()
     lam = budget.multipliers()
     active = [bool(lam[0] > 0)] * 2 if cfg.tied else [bool(x > 0) for x in lam]
-    budget.prices.zero_()
-    start = realised_at()
-
-    def measure(prices: list[float]) -> list[float]:
-        budget.prices.copy_(torch.tensor(prices, dtype=torch.float64))
-        return realised_at()
+    start = realised_at([0.0, 0.0])
 
     # Bracket [lo, hi] per resource with realised(lo) >= goal >= realised(hi); cost falls as price rises.
     goal = list(targets)
@@ -92,7 +91,7 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
             lo[r] = -1.0
     for _ in range(BRACKET_STEPS):
         probe = [hi[r] if (r in todo and hi[r] > 0) else lo[r] if r in todo else 0.0 for r in range(2)]
-        seen = measure(probe)
+        seen = realised_at(probe)
         open_ = False
         for r in todo:
             if hi[r] > 0 and seen[r] > targets[r]:
@@ -112,14 +111,14 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
         lo[r], hi[r] = (raised[r][first - 1][0], raised[r][first][0]) if first else (0.0, 0.0)
     for _ in range(bisection_steps if todo else 0):
         mid = [(lo[r] + hi[r]) / 2 if r in todo else 0.0 for r in range(2)]
-        seen = measure(mid)
+        seen = realised_at(mid)
         for r in todo:
             if seen[r] > goal[r]:
                 lo[r] = mid[r]
             else:
                 hi[r] = mid[r]
     final = [hi[r] if r in todo else 0.0 for r in range(2)]
-    end = measure(final)
+    end = realised_at(final)
     # The two prices interact weakly (a layer's decisions feed the next layer's controller), so the
     # FLOPs side found with one memory price can sit a hair above its target with the other: raise
     # the offending price by growing steps until both are met.
@@ -129,7 +128,7 @@ def calibrate_prices(budget: BudgetController, realised_at: Callable[[], list[fl
             break
         for r in over:
             final[r] += max(hi[r] - lo[r], 1e-3) * 2**k
-        end = measure(final)
+        end = realised_at(final)
     feasible = [end[r] <= targets[r] + TOLERANCE for r in range(2)]
     for r in range(2):
         if feasible[r]:

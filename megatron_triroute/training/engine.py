@@ -5,6 +5,8 @@
     routing.discard) -> clip -> optimizer -> routing.end (the model's routing bookkeeping,
     model/routing_step.py)
 
+An evaluation pass runs the same schedule forward-only inside `routing.evaluation(prices)`.
+
 Megatron's tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts.
 Gradients are reduced by the run's data-parallel engine (`grad_sync`, `parallel.dp_engine`): the
 flat `reduce_gradients` after backward or Megatron-Core's DDP reducing buckets during it, both
@@ -108,42 +110,30 @@ class TrainEngine:
         return StepReport(step, loss, False, grad_norm, tau, realised.tolist(), lambdas, stats)
 
     @torch.no_grad()
-    def evaluate(self, batches: list[MicroBatch]) -> tuple[float, list[float]]:
+    def evaluate(self, batches: list[MicroBatch], prices: list[float] | None = None) -> tuple[float, list[float]]:
         """(mean loss per scored token, realised [FLOPs, memory] fractions) over `batches` with the
-        noise-free decisions (eval mode), i.e. the policy that runs at inference.
+        noise-free decisions (eval mode) priced by `prices` (mu_flops, mu_mem; None: the plain
+        argmax), i.e. the policy that runs at inference with those prices.
 
         Data-parallel ranks split the batches (each the same number, since expert-parallel
         all-to-alls span data-parallel ranks). The budget and the training statistics are untouched.
         """
-        model, g = self.model, self.groups
+        model, g, routing = self.model, self.groups, self.model.routing_step
         usable = len(batches) - len(batches) % g.dp
         mine = batches[g.dp_rank : usable : g.dp]
         local = torch.zeros(2, dtype=torch.float64, device=collective_device())
-        stats = model.router_statistics
-        saved = stats.sums.clone()
-        stats.reset()
-        if mine:
-            model.eval()
-            model.step_state.record_eval = True
-            try:
+        with routing.evaluation(prices):
+            if mine:
                 with self._autocast():
                     losses = self.forward_backward(
                         forward_step_func=_forward_step, data_iterator=iter(mine), model=model,
                         num_microbatches=len(mine), seq_length=model.wire_seq_len,
                         micro_batch_size=mine[0].tokens.shape[0], forward_only=True,
                     )
-            finally:
-                model.train()
-                model.step_state.record_eval = False
-            for item in losses:
-                local += item["lm"].double().to(local.device)
-        self._reduce_dp_pp(local)
-        sums = stats.sums.clone()
-        stats.sums.copy_(saved)
-        self._reduce_dp_pp(sums)
-        sl = stats.slices()
-        cost, dense = sums[:, sl["cost"]].sum(0), sums[:, sl["dense"]].sum(0)
-        realised = (cost / dense.clamp_min(1e-300)).tolist()
+                for item in losses:
+                    local += item["lm"].double().to(local.device)
+            self._reduce_dp_pp(local)
+            realised = model.router_statistics.realised(routing.statistics(g))
         return local[0].item() / max(local[1].item(), 1.0), realised
 
     # ------------------------------------------------------------------------------------

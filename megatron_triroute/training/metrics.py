@@ -19,7 +19,7 @@ import torch
 
 from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
-from ..model.step_state import RouterStatistics
+from ..model.routing_step import RouterStatistics
 
 log = logging.getLogger("megatron_triroute.train")
 

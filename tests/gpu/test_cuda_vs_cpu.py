@@ -42,12 +42,13 @@ def _run(rank, world_size, device_name, out_path, system):
         batches.append(MicroBatch(tokens, labels, torch.ones(tokens.shape), idx))
     reports = [engine.train_step(batches, step) for step in range(2)]
     eval_loss, realised = engine.evaluate(batches)
-    record = calibrate_prices(model.budget, lambda: engine.evaluate(batches)[1]) if system == "triroute" else None
+    record = (calibrate_prices(model.budget, lambda prices: engine.evaluate(batches, prices)[1])
+              if system == "triroute" else None)
     torch.save({
         "loss": [r.loss for r in reports], "grad_norm": [r.grad_norm for r in reports],
         "realised": [r.realised for r in reports], "lambdas": [r.lambdas for r in reports],
         "eval_loss": eval_loss, "eval_realised": realised,
-        "prices": model.budget.prices.cpu().tolist(),
+        "prices": record["prices"] if record is not None else [0.0, 0.0],
         "calibrated": record is not None,
         "params": {k: v.detach().cpu() for k, v in model.state_dict().items() if torch.is_tensor(v)},
         "device": str(next(model.parameters()).device),

@@ -38,8 +38,9 @@ def _perturb(model, seed):
                 t.copy_(torch.rand(t.shape, generator=g) * 0.5 + 0.5)
 
 
-def _megatron_forward(model, tokens):
-    """Logits and per-layer decisions (modes, bit option, expert index) of the eval-mode forward."""
+def _megatron_forward(model, tokens, prices=None):
+    """Logits and per-layer decisions (modes, bit option, expert index) of the eval-mode forward
+    at `prices` (None: the plain argmax)."""
     seen = []
     hooks = []
     for layer in model.decoder.layers:
@@ -49,8 +50,7 @@ def _megatron_forward(model, tokens):
             lambda m, a, kw, rec=rec: rec.update(mode=a[1].argmax(-1), bits=a[2].argmax(-1)), with_kwargs=True))
         if hasattr(layer.mlp, "experts"):
             hooks.append(layer.mlp.register_forward_pre_hook(lambda m, a, kw, rec=rec: rec.update(index=a[1]), with_kwargs=True))
-    model.eval()
-    with torch.no_grad():
+    with torch.no_grad(), model.routing_step.evaluation(prices):
         logits = model(tokens, torch.arange(tokens.shape[0]))
     for h in hooks:
         h.remove()
@@ -120,9 +120,9 @@ def _checks(rank, world_size):
         model.token_word_start.copy_(tables.word_start)
         model.eod_id = eod
         _perturb(model, seed)
-        if prices is not None:
+        if prices is not None:  # the checkpoint's copy, which the engine serves
             model.budget.prices.copy_(torch.tensor(prices, dtype=torch.float64))
-        want, seen = _megatron_forward(model, tokens)
+        want, seen = _megatron_forward(model, tokens, prices)
         engine = _engine(model, cfg, tables)
         for one_by_one in (False, True):
             got, steps = _run_engine(engine, tokens, one_by_one)
@@ -140,7 +140,6 @@ def _checks(rank, world_size):
             err = (got - want).abs().max().item()
             assert err < 1e-4, (where, err)
         if prices is not None and name == "triroute":  # the prices changed some decision (else this case tests nothing new)
-            model.budget.prices.zero_()
             _, unpriced = _megatron_forward(model, tokens)
             assert any(not torch.equal(a["mode"], b["mode"]) or not torch.equal(a["bits"], b["bits"])
                        for a, b in zip(seen, unpriced)), "prices changed no decision"

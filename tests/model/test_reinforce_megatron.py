@@ -14,7 +14,7 @@ def _worker(rank, world_size):
     cfg = tiny_triroute(estimator="reinforce")
     model, _ = build(cfg, seed=4)
     model.train()
-    model.set_routing_step(0, 1.0)
+    model.routing_step.set_step(0, 1.0)
     tokens, labels, idx = batch(cfg, n=2, seed=5)
     heads = [layer.controller.heads for layer in model.decoder.layers]
     params = [h[a].proj.weight for h in heads for a in ("attn", "bits")]

@@ -3,7 +3,7 @@ gradients flowing through."""
 
 import torch
 
-from megatron_triroute.model.routing_state import RoutingState, has_leader, has_reward
+from megatron_triroute.routing.state import RoutingState, has_leader, has_reward
 from megatron_triroute.model.stage_wire import WireLayout, receive, send
 from megatron_triroute.routing.controller import AxisDecision
 from megatron_triroute.routing.modes import N_MODES

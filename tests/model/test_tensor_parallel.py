@@ -23,7 +23,7 @@ def _run(cfg, tp):
     tokens, labels, idx = batch(cfg, n=2, seed=3)
     outs, hooks = _capture(model)
     model.train()
-    model.set_routing_step(0, 1.0)
+    model.routing_step.set_step(0, 1.0)
     loss = model(tokens, idx, labels=labels)
     loss.mean().backward()
     reduce_gradients(model, groups)

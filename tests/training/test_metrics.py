@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from megatron_triroute.config import TriRouteConfig
-from megatron_triroute.model.step_state import RouterStatistics
+from megatron_triroute.model.routing_step import RouterStatistics
 from megatron_triroute.training.metrics import collapse_warnings, router_scalars
 
 

@@ -1,4 +1,6 @@
-"""What a TriRoute layer reads and writes besides the residual stream, as typed values.
+"""What a TriRoute layer reads and writes besides the residual stream, as typed values: the
+training model (model/layer.py, model/block.py) and the inference engine (inference/model.py)
+thread the same state from layer to layer.
 
     RoutingInputs   functions of the micro-batch, the same for every layer: psi's static
                     features and the global sample index (the routing noise key). Every
@@ -7,9 +9,10 @@
                     previous-layer block), the layer-group leader's attention choice, and the
                     REINFORCE reward slots.
 
-Inside a pipeline stage these are passed from layer to layer by `block.run_layers`; only
-between stages is the state packed into rows after the hidden states (`stage_wire.py`), since
-Megatron's schedules send one tensor.
+Inside a pipeline stage these are passed from layer to layer by `model/block.run_layers`; only
+between stages is the state packed into rows after the hidden states (`model/stage_wire.py`),
+since Megatron's schedules send one tensor. The inference engine computes psi incrementally per
+request (inference/side_state.py) and threads `RoutingState` through its layers the same way.
 """
 
 from __future__ import annotations
@@ -19,9 +22,9 @@ from dataclasses import dataclass
 import torch
 
 from ..config import TriRouteConfig
-from ..routing.controller import AxisDecision, RouterOutput
-from ..routing.modes import N_MODES
-from ..routing.side_features import TokenTables, decision_feature_size, static_side_features
+from .controller import AxisDecision, RouterOutput, decision_features
+from .modes import N_MODES
+from .side_features import TokenTables, decision_feature_size, static_side_features
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,16 @@ class RoutingState:
             leader = AxisDecision(zeros, zeros.clone(), torch.zeros(batch, seq, H, dtype=torch.long, device=device))
         return cls(torch.zeros(batch, seq, decision_feature_size(len(config.router.bits)), device=device), leader,
                    torch.zeros(batch, seq, 2, device=device) if has_reward(config) else None)
+
+    def after(self, out: RouterOutput, config: TriRouteConfig, reward: torch.Tensor | None = None) -> "RoutingState":
+        """The state the next layer reads once a layer has decided `out`: its executed decisions,
+        the leader's attention choice passed on (a follower reuses the executed choice only, not
+        the leader's logits or log-probabilities), and `reward` (None: these reward slots)."""
+        B, T = out.attn.y.shape[:2]
+        r = config.router
+        decisions = decision_features(out, B, T, len(r.bits), r.top_k, self.decisions.device)
+        leader = AxisDecision(out.attn.y, out.attn.y_cost, out.attn.hard) if self.leader is not None else None
+        return RoutingState(decisions, leader, self.reward if reward is None else reward)
 
     def leader_output(self) -> RouterOutput | None:
         """The leader's decision in the form a follower's controller reuses (None: no groups)."""
