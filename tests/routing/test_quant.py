@@ -112,13 +112,13 @@ def test_one_pass_quantiser_is_bit_exact_at_every_width():
 
     torch.manual_seed(5)
     bits = (2, 4, 8, 16)
-    x = torch.randn(2, 6, 3, 8) * torch.logspace(-6, 4, 6).view(1, 6, 1, 1)  # within float16 range
+    x = torch.randn(8, 6, 16, 32) * torch.logspace(-6, 4, 6).view(1, 6, 1, 1)  # within float16 range
     x[0, 0, 0, :4] = 0.3  # a constant group
     x[1, 2, 1] = 7.0  # a constant head
     for dtype in (torch.float32, torch.bfloat16):
         xd = x.to(dtype)
         values = quantized_values(xd, bits, 4)
-        assert values.shape == (2, 6, len(bits), 3 * 8) and values.dtype == dtype
+        assert values.shape == (8, 6, len(bits), 16 * 32) and values.dtype == dtype
         for i, b in enumerate(bits):
             assert torch.equal(values[:, :, i].view_as(xd), fake_quantize(xd, b, 4)), (dtype, b)
     # a subset of the widths, in the config's order, and 16 alone (the uniform-width systems)
