@@ -27,6 +27,16 @@ trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at t
 (the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
 `--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
 operators by device time to `DIR/NAME_ops.txt`.
+
+Alongside the times (median and interquartile range per model, and of the per-step ratio: the
+models alternate who goes first), one extra untimed step of each model is counted: the aten ops it
+dispatches (`aten_ops_ratio`), the host syncs among them (`host_syncs_per_step`: value reads such
+as `.item()`, data-dependent shapes such as `nonzero`, device-to-host copies) and the attention
+FLOPs it executes (`attention_flops_ratio`, from the shapes every SDPA call gets; see
+`AttentionFlops`). 160m-shaped runs on a CPU, one sequence per step:
+
+    python benchmarks/bench_train_step.py --recipe 160m triroute.model.n_layers=2 \
+        triroute.model.vocab_size=4096 triroute.model.seq_len=2048 --micro-batch 1 --warmup 1 --repeats 5
 """
 
 from __future__ import annotations
@@ -244,6 +254,7 @@ def main(argv: list[str] | None = None) -> dict:
         "realised_flops_fraction": statistics.mean(realised),
         "step_s": {name: _spread(t) for name, t in times.items()},
         "ratio_per_step": _spread([a / b for a, b in zip(times[system], times["dense"])]),
+        "cpu_ratio_per_step": _spread([a / b for a, b in zip(cpu_times[system], cpu_times["dense"])]),
         "counts": counts,
         "aten_ops_ratio": counts[system]["aten_ops"] / counts["dense"]["aten_ops"],
         "host_syncs_per_step": {name: c["host_syncs"] for name, c in counts.items()},
@@ -267,7 +278,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  ratio {system}/dense: {result['ratio']:.2f} wall, {result['cpu_ratio']:.2f} CPU time;   "
               f"realised FLOPs fraction of {system}: {result['realised_flops_fraction']:.3f}")
         r = result["ratio_per_step"]
-        print(f"  per-step ratio {system}/dense: median {r['median']:.2f}, IQR {r['q1']:.2f}..{r['q3']:.2f}")
+        c = result["cpu_ratio_per_step"]
+        print(f"  per-step ratio {system}/dense: median {r['median']:.2f}, IQR {r['q1']:.2f}..{r['q3']:.2f} wall; "
+              f"median {c['median']:.2f}, IQR {c['q1']:.2f}..{c['q3']:.2f} process CPU time")
         print(f"  per step, {system}/dense: aten ops {counts[system]['aten_ops']}/{counts['dense']['aten_ops']} "
               f"= {result['aten_ops_ratio']:.2f}; attention FLOPs (forward, as executed) "
               f"{result['attention_flops_ratio']:.3f}; host syncs {counts[system]['host_syncs']} vs "
