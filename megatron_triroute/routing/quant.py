@@ -100,7 +100,8 @@ class _RelaxedWrite(torch.autograd.Function):
         ctx.save_for_backward(values)
         ctx.weight_dtype = bit_weights.dtype
         weights = bit_weights.to(x.dtype).unsqueeze(-2)  # (B, T, 1, |bits|)
-        return (weights @ values).view_as(x)  # (B, T, 1, H_kv * d_h)
+        with torch.autocast(x.device.type, enabled=False):  # the written values keep x's dtype, exactly
+            return (weights @ values).view_as(x)  # (B, T, 1, H_kv * d_h)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -124,3 +124,17 @@ def test_one_pass_quantiser_is_bit_exact_at_every_width():
     # a subset of the widths, in the config's order, and 16 alone (the uniform-width systems)
     assert torch.equal(quantized_values(x, (4,), 4).view_as(x), fake_quantize(x, 4, 4))
     assert torch.equal(quantized_values(x, (16,), 4).view_as(x), fake_quantize(x, 16, 4))
+
+
+def test_relaxed_write_keeps_its_values_under_autocast():
+    """Under bf16 autocast (the trainer's --bf16) the width mix must not round fp32 K/V to bf16."""
+    torch.manual_seed(6)
+    bits = (2, 4, 8, 16)
+    x = torch.randn(2, 5, 2, 8)
+    w = torch.nn.functional.one_hot(torch.arange(10).view(2, 5) % len(bits), len(bits)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = relaxed_kv_write(x, w, bits, 4)
+    assert out.dtype == torch.float32
+    for i, b in enumerate(bits):
+        chosen = w[..., i] > 0
+        assert torch.equal(out[chosen], fake_quantize(x, b, 4)[chosen]), b
