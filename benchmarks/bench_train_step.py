@@ -27,6 +27,16 @@ trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at t
 (the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
 `--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
 operators by device time to `DIR/NAME_ops.txt`.
+
+Alongside the times (median and interquartile range per model, and of the per-step ratio: the
+models alternate who goes first), one extra untimed step of each model is counted: the aten ops it
+dispatches (`aten_ops_ratio`), the host syncs among them (`host_syncs_per_step`: value reads such
+as `.item()`, data-dependent shapes such as `nonzero`, device-to-host copies) and the attention
+FLOPs it executes (`attention_flops_ratio`, from the shapes every SDPA call gets; see
+`AttentionFlops`). 160m-shaped runs on a CPU, one sequence per step:
+
+    python benchmarks/bench_train_step.py --recipe 160m triroute.model.n_layers=2 \
+        triroute.model.vocab_size=4096 triroute.model.seq_len=2048 --micro-batch 1 --warmup 1 --repeats 5
 """
 
 from __future__ import annotations
@@ -44,6 +54,9 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
 from megatron_triroute.distributed.one_process import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
@@ -70,6 +83,83 @@ def _engine(cfg, groups, run, device: torch.device, bf16: bool):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+HOST_SYNC_OPS = frozenset({
+    "aten._local_scalar_dense",  # .item(), bool(tensor), int(tensor)
+    "aten.nonzero", "aten.masked_select", "aten.is_nonzero", "aten.equal",
+    "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave.Tensor",
+})
+"""aten ops that need a tensor's value on the host (output size or a Python scalar): on a GPU
+each waits for the device, on a CPU each is where a GPU step would wait."""
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts every aten op dispatched (forward, backward, optimizer) and the host syncs among them;
+    a device-to-host copy counts as a sync too."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.syncs: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        name = str(func.overloadpacket) if func.overloadpacket.__name__ != "repeat_interleave" else str(func)
+        to_host = (name in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs or {}))
+        if name in HOST_SYNC_OPS or to_host:
+            self.syncs[name] = self.syncs.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def _device_to_host(func, args, kwargs) -> bool:
+    src = args[1] if str(func.overloadpacket) == "aten.copy_" else args[0]
+    dst = args[0] if str(func.overloadpacket) == "aten.copy_" else None
+    dst_device = dst.device if dst is not None else kwargs.get("device", src.device)
+    return src.device.type not in ("cpu", "meta") and torch.device(dst_device).type == "cpu"
+
+
+class AttentionFlops(TorchFunctionMode):
+    """Forward FLOPs of the attention that executes, from the shapes every SDPA call gets:
+    4 d per (query head, key) pair a kernel computes (QK^T and PV, 2 FLOPs a multiply-add), the
+    pairs being the whole Tq x Tk rectangle under an explicit mask (a masked kernel computes
+    every pair) and the Tq (Tq + 1) / 2 causal triangle under `is_causal` (the fast kernels skip
+    the blocks above the diagonal). The backward pass repeats the same pairs, so the forward
+    count gives the ratio of the whole."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:
+            q, k = args[0], args[1]
+            *batch, Tq, d = q.shape
+            Tk = k.shape[-2]
+            causal = kwargs.get("is_causal", args[5] if len(args) > 5 else False)
+            pairs = Tq * (Tq + 1) // 2 if causal and Tq == Tk else Tq * Tk
+            self.flops += 4 * d * pairs * int(torch.Size(batch).numel())
+            self.calls += 1
+        return func(*args, **kwargs)
+
+
+def _count_step(engine, mb, step: int) -> dict:
+    """One training step under the op, sync and attention-FLOP counters (not timed)."""
+    counter, flops = StepCounter(), AttentionFlops()
+    with flops, counter:
+        report = engine.train_step([mb], step)
+    if report.skipped:
+        raise RuntimeError(f"counted step {step} was skipped (non-finite loss or gradients)")
+    return {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
+            "attention_flops": flops.flops, "sdpa_calls": flops.calls}
+
+
+def _spread(values: list[float]) -> dict:
+    """Median and interquartile range (inclusive quartiles; both ends for fewer than 4 values)."""
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive") if len(values) > 1 else (values * 3)
+    return {"median": statistics.median(values), "q1": q1, "q3": q3, "iqr": q3 - q1}
 
 
 def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None:
@@ -122,8 +212,10 @@ def main(argv: list[str] | None = None) -> dict:
         engines = {name: _engine(cfg, groups, run, device, args.bf16) for name, cfg in configs.items()}
         data = [_micro_batch(configs["dense"], args.micro_batch, seed, device)
                 for seed in range(args.warmup + args.repeats)]
+        order = list(engines)
         for step, mb in enumerate(data):
-            for name, engine in engines.items():
+            for name in (order if step % 2 == 0 else order[::-1]):  # alternate who goes first
+                engine = engines[name]
                 _sync(device)
                 start, start_cpu = time.perf_counter(), time.process_time()
                 report = engine.train_step([mb], step)
@@ -138,6 +230,7 @@ def main(argv: list[str] | None = None) -> dict:
                         realised.append(report.realised[0])
         if device.type == "cuda":
             peak_memory = torch.cuda.max_memory_allocated(device) / 2**30
+        counts = {name: _count_step(engine, data[0], len(data)) for name, engine in engines.items()}
         if args.profile is not None:
             _profile(engines, data, device, args.profile)
     system = run.system
@@ -159,6 +252,13 @@ def main(argv: list[str] | None = None) -> dict:
         "median_cpu_s": median_cpu,
         "ratio": median[system] / median["dense"], "cpu_ratio": median_cpu[system] / median_cpu["dense"],
         "realised_flops_fraction": statistics.mean(realised),
+        "step_s": {name: _spread(t) for name, t in times.items()},
+        "ratio_per_step": _spread([a / b for a, b in zip(times[system], times["dense"])]),
+        "cpu_ratio_per_step": _spread([a / b for a, b in zip(cpu_times[system], cpu_times["dense"])]),
+        "counts": counts,
+        "aten_ops_ratio": counts[system]["aten_ops"] / counts["dense"]["aten_ops"],
+        "host_syncs_per_step": {name: c["host_syncs"] for name, c in counts.items()},
+        "attention_flops_ratio": counts[system]["attention_flops"] / counts["dense"]["attention_flops"],
     }
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=2))
@@ -170,12 +270,21 @@ def main(argv: list[str] | None = None) -> dict:
               f"{result['device']}{', bf16' if args.bf16 else ''}, {result['threads']} threads, "
               f"load average {result['load_average']}")
         for name in configs:
-            print(f"  {name:<10} median {1e3 * median[name]:9.1f} ms/step  "
+            spread = result["step_s"][name]
+            print(f"  {name:<10} median {1e3 * median[name]:9.1f} ms/step (IQR {1e3 * spread['iqr']:.1f})  "
                   f"{result['tokens_per_s'][name]:10.0f} tokens/s"
                   f"  {tflops[name]:7.1f} model TFLOP/s (MFU {tflops[name] / args.peak_tflops:.1%})"
                   f"  (process CPU time {1e3 * median_cpu[name]:9.1f} ms/step)")
         print(f"  ratio {system}/dense: {result['ratio']:.2f} wall, {result['cpu_ratio']:.2f} CPU time;   "
               f"realised FLOPs fraction of {system}: {result['realised_flops_fraction']:.3f}")
+        r = result["ratio_per_step"]
+        c = result["cpu_ratio_per_step"]
+        print(f"  per-step ratio {system}/dense: median {r['median']:.2f}, IQR {r['q1']:.2f}..{r['q3']:.2f} wall; "
+              f"median {c['median']:.2f}, IQR {c['q1']:.2f}..{c['q3']:.2f} process CPU time")
+        print(f"  per step, {system}/dense: aten ops {counts[system]['aten_ops']}/{counts['dense']['aten_ops']} "
+              f"= {result['aten_ops_ratio']:.2f}; attention FLOPs (forward, as executed) "
+              f"{result['attention_flops_ratio']:.3f}; host syncs {counts[system]['host_syncs']} vs "
+              f"{counts['dense']['host_syncs']} ({counts[system]['host_sync_ops']})")
     return result
 
 

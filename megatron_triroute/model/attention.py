@@ -22,15 +22,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
-from ..routing.modes import READING_MODES, read_mask
+from ..routing.modes import READING_MODES
 from ..routing.quant import relaxed_kv_write
+from .mode_attention import MODE_ATTENTION
 
 
 
@@ -41,22 +41,18 @@ class RoutedAttentionSubmodules:
 
 
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int) -> torch.Tensor:
-    """Relaxed routed attention with SDPA: q (B, T, H, d), k/v (B, T, H_kv, d) written values,
-    modes (B, T, H, 3) -> (B, T, H, d). Same math as the tests' oracle `tests/oracles.reference_attention`."""
-    B, T, H, d = q.shape
-    rep = H // k.shape[2]
-    qh = q.transpose(1, 2)  # (B, H, T, d)
-    kh = k.repeat_interleave(rep, dim=2).transpose(1, 2)
-    vh = v.repeat_interleave(rep, dim=2).transpose(1, 2)
-    out = torch.zeros_like(q)
+    """Relaxed routed attention, out = sum_m y[m] * Attn^(m) (Alg. 1, line 4): q (B, T, H, d),
+    k/v (B, T, H_kv, d) written values, modes (B, T, H, N_MODES) -> (B, T, H, d). Same math as the
+    tests' oracle `tests/oracles.reference_attention`; each mode's attention costs only the keys it
+    reads (`mode_attention`), so the mode head's gradient <dL/dout, Attn^(m)> stays exact."""
+    out = None
     for mode in READING_MODES:
-        mask = read_mask(T, mode, window, q.device)  # (T, T) [query, key]
         weight = modes[..., mode, None]
         if not weight.requires_grad and not bool(weight.any()):
             continue  # a mode nobody reads and no gradient needs (e.g. local in a dense model)
-        ctx = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask).transpose(1, 2)  # (B, T, H, d)
-        out = out + weight.to(q.dtype) * ctx
-    return out
+        term = weight.to(q.dtype) * MODE_ATTENTION[mode](q, k, v, window)  # (B, T, H, d)
+        out = term if out is None else out + term
+    return torch.zeros_like(q) if out is None else out
 
 
 class TriRouteSelfAttention(MegatronModule):
@@ -112,8 +108,9 @@ class TriRouteSelfAttention(MegatronModule):
         q, k = self._rope(q, rotary_pos_emb), self._rope(k, rotary_pos_emb)
         g = self.triroute.router.group_size_for(self.triroute.model)
         to_bt = lambda t: t.transpose(0, 1)  # [T, B, ...] -> (B, T, ...)
-        k_w = relaxed_kv_write(to_bt(k), bit_weights, self._bits(), g)
-        v_w = relaxed_kv_write(to_bt(v), bit_weights, self._bits(), g)
+        # K and V written in one call: quantisation groups never span heads, so stacking V's heads
+        # after K's changes no group. (B, T, 2 * kv_l, d) -> k_w, v_w (B, T, kv_l, d)
+        k_w, v_w = relaxed_kv_write(to_bt(torch.cat([k, v], 2)), bit_weights, self._bits(), g).chunk(2, dim=2)
         ctx = routed_attention(to_bt(q), k_w, v_w, modes, self.triroute.router.window)  # (B, T, H_l, d)
         out, _ = self.linear_proj(ctx.transpose(0, 1).reshape(hidden.shape[0], hidden.shape[1], -1))
         return out

@@ -26,7 +26,6 @@ from triroute_kernels.quant import (
     quantize_groups,
 )
 from triroute_kernels.quant import group_channels as _groups
-from triroute_kernels.quant import quantize_grouped as _quantize_grouped
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
@@ -60,30 +59,58 @@ def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int
 
     x: (B, T, H_kv, d_h); bit_weights: (B, T, |bits|) straight-through one-hots, so the forward
     value is the chosen Q_b(x) and the bit head receives dL/dy[b] = <dL/dx_written, Q_b(x)>.
-    The gradient w.r.t. x is the identity (the y_ST sum to exactly 1 in the forward), written once
-    as `x - x.detach()`; the Q_b(x) are computed without autograd, sharing each group's min and max
-    across the widths (the same values `fake_quantize` gives, bit for bit).
+    The gradient w.r.t. x is the identity (the y_ST sum to exactly 1 in the forward). All widths
+    are quantised in one pass without autograd (`quantized_values`, the values `fake_quantize`
+    gives, bit for bit), and the sum over widths and its backward are one batched matmul each.
     """
-    with torch.no_grad():
-        values = quantized_values(x, bits, group_size)
-    weights = bit_weights.to(x.dtype)
-    out = x - x.detach()
-    for i, q in enumerate(values):
-        out = out + weights[..., i, None, None] * q
-    return out
+    return _RelaxedWrite.apply(x, bit_weights, quantized_values(x, bits, group_size))
+
+
+class _RelaxedWrite(torch.autograd.Function):
+    """out = y @ Q(x) per token, d out / d x = identity, d out / d y[b] = Q_b(x)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, bit_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        B, T = x.shape[:2]
+        ctx.save_for_backward(values)
+        ctx.weight_dtype = bit_weights.dtype
+        weights = bit_weights.to(x.dtype).unsqueeze(-2)  # (B, T, 1, |bits|)
+        with torch.autocast(x.device.type, enabled=False):  # the written values keep x's dtype, exactly
+            return (weights @ values).view_as(x)  # (B, T, 1, H_kv * d_h)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (values,) = ctx.saved_tensors  # (B, T, |bits|, H_kv * d_h)
+        B, T = grad.shape[:2]
+        if not ctx.needs_input_grad[1]:
+            return grad, None, None
+        grad_weights = values @ grad.reshape(B, T, -1, 1)  # (B, T, |bits|, 1)
+        return grad, grad_weights.squeeze(-1).to(ctx.weight_dtype), None
 
 
 @torch.no_grad()
-def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> list[torch.Tensor]:
-    """[Q_b(x) for b in bits] in x's dtype and shape, equal to `fake_quantize(x, b, group_size)`."""
-    out: list[torch.Tensor] = []
-    grouped = lo = hi = None
+def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
+    """(B, T, |bits|, H_kv * d_h) in x's dtype: [Q_b(x) for b in bits] along dim 2, equal to
+    `fake_quantize(x, b, group_size)` bit for bit. The widths below 16 share each group's min and
+    max and are quantised together (the levels 2^b - 1 broadcast along the width axis)."""
+    B, T = x.shape[:2]
+    low = [b for b in bits if b < 16]
+    parts: dict[int, torch.Tensor] = {}
+    if low:
+        grouped = _groups(x.float(), group_size).unsqueeze(2)  # (B, T, 1, H_kv, d_h // g, g)
+        lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
+        levels = torch.tensor([2.0**b - 1 for b in low], device=x.device).view(-1, 1, 1, 1)
+        # the arithmetic of `triroute_kernels.quant.quantize_grouped` and `dequantize_groups`, op for op
+        scale = ((hi - lo) / levels).half().float()  # (B, T, |low|, H_kv, d_h // g, 1)
+        zero = lo.half().float()
+        safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+        codes = torch.minimum(torch.round((grouped - zero) / safe).clamp_(min=0), levels)
+        codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
+        q = (codes * scale + zero).to(x.dtype).view(B, T, len(low), -1)
+        parts.update({b: q[:, :, i : i + 1] for i, b in enumerate(low)})
     for b in bits:
         if b >= 16:
-            out.append(x.half().to(x.dtype))
-            continue
-        if grouped is None:
-            grouped = _groups(x.float(), group_size)
-            lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-        out.append(dequantize_groups(*_quantize_grouped(grouped, lo, hi, b)).to(x.dtype).view_as(x))
-    return out
+            parts[b] = x.half().to(x.dtype).reshape(B, T, 1, -1)  # the float16 cache format
+    ordered = [parts[b] for b in bits]
+    return ordered[0] if len(ordered) == 1 else torch.cat(ordered, dim=2)
+

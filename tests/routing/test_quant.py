@@ -102,3 +102,38 @@ def test_relaxed_write_equals_the_per_width_sum_bit_for_bit():
     assert torch.equal(gx_new, gx_ref) and torch.equal(gx_new, upstream)
     torch.testing.assert_close(gl_new, gl_ref, rtol=1e-6, atol=1e-6)
     assert gl_new.abs().sum() > 0
+
+
+def test_one_pass_quantiser_is_bit_exact_at_every_width():
+    """`quantized_values` quantises all widths together; each slice must equal `fake_quantize`
+    bit for bit, in float32 and bfloat16, on constant groups, tiny and huge ranges."""
+    from megatron_triroute.routing.quant import quantized_values
+
+    torch.manual_seed(5)
+    bits = (2, 4, 8, 16)
+    x = torch.randn(8, 6, 16, 32) * torch.logspace(-6, 4, 6).view(1, 6, 1, 1)  # within float16 range
+    x[0, 0, 0, :4] = 0.3  # a constant group
+    x[1, 2, 1] = 7.0  # a constant head
+    for dtype in (torch.float32, torch.bfloat16):
+        xd = x.to(dtype)
+        values = quantized_values(xd, bits, 4)
+        assert values.shape == (8, 6, len(bits), 16 * 32) and values.dtype == dtype
+        for i, b in enumerate(bits):
+            assert torch.equal(values[:, :, i].view_as(xd), fake_quantize(xd, b, 4)), (dtype, b)
+    # a subset of the widths, in the config's order, and 16 alone (the uniform-width systems)
+    assert torch.equal(quantized_values(x, (4,), 4).view_as(x), fake_quantize(x, 4, 4))
+    assert torch.equal(quantized_values(x, (16,), 4).view_as(x), fake_quantize(x, 16, 4))
+
+
+def test_relaxed_write_keeps_its_values_under_autocast():
+    """Under bf16 autocast (the trainer's --bf16) the width mix must not round fp32 K/V to bf16."""
+    torch.manual_seed(6)
+    bits = (2, 4, 8, 16)
+    x = torch.randn(2, 5, 2, 8)
+    w = torch.nn.functional.one_hot(torch.arange(10).view(2, 5) % len(bits), len(bits)).float()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = relaxed_kv_write(x, w, bits, 4)
+    assert out.dtype == torch.float32
+    for i, b in enumerate(bits):
+        chosen = w[..., i] > 0
+        assert torch.equal(out[chosen], fake_quantize(x, b, 4)[chosen]), b

@@ -1,0 +1,76 @@
+"""benchmarks/bench_train_step.py: its counters against hand counts, and one in-process run at a
+tiny size whose JSON carries the ratios (no speed targets: on a shared 2-core CPU those are not
+stable)."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megatron_triroute.model.attention import routed_attention
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
+TINY = ["triroute.model.n_layers=1", "triroute.model.seq_len=32", "triroute.model.d_model=64",
+        "triroute.model.d_ff=128", "triroute.router.d_router=16", "triroute.model.vocab_size=256",
+        "triroute.router.window=8"]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_train_step", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_attention_flops_hand_counts(bench):
+    """4 d per (query head, key) pair: the causal triangle under is_causal, the whole rectangle
+    under a mask; GQA counts query heads."""
+    q, k = torch.randn(2, 4, 10, 8), torch.randn(2, 2, 10, 8)
+    with bench.AttentionFlops() as counter:
+        F.scaled_dot_product_attention(q, k, k, is_causal=True, enable_gqa=True)
+        F.scaled_dot_product_attention(q, k, k, attn_mask=torch.ones(10, 10, dtype=torch.bool), enable_gqa=True)
+    assert counter.calls == 2
+    assert counter.flops == 4 * 8 * 2 * 4 * (10 * 11 // 2 + 10 * 10)
+
+
+def test_relaxed_attention_flops_are_full_plus_the_local_blocks(bench):
+    """The relaxed path's attention runs the causal full attention once and the local mode over
+    blocks of b queries x (b + w) keys: at T = 64, w = 8, b = 16, 4 blocks x 16 x 24 pairs."""
+    from megatron_triroute.model.mode_attention import LOCAL_QUERY_BLOCK
+
+    B, T, H, H_kv, d, w = 1, 64, 4, 2, 8, 8
+    q, k = torch.randn(B, T, H, d), torch.randn(B, T, H_kv, d)
+    modes = torch.rand(B, T, H, 3, requires_grad=True)
+    with bench.AttentionFlops() as counter:
+        routed_attention(q, k, k, modes, w)
+    b = LOCAL_QUERY_BLOCK
+    assert counter.flops == 4 * d * B * H * (T * (T + 1) // 2 + (T // b) * b * (b + w))
+
+
+def test_step_counter_sees_ops_and_host_syncs(bench):
+    x = torch.arange(6.0)
+    with bench.StepCounter() as counter:
+        y = x * 2 + 1  # two ops, no sync
+        assert counter.syncs == {}
+        float(y.sum())  # sum, then a scalar read
+        (y > 3).nonzero()  # gt, then a data-dependent output size
+    assert counter.ops == 6
+    assert counter.syncs == {"aten._local_scalar_dense": 1, "aten.nonzero": 1}
+
+
+def test_tiny_run_reports_the_ratios(bench, capsys):
+    result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json", *TINY])
+    for key in ("ratio", "aten_ops_ratio", "attention_flops_ratio"):
+        assert result[key] > 0, key
+    assert set(result["host_syncs_per_step"]) == {"triroute", "dense"}
+    # the same counts, from the per-model table
+    counts = result["counts"]
+    assert result["aten_ops_ratio"] == counts["triroute"]["aten_ops"] / counts["dense"]["aten_ops"]
+    # Dense reads full attention only; TriRoute adds the local blocks: T = 32, w = 8, b = 16
+    assert result["attention_flops_ratio"] == pytest.approx(1 + (32 // 16) * 16 * 24 / (32 * 33 / 2))
+    for spread in (result["ratio_per_step"], result["cpu_ratio_per_step"]):
+        assert spread["q1"] <= spread["median"] <= spread["q3"]
+    assert '"ratio"' in capsys.readouterr().out
