@@ -20,7 +20,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from .grad_reduce import check_expert_group, clip_gradients, global_grad_norm, reduce_gradients
