@@ -1,5 +1,6 @@
-"""The run's data-parallel engine (parallel/dp_engine.py: `build_dp_engine`, the default
-`megatron_distopt` with both collectives overlapped) trains the model the replicated oracle trains:
+"""Every data-parallel engine (parallel/dp_engine.py: DP_ENGINES, as `build_dp_engine` builds it
+with the default options: for `megatron_distopt`, the default, both collectives overlapped) trains
+the model the replicated oracle trains:
 one flat all-reduce after the backward (`ReplicatedGradSync`) feeding torch's AdamW, every rank
 holding every moment. Four clipped AdamW steps with two accumulated micro-batches per rank, on the
 same batches, end with every parameter within 1e-6 and the same gradient norms, at DP2 x EP1,
@@ -52,8 +53,8 @@ def _train(rank: int, world: int, layout: dict, engine_name: str) -> tuple[dict,
                                       lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps)
         engine = TrainEngine(model, groups, optimizer, STEPS, o.clip_grad)  # grad_sync: the flat all-reduce
     else:
-        assert (run.parallel.dp_engine, run.parallel.overlap_grad_reduce, run.parallel.overlap_param_gather) == \
-            ("megatron_distopt", True, True)  # the default engine, as a run builds it
+        run.parallel.dp_engine = engine_name
+        assert run.parallel.overlap_grad_reduce and run.parallel.overlap_param_gather  # the defaults
         optimizer, grad_sync = build_dp_engine(model, run, groups)
         engine = TrainEngine(model, groups, optimizer, STEPS, o.clip_grad, grad_sync=grad_sync)
     norms = []
@@ -74,15 +75,18 @@ def _train(rank: int, world: int, layout: dict, engine_name: str) -> tuple[dict,
 
 
 def _compare(rank: int, world: int, layout: dict) -> None:
+    from megatron_triroute.parallel.dp_engine import DP_ENGINES
+
     oracle, oracle_norms = _train(rank, world, layout, "oracle")
-    got, norms = _train(rank, world, layout, "default")
     assert all(n > CLIP for n in oracle_norms), oracle_norms  # every step clips
-    assert norms == pytest.approx(oracle_norms, rel=1e-6)
-    assert sorted(got) == sorted(oracle)
-    diff = max((got[n] - oracle[n]).abs().max().item() for n in oracle)
-    print(f"rank {rank}: max |default engine - replicated oracle| over {len(oracle)} parameters after "
-          f"{STEPS} clipped steps: {diff:.3g} (norms {['%.3f' % n for n in norms]})")
-    assert diff <= TOL
+    for name in DP_ENGINES:
+        got, norms = _train(rank, world, layout, name)
+        assert norms == pytest.approx(oracle_norms, rel=1e-6), name
+        assert sorted(got) == sorted(oracle)
+        diff = max((got[n] - oracle[n]).abs().max().item() for n in oracle)
+        print(f"rank {rank}: max |{name} - replicated oracle| over {len(oracle)} parameters after "
+              f"{STEPS} clipped steps: {diff:.3g} (norms {['%.3f' % n for n in norms]})")
+        assert diff <= TOL, name
 
 
 @pytest.mark.parametrize("nproc, layout", [
@@ -91,7 +95,7 @@ def _compare(rank: int, world: int, layout: dict) -> None:
     (4, {"tp": 2, "ep": 2}),     # TP2 x EP2 (x DP2, EDP2)
     (4, {"pp": 2, "ep": 2}),     # PP2 x DP2 x EP2 (1F1B)
 ], ids=["dp2-ep1", "dp2-ep2", "tp2-ep2", "pp2-dp2-ep2"])
-def test_default_engine_equals_the_replicated_oracle(nproc, layout):
+def test_every_engine_equals_the_replicated_oracle(nproc, layout):
     run_distributed(_compare, nproc, layout, timeout=300)
 
 
