@@ -21,7 +21,6 @@ CHECKPOINT_CHECKS = ("shared", "full")
 """`train.checkpoint_check` values (training/run_state.py: find_resume_checkpoint)."""
 
 
-
 @dataclass
 class ParallelConfig:
     tensor: int = 1
