@@ -2,7 +2,7 @@
 and how long a resume takes, at a paper-scale model shape on the CPU.
 
 One process (a gloo group of one, inside the CPU shim) builds the recipe's TriRoute model
-(`overhead.build_model`, fp32) and the trainer's ZeRO-1 AdamW (`trainer.build_optimizer`), with
+(`overhead.build_model`, fp32) and the trainer's distributed AdamW (`trainer.build_optimizer`), with
 moments populated by one step. A "training step" here is one AdamW step over every parameter (it
 writes every parameter and moment page, as a real step does, so the forked writer's copy-on-write
 costs are paid). Rounds alternate a blocking save and an asynchronous one, the same way
@@ -76,9 +76,11 @@ def main() -> int:
     store.describe_file = timed_describe
     with tempfile.TemporaryDirectory(dir=args.root) as tmp, single_process_parallel() as groups:
         model = build_model(run.triroute, groups)
-        optimizer, scheduler = build_optimizer(model, run, groups)
+        optimizer, grad_sync, scheduler = build_optimizer(model, run, groups)
+        grad_sync.begin()
         for p in model.parameters():
-            p.grad = torch.full_like(p, 1e-3)
+            p.main_grad.fill_(1e-3)  # the engine's gradient buffer
+        grad_sync.finish()
         optimizer.step()
         parameters = sum(p.numel() for p in model.parameters())
         saves = AsyncSaves()

@@ -1,32 +1,29 @@
-"""Data-parallel engines: step time, communication hidden behind compute, peak memory, for the
-replicated engine (the baseline), Megatron-Core's DDP without and with overlap, and Megatron-Core's
-distributed optimizer without and with overlap (gradient reduce-scatter during the backward,
-parameter all-gather during the next forward), and with overlap and bf16 gradients
-(`parallel.grad_reduce_dtype=bf16`: bf16 matrices, buckets and all-gathers, fp32 master shards).
-That engine needs the bf16 forward (autocast), which on a CPU is several times slower than fp32,
-so its baseline is the replicated engine under the same autocast (`replicated_bf16`).
+"""The data-parallel engine's overlap: step time, communication hidden behind compute, peak memory
+of the run's engine (Megatron-Core's distributed optimizer, parallel/dp_engine.py) with its
+default overlap (gradient reduce-scatter during the backward, parameter all-gather during the next
+forward) against the same engine with both collectives after the backward (`no_overlap`, the
+baseline). With `--bf16`, also under the bf16 forward (autocast, several times slower than fp32 on
+a CPU, so measured against its own baseline): the default engine (`default_bf16_forward`) and
+bf16 gradients (`bf16_gradients`, `parallel.grad_reduce_dtype=bf16`: bf16 matrices, buckets and
+all-gathers, fp32 master shards).
 
-    python benchmarks/bench_dp_overlap.py [--recipe tiny] [key=value ...] [--nprocs 2 4]
+    python benchmarks/bench_dp_overlap.py [--recipe tiny] [key=value ...] [--nprocs 2 4] [--bf16]
                                           [--micro-batch 4] [--micro-batches 2] [--bucket-mb 1]
                                           [--warmup 2] [--repeats 5] [--rounds 2] [--json] [--out FILE]
 
-For each world size and each engine, a fresh group of gloo processes (CPU, one thread each) builds
+For each world size and each variant, a fresh group of gloo processes (CPU, one thread each) builds
 the recipe's model at DP = world size, EP = 1, and runs `TrainEngine.train_step` (the trainer's
-step: Megatron's schedule over `--micro-batches` accumulated micro-batches, gradient reduction,
-global norm, clip, AdamW: our ZeRO-1 or Megatron's distributed optimizer) on random tokens, each
-rank its own. Each engine runs in its own
-processes so that the peak memory is its own.
+step: Megatron's schedule over `--micro-batches` accumulated micro-batches, gradient
+reduce-scatter, global norm, clip, AdamW on the shards, parameter all-gather) on random tokens,
+each rank its own. Each variant runs in its own processes so that the peak memory is its own.
 
 What is measured, per timed step (after `--warmup` steps), on every rank:
 - step time: wall time of `train_step` (the median over steps, the max over ranks: the slowest
-  rank sets the pace). The engines take turns, `--rounds` times over (replicated, megatron,
-  megatron_overlap, distopt, distopt_overlap, replicated_bf16, distopt_bf16_overlap, replicated, ...), so a change in the machine's load
-  hits them alike; the median is over the steps of every round.
-- communication: each gradient reduction's and each parameter update's communication, its launch
-  and completion timestamped with `time.perf_counter()`: the replicated engine's flat all-reduce
-  and, for both ZeRO-1 engines, the owners' broadcasts of updated parameters after AdamW; Megatron's
-  bucket reductions (all-reduce, or reduce-scatter for the distributed optimizer) and the
-  distributed optimizer's parameter all-gathers. A synchronous call counts from its start to its
+  rank sets the pace). The variants take turns, `--rounds` times over (no_overlap, default,
+  no_overlap, ...), so a change in the machine's load hits them alike; the median is over the
+  steps of every round.
+- communication: each bucket's gradient reduce-scatter and parameter all-gather, its launch and
+  completion timestamped with `time.perf_counter()`. A synchronous call counts from its start to its
   end; an asynchronous one (overlap) from its launch (a backward hook, or a forward pre-hook for the
   all-gather) to the moment gloo completes it (a callback on the work's future; gloo's coalesced
   reduce-scatter and all-gather have none, so their end is the first moment they are seen complete,
@@ -37,8 +34,8 @@ What is measured, per timed step (after `--warmup` steps), on every rank:
 - peak memory: the process's peak resident set (`resource.getrusage(RUSAGE_SELF).ru_maxrss`) at the
   end, and its growth from just before the first step (the gradient buffers, optimizer state and
   activations; the imports and the model are in the baseline of both).
-Ratios are against the replicated engine with the same forward precision, measured in the same
-command (each row names its baseline).
+Ratios are against the baseline with the same forward precision, measured in the same command
+(each row names its baseline).
 """
 
 from __future__ import annotations
@@ -56,35 +53,23 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-BF16 = ["parallel.grad_reduce_dtype=bf16", "train.bf16=true"]
-ENGINES = {  # name: (parallel.dp_engine, overlap_grad_reduce, overlap_param_gather, other overrides)
-    "replicated": ("replicated", False, False, []),
-    "megatron": ("megatron", False, False, []),
-    "megatron_overlap": ("megatron", True, False, []),
-    "distopt": ("megatron_distopt", False, False, []),
-    "distopt_overlap": ("megatron_distopt", True, True, []),
-    "replicated_bf16": ("replicated", False, False, ["train.bf16=true"]),
-    "distopt_bf16_overlap": ("megatron_distopt", True, True, BF16),
+VARIANTS = {  # name: (overlap_grad_reduce and overlap_param_gather, other overrides, baseline)
+    "no_overlap": (False, [], "no_overlap"),
+    "default": (True, [], "no_overlap"),
 }
-BASELINE = {"replicated_bf16": "replicated_bf16", "distopt_bf16_overlap": "replicated_bf16"}
-"""An engine's baseline (the replicated engine with its forward precision); the others': replicated."""
+BF16_VARIANTS = {  # --bf16
+    "default_bf16_forward": (True, ["train.bf16=true"], "default_bf16_forward"),
+    "bf16_gradients": (True, ["train.bf16=true", "parallel.grad_reduce_dtype=bf16"], "default_bf16_forward"),
+}
 
 
 class CommClock:
-    """Launch/completion timestamps of gradient reductions and the end of each backward."""
+    """Launch/completion timestamps of the engine's collectives and the end of each backward."""
 
     def __init__(self) -> None:
         self.intervals: list[list[float]] = []
         self.unobserved: list[tuple[list[float], object]] = []
         self.backward_end: float | None = None
-
-    def synchronous(self, fn):
-        def timed(*args, **kwargs):
-            start = time.perf_counter()
-            out = fn(*args, **kwargs)
-            self.intervals.append([start, time.perf_counter()])
-            return out
-        return timed
 
     def asynchronous(self, bucket_group, method: str = "start_grad_sync", handle_name: str = "grad_reduce_handle"):
         """Wrap one Megatron bucket group's `start_grad_sync` (or `start_param_sync`, whose handle
@@ -145,7 +130,7 @@ class CommClock:
 
 
 def _instrument(engine, clock: CommClock) -> None:
-    """Timestamps on this engine's reductions and on the end of its forward-backward schedule."""
+    """Timestamps on this engine's collectives and on the end of its forward-backward schedule."""
     forward_backward = engine.forward_backward
 
     def timed_schedule(*args, **kwargs):
@@ -154,16 +139,10 @@ def _instrument(engine, clock: CommClock) -> None:
         clock.observe()
         return out
     engine.forward_backward = timed_schedule
-    sync = engine.grad_sync
-    if hasattr(sync, "ddp"):
-        for group in sync.ddp.bucket_groups + sync.ddp.expert_parallel_bucket_groups:
-            clock.asynchronous(group)
-            if sync.ddp.ddp_config.use_distributed_optimizer:  # the updated parameters' all-gather
-                clock.asynchronous(group, "start_param_sync", "param_gather_handle")
-    else:
-        sync.finish = clock.synchronous(sync.finish)
-    if hasattr(engine.optimizer, "_broadcast_updates"):  # ZeRO-1: each owner broadcasts its parameters
-        engine.optimizer._broadcast_updates = clock.synchronous(engine.optimizer._broadcast_updates)
+    ddp = engine.grad_sync.ddp
+    for group in ddp.bucket_groups + ddp.expert_parallel_bucket_groups:
+        clock.asynchronous(group)  # the gradient reduce-scatter
+        clock.asynchronous(group, "start_param_sync", "param_gather_handle")  # the updated parameters' all-gather
 
 
 def _micro_batches(cfg, n: int, count: int, seed: int):
@@ -180,7 +159,7 @@ def _micro_batches(cfg, n: int, count: int, seed: int):
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, results) -> None:
+def _rank_main(rank: int, world: int, port: int, args: dict, variant: str, results) -> None:
     import torch
     import torch.distributed as dist
 
@@ -193,19 +172,18 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
         from megatron_triroute.parallel import cpu_shim, destroy_parallel, initialize_parallel
         from megatron_triroute.training.engine import TrainEngine
         from megatron_triroute.training.recipes import resolve
-        from megatron_triroute.training.trainer import build_optimizer, build_run_grad_sync
+        from megatron_triroute.training.trainer import build_optimizer
 
-        dp_engine, overlap, gather, other = ENGINES[engine_name]
-        overrides = [*args["overrides"], f"parallel.dp_engine={dp_engine}", f"parallel.overlap_grad_reduce={overlap}",
-                     f"parallel.overlap_param_gather={gather}", f"parallel.bucket_mb={args['bucket_mb']}", *other]
+        overlap, other, _ = {**VARIANTS, **BF16_VARIANTS}[variant]
+        overrides = [*args["overrides"], f"parallel.overlap_grad_reduce={overlap}",
+                     f"parallel.overlap_param_gather={overlap}", f"parallel.bucket_mb={args['bucket_mb']}", *other]
         with cpu_shim():
             run = resolve(args["recipe"], overrides)
             groups = initialize_parallel()
             model = build_model(run.triroute, groups, seed=run.data.seed)
-            optimizer, scheduler = build_optimizer(model, run, groups)
+            optimizer, grad_sync, scheduler = build_optimizer(model, run, groups)
             engine = TrainEngine(model, groups, optimizer, run.train.steps, run.optim.clip_grad, scheduler,
-                                 bf16=run.train.dtype_name == "bf16",
-                                 grad_sync=build_run_grad_sync(model, run, groups, optimizer))
+                                 bf16=run.train.dtype_name == "bf16", grad_sync=grad_sync)
             clock = CommClock()
             _instrument(engine, clock)
             steps = args["warmup"] + args["repeats"]
@@ -220,12 +198,11 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
                 elapsed = time.perf_counter() - start
                 comm = clock.step_summary(start)
                 if report.skipped:
-                    raise RuntimeError(f"{engine_name}: step {step} was skipped (non-finite loss or gradients)")
+                    raise RuntimeError(f"{variant}: step {step} was skipped (non-finite loss or gradients)")
                 if step >= args["warmup"]:
                     rows.append({"step_s": elapsed, **comm})
             rss_after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-            buckets = (sum(len(g.buckets) for g in engine.grad_sync.ddp.bucket_groups)
-                       if hasattr(engine.grad_sync, "ddp") else 1)
+            buckets = sum(len(g.buckets) for g in engine.grad_sync.ddp.bucket_groups)
             destroy_parallel()
         results.put((rank, {"rows": rows, "peak_rss_mib": rss_after / 1024, "rss_growth_mib": (rss_after - rss_before) / 1024,
                             "params": sum(p.numel() for p in model.parameters()), "dense_buckets": buckets}))
@@ -236,7 +213,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict, engine_name: str, r
             dist.destroy_process_group()
 
 
-def _run_group(world: int, engine_name: str, args: dict) -> list[dict]:
+def _run_group(world: int, variant: str, args: dict) -> list[dict]:
     import torch.multiprocessing as mp
 
     from megatron_triroute.distributed.launch_env import free_local_port
@@ -245,19 +222,19 @@ def _run_group(world: int, engine_name: str, args: dict) -> list[dict]:
     results = ctx.SimpleQueue()
     os.environ["OMP_NUM_THREADS"] = "1"
     port = free_local_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, engine_name, results)) for r in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(r, world, port, args, variant, results)) for r in range(world)]
     for p in procs:
         p.start()
-    out = _collect(results, procs, engine_name, world)
+    out = _collect(results, procs, variant, world)
     for p in procs:
         p.join(timeout=60)
     errors = [v["error"] for v in out.values() if "error" in v]
     if errors:
-        raise RuntimeError(f"{engine_name} at {world} processes failed:\n{errors[0]}")
+        raise RuntimeError(f"{variant} at {world} processes failed:\n{errors[0]}")
     return [out[r] for r in range(world)]
 
 
-def _collect(results, procs, engine_name: str, world: int, timeout_s: float = 1800) -> dict:
+def _collect(results, procs, variant: str, world: int, timeout_s: float = 1800) -> dict:
     """Every rank's report; a rank that exits without one (killed, out of memory, a crash in C++)
     fails the group at once instead of leaving the parent waiting on the queue."""
     out: dict = {}
@@ -277,7 +254,7 @@ def _collect(results, procs, engine_name: str, world: int, timeout_s: float = 18
                 p.kill()
                 p.join(5)
             why = f"rank(s) {dead} exited without a report" if dead else f"no report within {timeout_s:.0f} s"
-            raise RuntimeError(f"{engine_name} at {world} processes: {why} (exit codes {codes})")
+            raise RuntimeError(f"{variant} at {world} processes: {why} (exit codes {codes})")
         time.sleep(0.1)
 
 
@@ -309,12 +286,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--recipe", default="tiny")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--nprocs", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--bf16", action="store_true", help="also the bf16 forward, with fp32 and bf16 gradients")
     parser.add_argument("--micro-batch", type=int, default=4, help="sequences per micro-batch per rank")
     parser.add_argument("--micro-batches", type=int, default=2, help="micro-batches accumulated per step")
     parser.add_argument("--bucket-mb", type=float, default=1.0, help="Megatron gradient bucket size (MB of fp32)")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=2, help="times each engine runs, taking turns")
+    parser.add_argument("--rounds", type=int, default=2, help="times each variant runs, taking turns")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     args = parser.parse_args(argv)
@@ -324,14 +302,15 @@ def main(argv: list[str] | None = None) -> dict:
     result = {"recipe": args.recipe, "overrides": args.overrides, **{k: v for k, v in shared.items() if k != "overrides"},
               "memory": "peak RSS, resource.getrusage(RUSAGE_SELF).ru_maxrss", "load_average": os.getloadavg()[0],
               "worlds": {}}
+    variants = {**VARIANTS, **(BF16_VARIANTS if args.bf16 else {})}
     for world in args.nprocs:
-        reports: dict[str, list] = {name: [] for name in ENGINES}
+        reports: dict[str, list] = {name: [] for name in variants}
         for _ in range(args.rounds):
-            for name in ENGINES:
+            for name in variants:
                 reports[name].append(_run_group(world, name, shared))
         per = {name: summarise(rounds) for name, rounds in reports.items()}
         for name, row in per.items():
-            row["baseline"] = BASELINE.get(name, "replicated")
+            row["baseline"] = variants[name][2]
             base = per[row["baseline"]]
             row["step_ratio"] = row["step_s"] / base["step_s"]
             row["peak_rss_ratio"] = row["peak_rss_mib"] / base["peak_rss_mib"]
@@ -351,7 +330,7 @@ def _print_table(result: dict) -> None:
           f"steps after {result['warmup']} warm-up, x {result['rounds']} rounds; gloo on CPU, 1 thread per rank; load average {result['load_average']:.2f}")
     print(f"memory: {result['memory']}")
     for world, per in result["worlds"].items():
-        print(f"{world} processes (DP={world}), {per['replicated']['params']:,} parameters:")
+        print(f"{world} processes (DP={world}), {per['default']['params']:,} parameters:")
         for name, row in per.items():
             print(f"  {name:<20} step {1e3 * row['step_s']:8.1f} ms (x{row['step_ratio']:.2f} {row['baseline']:<15})  "
                   f"comm {1e3 * row['comm_s_per_step']:7.1f} ms, exposed {1e3 * row['exposed_comm_s_per_step']:7.1f} ms, "

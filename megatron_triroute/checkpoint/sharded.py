@@ -113,10 +113,9 @@ def optimizer_sharded_state_dict(model_sharded: dict, optimizer, *, empty: bool 
     owner is the only data-parallel replica that writes them, so it is the main replica (the
     data-parallel component of the replica id is 0). `empty=True` gives load targets.
 
-    `optimizer` is either engine's (`training/zero.ShardedAdamW`,
-    `parallel/megatron_distopt.MegatronDistributedAdamW`): both own parameters the same way and give
-    whole moments (`owned_moments`, collective for the distributed optimizer), so a checkpoint
-    written by one loads into the other at any layout."""
+    `optimizer` is the engine's (`parallel/megatron_distopt.MegatronDistributedAdamW`): it owns
+    parameters as `parallel/ownership.owned_parameters` assigns them and gives whole moments
+    (`owned_moments`, collective), so a checkpoint loads at any layout."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from megatron_triroute.parallel.groups import ParallelGroups
 
 
-def reduce_gradients(model: nn.Module, groups: ParallelGroups, wire_dtype: torch.dtype | None = None) -> None:
+def reduce_gradients(model: nn.Module, groups: ParallelGroups) -> None:
     """Turn each rank's local gradients into the gradient of the global mean loss, in place.
 
     Call after ``loss.backward()`` and before ``optimizer.step()``; every rank must call it.
@@ -45,9 +45,6 @@ def reduce_gradients(model: nn.Module, groups: ParallelGroups, wire_dtype: torch
     Gradients are reduced in one flat buffer per (group, dtype). A parameter that requires grad
     but got none is given a zero gradient first, so every rank reduces buffers of the same layout.
     Tensor-parallel reductions (sequence-parallel norms, pipeline-tied embeddings) are not done here.
-
-    ``wire_dtype`` (e.g. ``torch.bfloat16``): each flat buffer is rounded to it, summed in it, and
-    copied back (then scaled), halving the bytes sent; ``None`` sums in the gradients' own dtype.
     """
     dense: list[torch.Tensor] = []
     expert: list[torch.Tensor] = []
@@ -62,8 +59,8 @@ def reduce_gradients(model: nn.Module, groups: ParallelGroups, wire_dtype: torch
             check_expert_group(name, param, groups)
             expert.append(param.grad)
     scale = 1.0 / groups.dp
-    _all_reduce_coalesced(dense, groups.dp_group, scale, wire_dtype)
-    _all_reduce_coalesced(expert, groups.edp_group, scale, wire_dtype)
+    _all_reduce_coalesced(dense, groups.dp_group, scale)
+    _all_reduce_coalesced(expert, groups.edp_group, scale)
 
 
 def check_expert_group(name: str, param: torch.Tensor, groups: ParallelGroups) -> None:
@@ -77,21 +74,15 @@ def check_expert_group(name: str, param: torch.Tensor, groups: ParallelGroups) -
         )
 
 
-def _all_reduce_coalesced(grads: Iterable[torch.Tensor], group, scale: float,
-                          wire_dtype: torch.dtype | None = None) -> None:
-    """Sum ``grads`` over ``group`` (in ``wire_dtype`` when given) and multiply by ``scale``, one flat
-    buffer per dtype/device."""
+def _all_reduce_coalesced(grads: Iterable[torch.Tensor], group, scale: float) -> None:
+    """Sum ``grads`` over ``group`` and multiply by ``scale``, one flat buffer per dtype/device."""
     buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = defaultdict(list)
     for grad in grads:
         buckets[(grad.dtype, grad.device)].append(grad)
     reduce = dist.get_world_size(group) > 1
     for bucket in buckets.values():
         flat = _flatten_dense_tensors(bucket)
-        if reduce and wire_dtype is not None and wire_dtype != flat.dtype:
-            wire = flat.to(wire_dtype)
-            dist.all_reduce(wire, op=dist.ReduceOp.SUM, group=group)
-            flat.copy_(wire)
-        elif reduce:
+        if reduce:
             dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         if scale != 1.0:
             flat.mul_(scale)

@@ -1,7 +1,9 @@
-"""Gradient synchronisation of a step: today's flat all-reduce, or Megatron-Core's
-`DistributedDataParallel` (contiguous gradient buffers, buckets reduced during backward).
+"""Gradient synchronisation of a step: the flat all-reduce (`ReplicatedGradSync`, the step
+engine's reduction for a plain torch optimizer, and the reference the data-parallel engine is
+tested against), or Megatron-Core's `DistributedDataParallel` (contiguous gradient buffers,
+buckets reduced during backward), the base of the run's engine (parallel/megatron_distopt.py).
 
-The engine holds one of these objects and calls ``begin`` before the forward-backward schedule,
+The step engine holds one of these objects and calls ``begin`` before the forward-backward schedule,
 ``finish`` after it (before the norm) and ``discard`` when the step is skipped. After ``finish``
 every parameter's ``p.grad`` holds the gradient of the global mean loss, as ``reduce_gradients``
 defines it, so the norm, the clip and the optimizer read ``p.grad`` on either engine.
@@ -18,7 +20,6 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-import torch
 from torch import nn
 
 from .grad_reduce import check_expert_group, clip_gradients, global_grad_norm, reduce_gradients
@@ -45,19 +46,18 @@ class WholeGradients:
 class ReplicatedGradSync(WholeGradients):
     """One flat all-reduce per (group, dtype) after the whole backward (`reduce_gradients`)."""
 
-    def __init__(self, model: nn.Module, groups: ParallelGroups, wire_dtype: torch.dtype | None = None):
-        self.model, self.groups, self.wire_dtype = model, groups, wire_dtype
+    def __init__(self, model: nn.Module, groups: ParallelGroups):
+        self.model, self.groups = model, groups
 
     def describe(self) -> str:
-        wire = "" if self.wire_dtype is None else f", summed in {str(self.wire_dtype).removeprefix('torch.')}"
-        return f"replicated gradient reduction: one flat all-reduce per group after the backward{wire}"
+        return "replicated gradient reduction: one flat all-reduce per group after the backward"
 
     def begin(self) -> None:
         for p in self.model.parameters():
             p.grad = None
 
     def finish(self) -> None:
-        reduce_gradients(self.model, self.groups, self.wire_dtype)
+        reduce_gradients(self.model, self.groups)
 
     def discard(self) -> None:
         self.begin()
@@ -113,20 +113,6 @@ class MegatronGradSync(WholeGradients):
 
     def discard(self) -> None:
         self.begin()
-
-
-def build_grad_sync(engine: str, model: nn.Module, groups: ParallelGroups, overlap_grad_reduce: bool = True,
-                    bucket_size: int | None = None, wire_dtype: torch.dtype | None = None):
-    """The gradient synchroniser named by `parallel.dp_engine` (training/config.py: DP_ENGINES);
-    `wire_dtype` (replicated engine only) is the dtype gradients are summed in."""
-    if engine == "replicated":
-        return ReplicatedGradSync(model, groups, wire_dtype)
-    if engine == "megatron":
-        if wire_dtype not in (None, torch.float32):
-            raise ValueError(f"parallel.dp_engine='megatron' reduces in the parameters' dtype (fp32), not {wire_dtype}; "
-                             "use parallel.dp_engine=replicated for a bf16 gradient reduction")
-        return MegatronGradSync(model, groups, overlap_grad_reduce, bucket_size)
-    raise ValueError(f"parallel.dp_engine={engine!r}: use 'replicated' or 'megatron'")
 
 
 def process_groups(groups: ParallelGroups):

@@ -1,5 +1,5 @@
-"""Megatron-Core's distributed optimizer as the run's data-parallel engine
-(`parallel.dp_engine=megatron_distopt`).
+"""Megatron-Core's distributed optimizer: the run's data-parallel engine
+(`parallel.dp_engine=megatron_distopt`, built by parallel/dp_engine.py).
 
 Megatron's `DistributedDataParallel` with ``use_distributed_optimizer=True`` reduce-scatters each
 gradient bucket (during the backward with ``overlap_grad_reduce``), so every rank ends the step
@@ -21,9 +21,9 @@ of `checkpoint/sharded.py`). What it keeps of ours:
   Megatron's own clip and loss scaling are off (`clip_grad=0`, fp32 parameters);
 - weight decay on parameters of two or more dimensions only (ours), checked against Megatron's
   standard overrides group by group;
-- checkpoints: whole per-parameter moments of the parameters `training/zero.owned_parameters`
-  gives this rank, under the keys `ShardedAdamW` writes (gathered from the shards on save,
-  re-sliced on load), so a run resumes at any layout and on either optimizer.
+- checkpoints: whole per-parameter moments of the parameters `ownership.owned_parameters`
+  gives this rank (gathered from the shards on save, re-sliced on load), so a run resumes at any
+  layout; checkpoints of the per-rank format (name-keyed whole moments) load too.
 
 With ``bf16=True`` (`parallel.grad_reduce_dtype=bf16`) this is Megatron's mixed-precision
 recipe: the backbone's and experts' matrices (`low_precision_parameters`) become bf16, so their
@@ -46,6 +46,7 @@ from ..checkpoint.sharded import LOW_PRECISION, MOMENTS
 from .devices import collective_device, module_device
 from .grad_reduce import norm_from_parts, norm_part
 from .megatron_ddp import MegatronGradSync, process_groups
+from .ownership import owned_parameters
 
 if TYPE_CHECKING:
     from .groups import ParallelGroups
@@ -88,8 +89,6 @@ class MegatronDistributedAdamW(MegatronGradSync):
                  betas: tuple[float, float], eps: float, overlap_grad_reduce: bool = True,
                  overlap_param_gather: bool = False, bucket_size: int | None = None, bf16: bool = False):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer, get_standard_config_overrides
-
-        from ..training.zero import owned_parameters
 
         if not bf16 and any(p.dtype != torch.float32 for p in model.parameters()):
             raise ValueError("parallel.dp_engine=megatron_distopt with fp32 gradients steps fp32 parameters (its "
@@ -222,11 +221,27 @@ class MegatronDistributedAdamW(MegatronGradSync):
                 shard.copy_(rows[0])
 
     def load_state_dict(self, state_dicts) -> None:
-        from ..checkpoint import CheckpointError
-
-        raise CheckpointError("this checkpoint predates layout-independent checkpoints, which the distributed "
-                              "optimizer needs. Fix: resume it once with parallel.dp_engine=replicated (its next "
-                              "checkpoint is layout-independent), then switch to megatron_distopt.")
+        """Collective: restore a per-rank format checkpoint's optimizer states (written before
+        layout-independent checkpoints: {"state": {parameter name: {"step", "exp_avg",
+        "exp_avg_sq"}}, "param_groups": [...]}, whole moments of the parameters that rank owned),
+        each owned parameter's taken from whichever of `state_dicts` holds it. The learning rate
+        comes from the first one's groups."""
+        merged: dict[str, dict] = {}
+        state_dicts = list(state_dicts)
+        for sd in state_dicts:
+            merged.update(sd["state"])
+        missing = [n for n, _ in self._owned if n not in merged]
+        if missing and merged:
+            raise KeyError(f"optimizer state missing for parameters {missing[:5]}: the checkpoint does not "
+                           "match this model")
+        steps = torch.tensor([max((int(s["step"]) for s in merged.values() if "step" in s), default=0)],
+                             dtype=torch.float64, device=collective_device())
+        dist.all_reduce(steps, op=dist.ReduceOp.MAX)  # a rank owning nothing still joins the collectives
+        if int(steps.item()) == 0:
+            return  # written before the first step: no moments yet
+        self.load_owned_moments({n: {m: merged[n][m] for m in MOMENTS} for n, _ in self._owned}, int(steps.item()))
+        for group in self.param_groups:
+            group["lr"] = state_dicts[0]["param_groups"][0]["lr"]
 
     def _shards(self):
         """(inner optimizer, model parameter, its fp32 shard) over this rank's shards."""

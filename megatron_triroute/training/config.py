@@ -14,13 +14,11 @@ from typing import Any, Literal
 
 from ..config import (ConfigError, TriRouteConfig, _fail, _from_dict, check_types, describe_type, field_types,
                       optional_of)
+from ..parallel.dp_engine import check_dp_engine
 
 
 CHECKPOINT_CHECKS = ("shared", "full")
 """`train.checkpoint_check` values (training/run_state.py: find_resume_checkpoint)."""
-
-DP_ENGINES = ("replicated", "megatron", "megatron_distopt")
-"""`parallel.dp_engine` values (built by training/trainer.py: build_optimizer, build_run_grad_sync)."""
 
 
 @dataclass
@@ -31,28 +29,24 @@ class ParallelConfig:
     """Pipeline stages; must divide n_layers."""
     expert: int = 1
     """Expert-parallel size (DeepSpeed-MoE); must divide num_experts."""
-    dp_engine: str = "replicated"
-    """Data-parallel gradient reduction: "replicated" (one flat all-reduce after the whole backward,
-    parallel/grad_reduce.py) or "megatron" (Megatron-Core's DistributedDataParallel: contiguous
-    gradient buffers, reduced in buckets; parallel/megatron_ddp.py), both feeding our ZeRO-1 AdamW;
-    or "megatron_distopt" (the same DDP reduce-scattering into Megatron-Core's distributed
-    optimizer; parallel/megatron_distopt.py). All three give the same update and checkpoint the
-    same optimizer state; see docs/parallelism.md."""
+    dp_engine: str = "megatron_distopt"
+    """Data-parallel engine (parallel/dp_engine.py: DP_ENGINES): "megatron_distopt", Megatron-Core's
+    DistributedDataParallel reduce-scattering gradient buckets into its distributed optimizer
+    (parallel/megatron_distopt.py). Checkpoints of the retired "replicated" and "megatron" resume
+    on it; see docs/parallelism.md."""
     overlap_grad_reduce: bool = True
-    """dp_engine="megatron"/"megatron_distopt": launch each bucket's reduction during the last
-    micro-batch's backward, as soon as its gradients are complete (False: all after the backward)."""
-    overlap_param_gather: bool = False
-    """dp_engine="megatron_distopt" only: all-gather the updated parameters bucket by bucket in the
-    next forward's pre-hooks instead of at the end of the optimizer step."""
+    """Launch each bucket's reduce-scatter during the last micro-batch's backward, as soon as its
+    gradients are complete (False: all after the backward)."""
+    overlap_param_gather: bool = True
+    """All-gather the updated parameters bucket by bucket in the next forward's pre-hooks (False:
+    at the end of the optimizer step)."""
     grad_reduce_dtype: str = "fp32"
-    """"bf16" halves the gradient bytes. dp_engine="replicated": each flat gradient buffer is rounded
-    to bf16 and summed in bf16 (the sum's rounding reaches the update). dp_engine="megatron_distopt":
-    Megatron's mixed precision: the backbone's and experts' matrices are bf16 parameters with bf16
-    gradient buckets (reduce-scattered in bf16) and bf16 all-gathers, stepped as fp32 master shards
-    (checkpoints store the masters); needs the bf16 forward (train.bf16). Not with
-    dp_engine="megatron", which reduces in the parameters' dtype and keeps no master copy."""
+    """"bf16" halves the gradient bytes, Megatron's mixed precision: the backbone's and experts'
+    matrices are bf16 parameters with bf16 gradient buckets (reduce-scattered in bf16) and bf16
+    all-gathers, stepped as fp32 master shards (checkpoints store the masters); needs the bf16
+    forward (train.bf16). The capacity planner's layouts (Slurm jobs of the paper scales) set it."""
     bucket_mb: float = 0.0
-    """dp_engine="megatron"/"megatron_distopt": gradient bucket size in MB of fp32 gradients (0: Megatron's default,
+    """Gradient bucket size in MB of fp32 gradients (0: Megatron's default,
     max(40M, 1M x dp) elements). Smaller buckets start reducing earlier in the backward."""
 
 
@@ -166,14 +160,10 @@ class RunConfig:
         for name in ("tensor", "pipeline", "expert"):
             if getattr(p, name) < 1:
                 _fail(f"parallel.{name}", getattr(p, name), "must be >= 1", "use 1 to disable")
-        _validate_dp_engine(p)
+        check_dp_engine(p, t.bf16)
         if t.checkpoint_check not in CHECKPOINT_CHECKS:
             _fail("train.checkpoint_check", t.checkpoint_check, f"must be one of {CHECKPOINT_CHECKS}",
                   "use shared (the default) or full")
-        if p.grad_reduce_dtype == "bf16" and p.dp_engine == "megatron_distopt" and t.bf16 is False:
-            _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
-                  "with parallel.dp_engine=megatron_distopt makes the matrices bf16 parameters, which need the bf16 "
-                  "forward (train.bf16=false)", "set train.bf16=true, or grad_reduce_dtype=fp32")
         if m.n_kv_heads % p.tensor:
             divisors = [d for d in range(1, m.n_kv_heads + 1) if m.n_kv_heads % d == 0]
             _fail("parallel.tensor", p.tensor, f"does not divide n_kv_heads={m.n_kv_heads}",
@@ -270,25 +260,3 @@ def parse_value(raw: str, hint: Any, key: str, optional: bool = False) -> Any:
     except ValueError:
         raise ConfigError(f"override {key}={raw!r}: cannot parse as {hint.__name__}. Fix: give {describe_type(hint)}, "
                           f"e.g. {key}={'3' if hint is int else '0.5'}.") from None
-
-
-def _validate_dp_engine(p: ParallelConfig) -> None:
-    """parallel.dp_engine names a known engine, grad_reduce_dtype one it supports; the bucket size is
-    not negative."""
-    if p.dp_engine not in DP_ENGINES:
-        _fail("parallel.dp_engine", p.dp_engine, "is not a data-parallel engine",
-              f"use one of {', '.join(DP_ENGINES)}")
-    if p.grad_reduce_dtype not in ("fp32", "bf16"):
-        _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype, "is not a reduction dtype", "use fp32 or bf16")
-    if p.grad_reduce_dtype == "bf16" and p.dp_engine == "megatron":
-        _fail("parallel.grad_reduce_dtype", p.grad_reduce_dtype,
-              f"is not available with parallel.dp_engine={p.dp_engine} (Megatron's DDP reduces in the parameters' "
-              "dtype, and bf16 parameters need the fp32 master copies only the distributed optimizer keeps)",
-              "use parallel.dp_engine=megatron_distopt (bf16 buckets, fp32 master shards) or replicated, "
-              "or grad_reduce_dtype=fp32")
-    if p.overlap_param_gather and p.dp_engine != "megatron_distopt":
-        _fail("parallel.overlap_param_gather", p.overlap_param_gather,
-              f"needs the distributed optimizer (parallel.dp_engine={p.dp_engine} keeps whole parameters on "
-              "every rank: nothing to gather)", "set parallel.dp_engine=megatron_distopt, or overlap_param_gather=false")
-    if p.bucket_mb < 0:
-        _fail("parallel.bucket_mb", p.bucket_mb, "must be >= 0", "use 0 for Megatron's default bucket size")

@@ -8,11 +8,11 @@
 An evaluation pass runs the same schedule forward-only inside `routing.evaluation(prices)`.
 
 Megatron's tensor/pipeline sharding sizes each rank's parameters; DeepSpeed-MoE places experts.
-Gradients are reduced by the run's data-parallel engine (`grad_sync`, `parallel.dp_engine`): the
-flat `reduce_gradients` after backward or Megatron-Core's DDP reducing buckets during it, both
-leaving the whole reduced gradient in every `p.grad` for our ZeRO-1 AdamW (training/zero.py); or
+Gradients are reduced by the run's data-parallel engine (`grad_sync`, parallel/dp_engine.py):
 Megatron-Core's DDP reduce-scattering into its distributed optimizer
-(parallel/megatron_distopt.py), which is then both `grad_sync` and `optimizer`. The engine asks
+(parallel/megatron_distopt.py), which is then both `grad_sync` and `optimizer`; with a plain torch
+optimizer (no `grad_sync`) the flat `reduce_gradients` after backward, which leaves the whole
+reduced gradient in every `p.grad`. The engine asks
 `grad_sync` for the global norm and the clip, so it never needs to know where gradients live.
 Megatron's schedule runs forward/backward for PP = 1 and PP > 1 alike, so there is one code path.
 """

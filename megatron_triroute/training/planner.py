@@ -4,14 +4,13 @@ Memory per rank, from the config alone (`estimate_rank_memory`):
 - parameters on the most loaded rank: the pipeline stage holding the embedding and the output
   layer (both, at pipeline 1), its layers' attention and dense FFN divided by tensor parallel, its
   experts divided by expert parallel, the (replicated) controller;
-- model state: fp32 weights and gradients (4 + 4 bytes), the replicated engine's flat gradient
-  all-reduce buffer when data parallel > 1 (4 bytes; the Megatron engines reduce in their
-  contiguous gradient buffer, which replaces the gradients), the two AdamW moments (8 bytes)
-  divided over the data-parallel replicas by ZeRO-1 or the distributed optimizer (experts over the
-  expert-data-parallel ones); bf16 autocast adds nothing persistent (the parameters stay fp32),
-  but the distributed optimizer with bf16 gradients (`grad_reduce_dtype=bf16`) holds the
-  matrices outside the routers as bf16 weights and gradients (2 + 2 bytes) with fp32 master
-  shards (4 bytes) next to the moments, both divided over the replicas;
+- model state (the data-parallel engine, Megatron-Core's distributed optimizer, parallel/dp_engine.py):
+  fp32 weights and gradients (4 + 4 bytes; the gradients live in DDP's contiguous buffer, which
+  the reduce-scatter works in), the two AdamW moments (8 bytes) divided over the data-parallel
+  replicas (experts over the expert-data-parallel ones); bf16 autocast adds nothing persistent
+  (the parameters stay fp32), but bf16 gradients (`grad_reduce_dtype=bf16`, which `plan` picks for
+  a bf16 run) hold the matrices outside the routers as bf16 weights and gradients (2 + 2 bytes)
+  with fp32 master shards (4 bytes) next to the moments, both divided over the replicas;
 - activations kept for backward by the relaxed routed path, per token and layer
   `ACT_D * d + ACT_EXPERT * k * d_e + ACT_SCORES * H * T` values (attention and FFN parts divided
   by tensor parallel), the output layer's `ACT_LOGITS * V` per token, one micro-batch per
@@ -80,12 +79,11 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
     dense_params = layers * (attn + dense_ffn + controller + 2 * m.d_model) + embed_and_output
     expert_params = layers * expert
     params = dense_params + expert_params
-    grad_buffer = 4 if dp > 1 and run.parallel.dp_engine == "replicated" else 0  # reduce_gradients' flat copy
-    bf16_masters = run.parallel.dp_engine == "megatron_distopt" and run.parallel.grad_reduce_dtype == "bf16"
+    bf16_masters = run.parallel.grad_reduce_dtype == "bf16"
     fp32_dense = layers * (controller + 2 * m.d_model) if bf16_masters else dense_params  # routers, gains
 
     def state_bytes(n: float, replicas: int, low: bool) -> float:
-        return n * ((2 + 2 + 12 / replicas) if low else (8 + grad_buffer + 8 / replicas))
+        return n * ((2 + 2 + 12 / replicas) if low else (8 + 8 / replicas))
 
     state = (state_bytes(fp32_dense, dp, False) + state_bytes(dense_params - fp32_dense, dp, True)
              + state_bytes(expert_params, edp, bf16_masters))
@@ -137,6 +135,7 @@ class Candidate:
     expert: int
     micro_batch_size: int
     recompute: bool
+    grad_reduce_dtype: str
     data_parallel: int
     memory: dict[str, float]
     step_seconds: float
@@ -147,7 +146,7 @@ class Candidate:
         """The key=value overrides that select this layout."""
         return [f"parallel.tensor={self.tensor}", f"parallel.pipeline={self.pipeline}",
                 f"parallel.expert={self.expert}", f"train.micro_batch_size={self.micro_batch_size}",
-                f"train.recompute={str(self.recompute).lower()}"]
+                f"train.recompute={str(self.recompute).lower()}", f"parallel.grad_reduce_dtype={self.grad_reduce_dtype}"]
 
 
 def _divisors(n: int, limit: int) -> list[int]:
@@ -156,8 +155,11 @@ def _divisors(n: int, limit: int) -> list[int]:
 
 def plan(run: RunConfig, cluster: Cluster) -> list[Candidate]:
     """Every layout that validates and fits, fastest first (then least memory). Tensor and expert
-    parallelism stay inside a node (their all-reduces and all-to-alls want NVLink)."""
+    parallelism stay inside a node (their all-reduces and all-to-alls want NVLink). A bf16 run
+    reduces its gradients in bf16 (half the bytes of both collectives, bf16 weights beside fp32
+    master shards: Megatron's mixed precision)."""
     m, r, t = run.triroute.model, run.triroute.router, run.train
+    reduce_dtype = "bf16" if t.dtype_name == "bf16" else run.parallel.grad_reduce_dtype
     world = cluster.world_size
     flops_fraction = run.triroute.budget.flops_target if run.triroute.budget.enabled else 1.0
     step_flops = training_flops_per_token(run.triroute, flops_fraction) * t.global_batch_size * m.seq_len
@@ -173,7 +175,7 @@ def plan(run: RunConfig, cluster: Cluster) -> list[Candidate]:
                     for recompute in (False, True):
                         cand = copy.deepcopy(run)
                         p = cand.parallel
-                        p.tensor, p.pipeline, p.expert = tp, pp, ep
+                        p.tensor, p.pipeline, p.expert, p.grad_reduce_dtype = tp, pp, ep, reduce_dtype
                         cand.train.micro_batch_size, cand.train.recompute = mbs, recompute
                         try:
                             cand.validate(world)
@@ -185,7 +187,7 @@ def plan(run: RunConfig, cluster: Cluster) -> list[Candidate]:
                         n_micro = t.global_batch_size // (mbs * dp)
                         seconds = step_flops / (world * cluster.peak_tflops * 1e12 * cluster.mfu)
                         seconds *= (1 + (pp - 1) / n_micro) * (4 / 3 if recompute else 1.0) * (1 + TP_COST * (tp - 1))
-                        out.append(Candidate(tp, pp, ep, mbs, recompute, dp, mem, seconds,
+                        out.append(Candidate(tp, pp, ep, mbs, recompute, reduce_dtype, dp, mem, seconds,
                                              seconds * t.steps / 86400))
     # Fastest first; among equals the most expert parallelism (the least expert state per rank),
     # then the largest micro-batch (better kernel efficiency, which the MFU figure does not model),

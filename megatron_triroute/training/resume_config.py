@@ -43,6 +43,8 @@ MAY_CHANGE: dict[str, str] = {
     "parallel.tensor": "parallel layout",
     "parallel.pipeline": "parallel layout",
     "parallel.expert": "parallel layout",
+    # Checkpoints of the retired engines (replicated, megatron) resume on megatron_distopt: the
+    # same whole-moment optimizer state, the same update (parallel/dp_engine.py: RETIRED_DP_ENGINES).
     "parallel.dp_engine": "how gradients are reduced (the same update; the optimizer state is the same)",
     "parallel.overlap_grad_reduce": "when gradients are reduced (same math)",
     "parallel.overlap_param_gather": "when updated parameters are gathered (same math)",

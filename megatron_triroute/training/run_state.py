@@ -237,7 +237,7 @@ def _load_per_rank(root: str, info, meta: dict, model, optimizer, scheduler, gro
         same_shard = [r for r, c in enumerate(meta["coordinates"]) if c[:3] == mine]
         _, replicas, _ = load_shards(root, ranks=same_shard, step=info.step)
         optimizer.load_state_dict([replicas[r]["optimizer"] for r in same_shard])
-    scheduler.load_state_dict(state["scheduler"])
+    load_scheduler_state(scheduler, state["scheduler"], info.path)  # the engine's groups may differ from the writer's
     restore_rng_state(state["rng"])
     if layout["world_size"] != groups.world_size:
         log.warning("resumed %s written by %d ranks on %d ranks (data-parallel %d -> %d); rank %d took rank %d's shard",

@@ -41,33 +41,13 @@ class NonFiniteLossError(RuntimeError):
 
 
 def build_optimizer(model, run: RunConfig, groups):
-    """AdamW (Appendix B) with no weight decay on norms, biases and gains, and a warmup + cosine
-    schedule. The optimizer is our ZeRO-1 (zero.py: state sharded by parameter over data-parallel
-    replicas), or with `parallel.dp_engine=megatron_distopt` Megatron-Core's distributed optimizer
-    (parallel/megatron_distopt.py), which also reduces the gradients."""
-    from .zero import ShardedAdamW
+    """(optimizer, grad_sync, scheduler): the data-parallel engine's optimizer (AdamW, Appendix B)
+    and gradient reduction (parallel/dp_engine.py), and the warmup + cosine schedule."""
+    from ..parallel.dp_engine import build_dp_engine
 
-    o, p = run.optim, run.parallel
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (decay if param.dim() >= 2 else no_decay).append((name, param))
-    named_groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    adamw = {"lr": o.lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
-    if p.dp_engine == "megatron_distopt":
-        from ..parallel.megatron_distopt import MegatronDistributedAdamW
-
-        if p.grad_reduce_dtype == "bf16" and run.train.dtype_name != "bf16":
-            raise ValueError("parallel.grad_reduce_dtype=bf16 with parallel.dp_engine=megatron_distopt makes the "
-                             "matrices bf16 parameters, which need the bf16 forward; this run computes in fp32 "
-                             "(train.bf16 unset runs fp32 without CUDA). Fix: set train.bf16=true")
-
-        optimizer = MegatronDistributedAdamW(model, named_groups, groups, overlap_grad_reduce=p.overlap_grad_reduce,
-                                             overlap_param_gather=p.overlap_param_gather,
-                                             bucket_size=_bucket_elements(run),
-                                             bf16=p.grad_reduce_dtype == "bf16", **adamw)
-    else:
-        optimizer = ShardedAdamW(named_groups, groups, **adamw)
-    total, warmup = run.train.steps, o.warmup_steps
+    optimizer, grad_sync = build_dp_engine(model, run, groups)
+    o, total = run.optim, run.train.steps
+    warmup = o.warmup_steps
 
     def factor(step: int) -> float:
         if step < warmup:
@@ -75,27 +55,7 @@ def build_optimizer(model, run: RunConfig, groups):
         progress = min((step - warmup) / max(total - warmup, 1), 1.0)
         return o.min_lr_ratio + (1 - o.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, factor)
-
-
-def _bucket_elements(run: RunConfig) -> int | None:
-    """`parallel.bucket_mb` in elements of fp32 gradient (None: Megatron's default)."""
-    return int(run.parallel.bucket_mb * 2**20 / 4) if run.parallel.bucket_mb > 0 else None
-
-
-def build_run_grad_sync(model, run: RunConfig, groups, optimizer=None):
-    """The data-parallel gradient reduction `parallel.dp_engine` names (parallel/megatron_ddp.py);
-    the distributed optimizer reduces its own gradients, so it is its own."""
-    from ..parallel.megatron_ddp import build_grad_sync
-
-    p = run.parallel
-    if p.dp_engine == "megatron_distopt":
-        if optimizer is None:
-            raise ValueError("parallel.dp_engine=megatron_distopt: pass the optimizer build_optimizer made (the "
-                             "distributed optimizer reduces its own gradients)")
-        return optimizer
-    wire = torch.bfloat16 if p.grad_reduce_dtype == "bf16" else None
-    return build_grad_sync(p.dp_engine, model, groups, p.overlap_grad_reduce, _bucket_elements(run), wire)
+    return optimizer, grad_sync, torch.optim.lr_scheduler.LambdaLR(optimizer.optimizer, factor)
 
 
 def train(run: RunConfig, env, tables) -> int:
@@ -219,8 +179,7 @@ def setup(run: RunConfig, env, tables) -> TrainSession:
                              post_process=parallel_state.is_pipeline_last_stage())
     if torch.cuda.is_available():
         model.cuda()
-    optimizer, scheduler = build_optimizer(model, run, groups)
-    grad_sync = build_run_grad_sync(model, run, groups, optimizer)
+    optimizer, grad_sync, scheduler = build_optimizer(model, run, groups)
     if rank0:
         log.info("%s", grad_sync.describe())
     engine = TrainEngine(model, groups, optimizer, t.steps, run.optim.clip_grad, scheduler,

@@ -84,34 +84,3 @@ def _check_reduce_matches_union_batch(rank, world_size):
 @pytest.mark.distributed
 def test_reduced_grads_equal_union_batch_for_ep1_and_ep2():
     run_distributed(_check_reduce_matches_union_batch, 2)
-
-
-def _check_bf16_wire_sums_the_rounded_gradients(rank, world_size):
-    """wire_dtype=bf16 at DP2: every reduced gradient is (round_bf16(g_0) + round_bf16(g_1)) / 2,
-    the sum rounded to bf16 once, computed here from both ranks' local gradients."""
-    import torch
-    import torch.distributed as dist
-
-    from megatron_triroute.parallel import destroy_parallel, initialize_parallel, reduce_gradients
-
-    x, index, target = _union_batch()
-    mine = slice(rank * TOKENS_PER_RANK, (rank + 1) * TOKENS_PER_RANK)
-    groups = initialize_parallel(expert_parallel=1)
-    model = _tiny_moe_model(groups)
-    _loss(model, x[mine], index[mine], target[mine]).backward()
-    local = {n: p.grad.clone() for n, p in model.named_parameters()}
-    reduce_gradients(model, groups, wire_dtype=torch.bfloat16)
-    rounded_anywhere = False
-    for name, param in model.named_parameters():
-        both = [torch.empty_like(local[name]) for _ in range(2)]
-        dist.all_gather(both, local[name])
-        expected = (both[0].bfloat16() + both[1].bfloat16()).float() * 0.5
-        torch.testing.assert_close(param.grad, expected, rtol=0, atol=0, msg=name)
-        rounded_anywhere |= not torch.equal(param.grad, (both[0] + both[1]) * 0.5)
-    assert rounded_anywhere, "a bf16 sum equal to the fp32 one everywhere: the wire dtype was not used"
-    destroy_parallel()
-
-
-@pytest.mark.distributed
-def test_bf16_wire_reduction_sums_bf16_rounded_gradients():
-    run_distributed(_check_bf16_wire_sums_the_rounded_gradients, 2)

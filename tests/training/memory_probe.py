@@ -38,8 +38,8 @@ def main(overrides: list[str]) -> None:
     idle = _status("VmRSS")
     mcfg = transformer_config(run.triroute, tensor_parallel=1, pipeline_parallel=1, recompute=run.train.recompute)
     model = TriRouteGPTModel(mcfg, run.triroute, groups=groups)
-    optimizer, scheduler = build_optimizer(model, run, groups)
-    engine = TrainEngine(model, groups, optimizer, run.train.steps, 1.0, scheduler, bf16=False)
+    optimizer, grad_sync, scheduler = build_optimizer(model, run, groups)
+    engine = TrainEngine(model, groups, optimizer, run.train.steps, 1.0, scheduler, bf16=False, grad_sync=grad_sync)
     m, t = run.triroute.model, run.train
     g = torch.Generator().manual_seed(0)
     for step in range(3):

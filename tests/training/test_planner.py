@@ -40,19 +40,21 @@ def test_expert_parallelism_divides_expert_state_and_zero_divides_the_moments():
     assert estimate_rank_memory(run, 128)["model_state_gib"] < estimate_rank_memory(run, 16)["model_state_gib"]
 
 
-def test_only_the_replicated_engine_pays_for_a_flat_gradient_copy():
-    """reduce_gradients flattens every gradient into a second buffer (4 bytes a parameter at data
-    parallel > 1); Megatron's DDP, with or without the distributed optimizer, reduces in place in its
-    contiguous gradient buffer, which replaces the gradients."""
+def test_a_bf16_plan_reduces_gradients_in_bf16():
+    """A bf16 run's layouts reduce gradients in bf16 (bf16 weights, fp32 master shards), and the
+    memory each is planned with is that engine's; an fp32 run keeps fp32 gradients."""
     run = get_recipe("1p3b")
-    replicated = estimate_rank_memory(run, 64)
-    for engine in ("megatron", "megatron_distopt"):
-        run.parallel.dp_engine = engine
-        other = estimate_rank_memory(run, 64)
-        saved = (replicated["model_state_gib"] - other["model_state_gib"]) * 2**30
-        assert saved == pytest.approx(4 * replicated["parameters_per_rank"], rel=1e-9), engine
-    assert estimate_rank_memory(run, 1)["model_state_gib"] == \
-        estimate_rank_memory(apply_overrides(get_recipe("1p3b"), []), 1)["model_state_gib"]  # no copy at DP1
+    run.train.bf16 = True
+    cluster = Cluster(nodes=8, gpus_per_node=8, gpu_memory_gib=80)
+    candidates = plan(run, cluster)
+    assert candidates and all("parallel.grad_reduce_dtype=bf16" in c.overrides for c in candidates)
+    best = candidates[0]
+    picked = apply_overrides(get_recipe("1p3b"), best.overrides + ["train.bf16=true"])
+    assert estimate_rank_memory(picked, 64) == best.memory
+    fp32 = apply_overrides(get_recipe("1p3b"), [o for o in best.overrides if "grad_reduce_dtype" not in o])
+    assert estimate_rank_memory(fp32, 64)["model_state_gib"] > best.memory["model_state_gib"]
+    run.train.bf16 = False
+    assert all("parallel.grad_reduce_dtype=fp32" in c.overrides for c in plan(run, cluster))
 
 
 def test_bf16_masters_halve_weights_and_gradients_and_shard_the_fp32_copy():
@@ -62,7 +64,7 @@ def test_bf16_masters_halve_weights_and_gradients_and_shard_the_fp32_copy():
     from megatron_triroute.routing.controller import controller_input_width
     from megatron_triroute.routing.cost import expert_width
 
-    run = apply_overrides(get_recipe("1p3b"), ["parallel.dp_engine=megatron_distopt", "parallel.expert=8"])
+    run = apply_overrides(get_recipe("1p3b"), ["parallel.expert=8"])
     fp32 = estimate_rank_memory(run, 64)
     run.parallel.grad_reduce_dtype = "bf16"
     bf16 = estimate_rank_memory(run, 64)

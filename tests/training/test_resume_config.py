@@ -35,6 +35,18 @@ def test_allowed_changes_are_one_line_each():
     ]
 
 
+def test_a_checkpoint_of_a_retired_engine_resumes_on_the_default_engine():
+    """A checkpoint whose config names a retired engine (which a new run may no longer name)
+    resumes on megatron_distopt, each change one line."""
+    saved = config()
+    saved["parallel"].update(dp_engine="replicated", overlap_param_gather=False)
+    assert check_resume_config(saved, config(), source="ckpt") == [
+        "parallel.dp_engine: 'replicated' -> 'megatron_distopt' (how gradients are reduced (the same update; "
+        "the optimizer state is the same))",
+        "parallel.overlap_param_gather: False -> True (when updated parameters are gathered (same math))",
+    ]
+
+
 def test_forbidden_changes_are_refused_naming_each_field_both_values_and_the_fix():
     saved = config("triroute.model.d_model=64", "triroute.router.bits=2,4,16", "triroute.seed=1")
     new = config("triroute.model.d_model=128", "triroute.router.bits=4,16", "triroute.seed=2", "train.steps=5",

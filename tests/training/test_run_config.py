@@ -104,55 +104,43 @@ def test_layout_validation_names_the_fix():
 
 
 def test_dp_engine_validation_names_the_fix():
-    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.bucket_mb=2.5"])
-    assert run.validate(1).parallel.dp_engine == "megatron"
-    run.parallel.dp_engine = "fsdp"
-    with pytest.raises(ConfigError, match=r"parallel.dp_engine='fsdp': is not a data-parallel engine. "
-                                          r"Fix: use one of replicated, megatron, megatron_distopt"):
-        run.validate(1)
-    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron", "parallel.grad_reduce_dtype=bf16"])
-    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': is not available with "
-                                          r"parallel.dp_engine=megatron .* Fix: use parallel.dp_engine=megatron_distopt"):
-        run.validate(1)
-    run = apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=fp16"])
-    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='fp16': is not a reduction dtype. Fix: use fp32 or bf16"):
-        run.validate(1)
-    assert apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=bf16"]).validate(1)
-    run = apply_overrides(get_recipe("tiny"), ["parallel.bucket_mb=-1"])
-    with pytest.raises(ConfigError, match=r"parallel.bucket_mb=-1.0: must be >= 0"):
-        run.validate(1)
-
-
-def test_distributed_optimizer_options_validate():
-    """megatron_distopt takes the DDP options and overlap_param_gather; the other engines refuse
-    overlap_param_gather (nothing to gather); its bf16 gradients (bf16 parameters) need the bf16
-    forward, each refusal naming the fix."""
-    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.bucket_mb=2.5",
-                                               "parallel.overlap_param_gather=true", "parallel.overlap_grad_reduce=false"])
+    """The default engine with its options validates; an unknown or retired engine, an unknown
+    reduction dtype, a negative bucket size and bf16 gradients under an fp32 forward are refused,
+    each naming the fix."""
+    run = apply_overrides(get_recipe("tiny"), ["parallel.bucket_mb=2.5", "parallel.overlap_param_gather=false",
+                                               "parallel.overlap_grad_reduce=false"])
     p = run.validate(1).parallel
-    assert (p.dp_engine, p.overlap_param_gather, p.overlap_grad_reduce) == ("megatron_distopt", True, False)
-    for engine in ("replicated", "megatron"):
-        run = apply_overrides(get_recipe("tiny"), [f"parallel.dp_engine={engine}", "parallel.overlap_param_gather=true"])
-        with pytest.raises(ConfigError, match=r"parallel.overlap_param_gather=True: needs the distributed optimizer "
-                                              rf"\(parallel.dp_engine={engine} .* Fix: set parallel.dp_engine=megatron_distopt"):
-            run.validate(1)
-    bf16 = ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"]
+    assert (p.dp_engine, p.overlap_param_gather, p.overlap_grad_reduce) == ("megatron_distopt", False, False)
+    p = get_recipe("tiny").parallel  # the default: both collectives overlapped
+    assert (p.dp_engine, p.overlap_grad_reduce, p.overlap_param_gather) == ("megatron_distopt", True, True)
+    refused = {
+        "parallel.dp_engine=fsdp": r"parallel.dp_engine='fsdp': is not a data-parallel engine. Fix: use one of megatron_distopt",
+        "parallel.dp_engine=replicated": r"parallel.dp_engine='replicated': was retired: .* Fix: drop the override "
+                                         r"\(megatron_distopt is the default; it resumes checkpoints written with replicated\)",
+        "parallel.dp_engine=megatron": r"parallel.dp_engine='megatron': was retired: .* Fix: drop the override",
+        "parallel.grad_reduce_dtype=fp16": r"parallel.grad_reduce_dtype='fp16': is not a reduction dtype. Fix: use fp32 or bf16",
+        "parallel.bucket_mb=-1": r"parallel.bucket_mb=-1.0: must be >= 0",
+    }
+    for override, message in refused.items():
+        with pytest.raises(ConfigError, match=message):
+            apply_overrides(get_recipe("tiny"), [override]).validate(1)
+    bf16 = ["parallel.grad_reduce_dtype=bf16"]
     assert apply_overrides(get_recipe("tiny"), bf16 + ["train.bf16=true"]).validate(1)
-    run = apply_overrides(get_recipe("tiny"), bf16 + ["train.bf16=false"])
-    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': with parallel.dp_engine=megatron_distopt "
-                                          r"makes the matrices bf16 parameters, .* Fix: set train.bf16=true"):
-        run.validate(1)
+    assert apply_overrides(get_recipe("tiny"), bf16).validate(1)  # unset: decided by the hardware at start
+    with pytest.raises(ConfigError, match=r"parallel.grad_reduce_dtype='bf16': makes the matrices bf16 parameters "
+                                          r".* Fix: set train.bf16=true"):
+        apply_overrides(get_recipe("tiny"), bf16 + ["train.bf16=false"]).validate(1)
 
 
-def test_bf16_distributed_optimizer_refuses_an_fp32_forward_at_start(monkeypatch):
-    """train.bf16 unset computes in fp32 without CUDA: the trainer refuses bf16 parameters then,
-    before building anything, naming the fix."""
+def test_bf16_gradients_refuse_an_fp32_forward_at_start(monkeypatch):
+    """train.bf16 unset computes in fp32 without CUDA: the engine's builder refuses bf16 parameters
+    then, with the same check as the config's, before building anything."""
     from megatron_triroute.training.trainer import build_optimizer
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    run = apply_overrides(get_recipe("tiny"), ["parallel.dp_engine=megatron_distopt", "parallel.grad_reduce_dtype=bf16"])
+    run = apply_overrides(get_recipe("tiny"), ["parallel.grad_reduce_dtype=bf16"])
     assert run.validate(1).train.bf16 is None
-    with pytest.raises(ValueError, match=r"this run computes in fp32 .* Fix: set train.bf16=true"):
+    with pytest.raises(ConfigError, match=r"this run computes in fp32 .* Fix: set train.bf16=true"):
         build_optimizer(torch.nn.Linear(2, 2), run, groups=None)
 
 
