@@ -35,6 +35,7 @@ import dataclasses
 
 from ..routing.controller import controller_input_width
 from ..routing.cost import expert_width
+from ..routing.modes import N_MODES
 from .config import ConfigError, RunConfig
 from .metrics import training_flops_per_token
 
@@ -74,7 +75,7 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
     else:
         expert, dense_ffn, k, d_e = 0.0, 3 * m.d_model * m.d_ff / tp, 1, m.d_ff
     d_in = controller_input_width(m.d_model, len(r.bits))
-    controller = d_in * r.d_router + r.d_router**2 + r.d_router * (m.n_heads * 3 + r.num_experts + 1 + len(r.bits))
+    controller = d_in * r.d_router + r.d_router**2 + r.d_router * (m.n_heads * N_MODES + r.num_experts + 1 + len(r.bits))
     embed_and_output = (2 if pp == 1 else 1) * m.vocab_size * m.d_model / tp
     dense_params = layers * (attn + dense_ffn + controller + 2 * m.d_model) + embed_and_output
     expert_params = layers * expert
