@@ -101,7 +101,7 @@ def main() -> int:
                 n += 1
                 hashing[0] = 0.0
                 t0 = time.perf_counter()
-                save_run(ckpt, n, model, optimizer, scheduler, groups, config, n, 2, saves if mode == "async" else None)
+                save_run(ckpt, n, model, optimizer, scheduler, groups, config, n, 2, saves=saves if mode == "async" else None)
                 stall = time.perf_counter() - t0
                 if mode == "blocking":
                     rows["blocking_stall"].append(stall)
