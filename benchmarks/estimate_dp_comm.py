@@ -35,13 +35,13 @@ BANDWIDTHS = {"400 Gb/s": 400e9 / 8, "3.2 Tb/s": 3.2e12 / 8}
 
 SCHEMES = {  # name: (formula, grad bytes factor x (n-1)/n, param bytes factor x (n-1)/n, overlap grads, overlap params)
     "before: fp32 all-reduce + ZeRO-1 fp32 broadcasts": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, False, False),
-    "megatron DDP (built): same, all-reduce overlapped": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, True, False),
-    "replicated, grad_reduce_dtype=bf16 (built)": ("2(n-1)/n x 2 + (n-1)/n x 4", 4, 4, False, False),
-    "megatron_distopt (built): fp32 grads + params, overlap": ("(n-1)/n x 4 + (n-1)/n x 4", 4, 4, True, True),
+    "megatron DDP (retired): same, all-reduce overlapped": ("2(n-1)/n x 4 + (n-1)/n x 4", 8, 4, True, False),
+    "replicated, grad_reduce_dtype=bf16 (retired)": ("2(n-1)/n x 2 + (n-1)/n x 4", 4, 4, False, False),
+    "megatron_distopt, fp32 run (the engine): fp32 grads + params, overlap": ("(n-1)/n x 4 + (n-1)/n x 4", 4, 4, True, True),
     "dist. optimizer, fp32 grads, bf16 params, overlap": ("(n-1)/n x 4 + (n-1)/n x 2", 4, 2, True, True),
-    "distopt + grad_reduce_dtype=bf16 (built), overlap": ("(n-1)/n x 2 + (n-1)/n x 2", 2, 2, True, True),
+    "megatron_distopt, bf16 run (the engine): bf16 grads + params, overlap": ("(n-1)/n x 2 + (n-1)/n x 2", 2, 2, True, True),
 }
-"""The bf16 rows count every parameter at 2 bytes; the built option keeps the routers and 1-D gains
+"""The bf16 rows count every parameter at 2 bytes; the engine's bf16 option keeps the routers and 1-D gains
 fp32 (0.2 % of the 1p3b recipe's parameters). Gradients overlap the backward (2/3 of the compute) with overlap_grad_reduce; parameters overlap
 the next forward (1/3) only with the distributed optimizer's overlap_param_gather (ZeRO-1's
 broadcasts follow the optimizer step and are exposed)."""

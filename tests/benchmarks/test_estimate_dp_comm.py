@@ -34,11 +34,11 @@ def test_defaults_rows_follow_the_ring_arithmetic(capsys):
     ring = out["dense"] * (dp - 1) / dp + out["expert"] * (edp - 1) / edp
     bytes_per_param = {  # (gradients, parameters) bytes per parameter on the wire, before the ring factor
         "before: fp32 all-reduce + ZeRO-1 fp32 broadcasts": 2 * 4 + 4,
-        "megatron DDP (built): same, all-reduce overlapped": 2 * 4 + 4,
-        "replicated, grad_reduce_dtype=bf16 (built)": 2 * 2 + 4,
-        "megatron_distopt (built): fp32 grads + params, overlap": 4 + 4,
+        "megatron DDP (retired): same, all-reduce overlapped": 2 * 4 + 4,
+        "replicated, grad_reduce_dtype=bf16 (retired)": 2 * 2 + 4,
+        "megatron_distopt, fp32 run (the engine): fp32 grads + params, overlap": 4 + 4,
         "dist. optimizer, fp32 grads, bf16 params, overlap": 4 + 2,
-        "distopt + grad_reduce_dtype=bf16 (built), overlap": 2 + 2,
+        "megatron_distopt, bf16 run (the engine): bf16 grads + params, overlap": 2 + 2,
     }
     assert set(out["rows"]) == set(bytes_per_param)
     for name, factor in bytes_per_param.items():
@@ -49,7 +49,7 @@ def test_defaults_rows_follow_the_ring_arithmetic(capsys):
             assert 0 <= cell["exposed_s"] <= cell["comm_s"] + 1e-12, (name, bandwidth)
             assert cell["step_s"] == pytest.approx(out["compute_s"] + cell["exposed_s"])
     before, overlapped = out["rows"]["before: fp32 all-reduce + ZeRO-1 fp32 broadcasts"], \
-        out["rows"]["megatron DDP (built): same, all-reduce overlapped"]
+        out["rows"]["megatron DDP (retired): same, all-reduce overlapped"]
     for bandwidth in ("400 Gb/s", "3.2 Tb/s"):
         assert before[bandwidth]["exposed_s"] == before[bandwidth]["comm_s"]  # nothing overlaps
         assert overlapped[bandwidth]["comm_s"] == pytest.approx(before[bandwidth]["comm_s"])
