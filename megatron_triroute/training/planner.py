@@ -10,7 +10,16 @@ Memory per rank, from the config alone (`estimate_rank_memory`):
   replicas (experts over the expert-data-parallel ones); bf16 autocast adds nothing persistent
   (the parameters stay fp32), but bf16 gradients (`grad_reduce_dtype=bf16`, which `plan` picks for
   a bf16 run) hold the matrices outside the routers as bf16 weights and gradients (2 + 2 bytes)
-  with fp32 master shards (4 bytes) next to the moments, both divided over the replicas;
+  with fp32 master shards (4 bytes) next to the moments, both divided over the replicas. The
+  weights and the gradient buffer are whole on every replica (the parameter all-gather and the
+  reduce-scatter work in them; at fp32 the optimizer's main shards are views of the weights, no
+  copy); only the moments (and bf16 masters) shrink with replicas. Measured at the held-out shape,
+  the live tensors between steps are exactly 16 bytes per parameter at data parallel 1;
+- at the peak (the output layer's backward) the gradient buffer is live (the replicated engine
+  freed its gradients before the forward, this one keeps the buffer), and autograd computes the
+  output layer's whole weight gradient (V x d / tp, in the weight's dtype) before DDP's hook adds it
+  into the buffer (no gradient-accumulation fusion): counted with the activations, not divided
+  over replicas;
 - activations kept for backward by the relaxed routed path, per token and layer
   `ACT_D * d + ACT_EXPERT * k * d_e + ACT_SCORES * H * T` values (attention and FFN parts divided
   by tensor parallel), the output layer's `ACT_LOGITS * V` per token, one micro-batch per
@@ -20,7 +29,10 @@ Memory per rank, from the config alone (`estimate_rank_memory`):
 The activation coefficients were measured (peak resident memory above the idle process, fp32,
 CPU, local spec, three training steps) on seven small shapes spanning d 128-320, 2-6 layers,
 sequence 128-512, micro-batch 4-16, FFN 256-768, and checked on two more;
-`tests/training/test_planner.py` re-measures a shape none of them used and requires 15 %.
+`tests/training/test_planner.py` re-measures a shape none of them used and requires 15 %. The
+probe (tests/training/memory_probe.py) has freed blocks returned to the system, so it measures the
+live peak a GPU's allocator would see, not glibc's per-thread heaps, which keep freed activations
+(the distributed optimizer's collectives allocate on their own threads) and grow step after step.
 
 Step time (`plan`): training FLOPs of a step (`metrics.training_flops_per_token` at the
 budget's FLOPs target) over the ranks' peak at a stated MFU, times the pipeline bubble
@@ -99,6 +111,8 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
     in_flight = pp  # 1F1B: the first stage holds `pp` micro-batches' activations
     activations = tokens * bytes_per * in_flight * (kept_layers * per_layer + layer_inputs)
     activations += tokens * 4 * ACT_LOGITS * m.vocab_size / tp  # fp32 loss path
+    output_grad_bytes = 2 if bf16_masters else 4
+    activations += output_grad_bytes * m.vocab_size * m.d_model / tp  # its weight gradient, before DDP's hook
     total = state + activations + CONSTANT_BYTES
     return {"parameters_per_rank": params, "model_state_gib": state / GIB, "activations_gib": activations / GIB,
             "total_gib": total / GIB}

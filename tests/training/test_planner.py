@@ -29,6 +29,25 @@ def test_memory_estimate_is_within_15_percent_of_a_measured_training_peak():
     assert abs(result["total_gib"] - result["measured_gib"]) <= 0.15 * result["measured_gib"], result
 
 
+@pytest.mark.parametrize("grad_reduce_dtype, weight_bytes", [("fp32", 4), ("bf16", 2)])
+def test_the_output_layers_whole_weight_gradient_is_counted_at_the_peak(grad_reduce_dtype, weight_bytes):
+    """Per extra vocabulary entry (tensor parallel 2): the loss path's ACT_LOGITS fp32 values per
+    token, plus the output layer's weight gradient row that autograd computes whole before DDP's hook
+    adds it into the bucket (d values in the weight's dtype); neither shrinks with replicas."""
+    from megatron_triroute.training.planner import ACT_LOGITS, GIB
+
+    def activations(vocab: int, world: int) -> float:
+        run = apply_overrides(get_recipe("1p3b"), ["parallel.tensor=2", f"parallel.grad_reduce_dtype={grad_reduce_dtype}",
+                                                   "train.bf16=true", f"triroute.model.vocab_size={vocab}"])
+        return estimate_rank_memory(run, world)["activations_gib"] * GIB
+
+    run = get_recipe("1p3b")
+    tokens, d = run.train.micro_batch_size * run.triroute.model.seq_len, run.triroute.model.d_model
+    per_entry = (tokens * 4 * ACT_LOGITS + weight_bytes * d) / 2
+    assert activations(50304 + 128, 16) - activations(50304, 16) == pytest.approx(128 * per_entry, rel=1e-9)
+    assert activations(50304, 16) == activations(50304, 64)
+
+
 def test_expert_parallelism_divides_expert_state_and_zero_divides_the_moments():
     run = get_recipe("1p3b")
     base = estimate_rank_memory(run, 64)
