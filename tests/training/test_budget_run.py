@@ -78,7 +78,11 @@ def test_the_calibrated_policy_meets_each_active_target_on_data_it_was_not_calib
     targets = (summary["target_flops"], summary["target_mem"])
     # Both constraints bind: the unpriced policy starts above them and the multipliers are positive.
     assert first["realised"][0] > targets[0] + 0.05 and first["realised"][1] > targets[1] + 0.02, first
-    assert all(lam > 0 for lam in summary["lambdas"]), summary
+    # ... and the multipliers price both through the run's second half (the end value alone can sit at 0
+    # in a swing: the dual ascent oscillates around the target, see the swing test below).
+    steps = [json.loads(line) for line in (run / "steps.jsonl").read_text().splitlines()]
+    late = [s["lambdas"] for s in steps if s["step"] > STEPS // 2] + [summary["lambdas"]]
+    assert all(max(lam[r] for lam in late) > 0 for r in range(2)), late
     # The calibration met the targets on its training batches (feasible side of the bisection).
     calibration = summary["calibration"]
     assert calibration["active"] == [True, True], calibration
