@@ -20,6 +20,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from .input_errors import reports_input_errors
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_triroute.analyze", description=__doc__.split("\n")[0])
@@ -51,43 +53,19 @@ def _main(argv=None) -> int:
     except ImportError:
         print("error: matplotlib is not installed. Fix: pip install -c constraints.txt -e '.[analysis]'", file=sys.stderr)
         return 2
-    from .evaluation.loading import EvaluationSetupError, load_for_evaluation
+    from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluation_sets
-    from .evaluation.progress import Progress
-    from .evaluation.collapse import entropy_curves, expert_load_curves
-    from .evaluation.routing_analysis import collect
-    from .evaluation.routing_report import analyse, write_report
-    from .inference.checkpoint import InferenceCheckpointError
+    from .evaluation.routing_report import analyse_checkpoint
 
-    try:
-        loaded = load_for_evaluation(args.checkpoint, args.data)
-        batches = evaluation_sets(loaded, args.eval_batches)["valid"]
-    except (EvaluationSetupError, InferenceCheckpointError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    sp = loaded.processor
-    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
-    progress = Progress(sum(mb.tokens.numel() for mb in batches))
-    routing = collect(loaded.model, batches, pieces, args.page_size, progress)
-    r = loaded.model.config.router
-    n_bits = len(r.bits) if r.bit_routing else 1
-    result = analyse(routing, pieces, n_bits, r.num_experts, args.clusters, args.seed)
+    loaded = load_for_evaluation(args.checkpoint, args.data)
+    batches = evaluation_sets(loaded, args.eval_batches)["valid"]
     runs = dict(item.split("=", 1) for item in args.runs)
-    own = loaded.step_path.parent.parent
-    if not runs and (own / "tensorboard").is_dir():
-        runs = {own.name: str(own)}
-    try:
-        collapse = {label: entropy_curves(run_dir) for label, run_dir in runs.items()}
-        loads = {label: expert_load_curves(run_dir) for label, run_dir in runs.items()}
-    except FileNotFoundError as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
-    threshold = float(loaded.tree.get("train", {}).get("collapse_entropy", 0.1))
-    for path in write_report(result, args.output, str(loaded.step_path), loaded.step, collapse, threshold, loads):
+    for path in analyse_checkpoint(loaded, batches, args.output, runs, args.clusters, args.seed, args.page_size):
         print(path)
     return 0
 
 
+@reports_input_errors
 def main(argv=None) -> int:
     import torch
 

@@ -58,6 +58,7 @@ def _main(argv=None) -> int:
     from .evaluation.calibration import serve_prices
     from .evaluation.loading import load_for_evaluation
     from .inference.engine import InferenceEngine, SamplingConfig
+    from .vocab import decode_generated
 
     loaded = load_for_evaluation(args.checkpoint, args.data)
     serve_prices(loaded, args.calibrate, "pass --calibrate",
@@ -71,7 +72,7 @@ def _main(argv=None) -> int:
     seconds = time.perf_counter() - start
     n_new = sum(len(r.generated) for r in done)
     ids = [[t for t in r.generated if t != eod] for r in done]
-    texts = [sp.decode([t for t in toks if t < sp.get_piece_size()]) for toks in ids]
+    texts = [decode_generated(sp, toks, eod) for toks in ids]
     result = {
         "text": texts[0] if len(texts) == 1 else texts,
         "token_ids": ids[0] if len(ids) == 1 else ids,

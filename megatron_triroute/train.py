@@ -38,12 +38,6 @@ def parse_args(argv=None):
     return parser.parse_args(argv)
 
 
-def resolve_run(args):
-    from megatron_triroute.training.recipes import resolve
-
-    return resolve(args.recipe, args.overrides)
-
-
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stdout)
     for noisy in ("megatron", "deepspeed", "DeepSpeed"):  # per-file index logs drown the progress line
@@ -53,15 +47,15 @@ def main(argv=None) -> int:
 
     children_die_with_this_process()  # no checkpoint writer outlives a killed rank
     from megatron_triroute.distributed.launch_env import export_torch_env, resolve_launch_env
+    from megatron_triroute.training.recipes import resolve
 
     env = resolve_launch_env()
-    run = resolve_run(args)
+    run = resolve(args.recipe, args.overrides)
     if args.plan:
-        from megatron_triroute.training.planner import Cluster, format_plan, plan
+        from megatron_triroute.training.planner import Cluster, format_plan, on_gpus, plan
 
         cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.mfu)
-        if run.train.bf16 is None:
-            run.train.bf16 = True  # a GPU cluster trains in bf16 (the CPU default is fp32)
+        run = on_gpus(run)
         candidates = plan(run, cluster)
         if args.overrides_only:
             if not candidates:
@@ -76,20 +70,11 @@ def main(argv=None) -> int:
         from megatron_triroute.training.dry_run import dry_run
 
         return dry_run(run, args.world_size or env.world_size)
-    from megatron_triroute.training.data import load_tables, padded_vocab
+    from megatron_triroute.training.data import load_tables, pad_tables, padded_vocab
 
     tables = load_tables(run)
-    vocab = padded_vocab(tables.log_prob.numel(), run.parallel.tensor)
-    if vocab != tables.log_prob.numel():
-        import torch
-
-        from megatron_triroute.routing.side_features import TokenTables
-
-        # Padding ids never occur in data; give them the rarest observed log-probability.
-        pad = torch.full((vocab - tables.log_prob.numel(),), float(tables.log_prob.min()))
-        tables = TokenTables(torch.cat([tables.log_prob, pad]),
-                             torch.cat([tables.word_start, torch.zeros(pad.numel(), dtype=torch.bool)]), tables.eod_id)
-    run.triroute.model.vocab_size = vocab
+    run.triroute.model.vocab_size = padded_vocab(tables.log_prob.numel(), run.parallel.tensor)
+    tables = pad_tables(tables, run.triroute.model.vocab_size)
     run.validate(env.world_size)
     export_torch_env(env)
     from megatron_triroute.parallel import cpu_shim

@@ -60,6 +60,13 @@ def run_vocab_files(data: Path, fix: str) -> tuple[Path, Path]:
     return model_file, tables
 
 
+def decode_generated(processor, ids: list[int], eod: int) -> str:
+    """Text of generated token ids, without EOD and without the ids the model's padded vocabulary
+    adds past the tokenizer's pieces (they have no text)."""
+    pieces = processor.get_piece_size()
+    return processor.decode([t for t in ids if t < pieces and t != eod])
+
+
 WHITESPACE_BYTES = (0x09, 0x0A, 0x0B, 0x0C, 0x0D, 0x20)
 """Tab, newline, vertical tab, form feed, carriage return, space."""
 

@@ -1,6 +1,7 @@
 """The package's import edges, read from the source with `ast` (nothing is imported or run).
 
-- no library module imports a command-line module (their helpers live in library modules);
+- no library module imports a command-line module (their helpers live in library modules), and each
+  command-line module stays small (its usage text, its flags and a call);
 - `data_prep` and `megatron_triroute` do not import each other both ways (data_prep imports the
   package: the vocabulary files, durability; the package never imports data_prep);
 - no import circle between the files of the package, data_prep or the kernels (the exporter and the
@@ -21,6 +22,9 @@ LIBRARIES = {"megatron_triroute": REPO / "megatron_triroute", "data_prep": REPO 
 COMMANDS = {f"megatron_triroute.{name}" for name in
             ("overhead", "train", "evaluate", "generate", "analyze", "sweep", "lm_eval_harness", "export.__main__")}
 """Command-line modules (`python -m ...`, console scripts): argument parsing and a call."""
+COMMAND_MAX_LINES = 150
+"""Usage text, flags, a call into the library and its printing fit in this; past it, library code has
+crept into the command (the longest command is about 135 lines)."""
 NEVER_MEGATRON = ("megatron_triroute.routing", "megatron_triroute.config", "megatron_triroute.inference",
                   "triroute_kernels", "megatron_triroute.checkpoint.reader", "megatron_triroute.vocab")
 FOREIGN_HEAVY = ("megatron", "deepspeed")
@@ -132,6 +136,14 @@ def test_no_library_module_imports_a_command_line_module():
     offending = sorted(f"{m} imports {t}" for m, targets in graph.items() if m not in COMMANDS
                        for t in targets & COMMANDS)
     assert not offending, offending
+
+
+def test_command_line_modules_stay_small():
+    modules = module_files()
+    lines = {name: len(modules[name].read_text().splitlines()) for name in sorted(COMMANDS)}
+    long = [f"{name}: {n} lines" for name, n in lines.items() if n > COMMAND_MAX_LINES]
+    assert not long, (f"{long}: at most {COMMAND_MAX_LINES}. Fix: move the library code into the library "
+                      "module the command calls (e.g. the sweep's into evaluation/sweep.py)")
 
 
 def test_data_prep_and_the_package_do_not_import_each_other():

@@ -84,12 +84,13 @@ def test_a_finished_point_is_reused_only_with_the_config_the_sweep_would_run(tmp
     import json
 
     from megatron_triroute import sweep as sweep_mod
+    from megatron_triroute.evaluation.sweep import run_dir_for
     from megatron_triroute.training.recipes import resolve
 
     out, data = tmp_path / "sweep", tmp_path / "data"
     args = ["--data", str(data), "--output", str(out), "--systems", "kvquant", "--grid", "kvquant:router.uniform_bits=4",
             "--dry-run", *TINY_OVERRIDES, "train.steps=2"]
-    point = sweep_mod.run_dir_for(out, "kvquant", {"router.uniform_bits": 4})
+    point = run_dir_for(out, "kvquant", {"router.uniform_bits": 4})
     point.mkdir(parents=True)
     (point / "summary.json").write_text("{}")
     trained = resolve("tiny-kvquant", [*TINY_OVERRIDES, "train.steps=2", "triroute.router.uniform_bits=4",

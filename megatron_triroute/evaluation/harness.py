@@ -33,6 +33,7 @@ from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
+from ..vocab import decode_generated
 from .calibration import serve_prices
 from .loading import EvaluationSetupError, load_for_evaluation
 from .scoring import score_batch
@@ -106,8 +107,7 @@ class TriRouteLM(TemplateLM):
         return list(self.processor.encode(string))
 
     def tok_decode(self, tokens: list[int]) -> str:
-        pieces = self.processor.get_piece_size()
-        return self.processor.decode([t for t in tokens if t < pieces and t != self._eod])
+        return decode_generated(self.processor, tokens, self._eod)
 
     def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
         """The harness's split (encode context + continuation, cut after the context's token

@@ -38,6 +38,30 @@ def analyse(routing: Routing, pieces: list[str], n_bits: int, n_experts: int, cl
             "clusters": groups, "mutual_information": cross_axis_mi(routing, seed)}
 
 
+def analyse_checkpoint(loaded, batches: list, out: Path, runs: dict[str, str], clusters: int = 8, seed: int = 0,
+                       page_size: int = 16) -> list[Path]:
+    """`python -m megatron_triroute.analyze`: the routing of `loaded` (a `loading.Loaded`) over the
+    held-out `batches` through the engine, analysed and written under `out` with the collapse-cascade
+    and expert-load curves of `runs` ({label: run directory}; none given: the checkpoint's own run,
+    when it logged to TensorBoard). Returns the files written."""
+    from .collapse import entropy_curves, expert_load_curves
+    from .progress import Progress
+    from .routing_analysis import collect
+
+    sp = loaded.processor
+    pieces = [sp.id_to_piece(i) for i in range(sp.get_piece_size())]
+    routing = collect(loaded.model, batches, pieces, page_size, Progress(sum(mb.tokens.numel() for mb in batches)))
+    r = loaded.model.config.router
+    result = analyse(routing, pieces, len(r.bits) if r.bit_routing else 1, r.num_experts, clusters, seed)
+    own = loaded.step_path.parent.parent
+    if not runs and (own / "tensorboard").is_dir():
+        runs = {own.name: str(own)}
+    collapse = {label: entropy_curves(run_dir) for label, run_dir in runs.items()}
+    loads = {label: expert_load_curves(run_dir) for label, run_dir in runs.items()}
+    threshold = float(loaded.tree.get("train", {}).get("collapse_entropy", 0.1))
+    return write_report(result, out, str(loaded.step_path), loaded.step, collapse, threshold, loads)
+
+
 def write_report(result: dict, out: Path, checkpoint: str, step: int, collapse: dict | None = None,
                  threshold: float = 0.1, loads: dict | None = None) -> list[Path]:
     """The figures, `routing_analysis.json` and `routing_report.md` under `out`. `collapse`:

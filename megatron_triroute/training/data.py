@@ -56,6 +56,20 @@ def padded_vocab(vocab: int, tensor_parallel: int, multiple: int = 128) -> int:
     return -(-vocab // step) * step
 
 
+def pad_tables(tables, vocab: int):
+    """`tables` (TokenTables) extended to `vocab` ids (`padded_vocab`). Padding ids never occur in
+    data: they get the rarest observed log-probability and start no word."""
+    from ..routing.side_features import TokenTables
+
+    extra = vocab - tables.log_prob.numel()
+    if extra < 0:
+        raise ValueError(f"vocab={vocab} is smaller than the token tables' {tables.log_prob.numel()} ids")
+    if extra == 0:
+        return tables
+    return TokenTables(torch.cat([tables.log_prob, torch.full((extra,), float(tables.log_prob.min()))]),
+                       torch.cat([tables.word_start, torch.zeros(extra, dtype=torch.bool)]), tables.eod_id)
+
+
 def build_datasets(run: RunConfig, eod: int, vocab: int, barrier=None, data_parallel: int = 1):
     """(train, valid) GPTDatasets sized for the whole run. The index cache is built by the
     first rank before the others read it."""

@@ -3,10 +3,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from .config import RunConfig
-from .planner import estimate_rank_memory
+from .planner import estimate_rank_memory, on_gpus
 
 
 def dry_run(run: RunConfig, world_size: int) -> int:
@@ -14,8 +12,8 @@ def dry_run(run: RunConfig, world_size: int) -> int:
     p = run.parallel
     dp = world_size // (p.tensor * p.pipeline)
     n_micro = run.train.global_batch_size // (run.train.micro_batch_size * dp)
-    gpu = dataclasses.replace(run, train=dataclasses.replace(run.train, bf16=True)) if run.train.bf16 is None else run
-    est = estimate_rank_memory(gpu, world_size)  # train.bf16 unset: as it runs on GPUs, in bf16
+    gpu = on_gpus(run)
+    est = estimate_rank_memory(gpu, world_size)
     print(run.to_json())
     print(f"layout: world {world_size} = tensor {p.tensor} x pipeline {p.pipeline} x data {dp}; "
           f"expert parallel {p.expert} (expert-data {dp * p.tensor // p.expert})")

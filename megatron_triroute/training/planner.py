@@ -118,6 +118,11 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
             "total_gib": total / GIB}
 
 
+def on_gpus(run: RunConfig) -> RunConfig:
+    """The run as a GPU cluster trains it: `train.bf16` unset means bf16 there (fp32 on the CPU)."""
+    return dataclasses.replace(run, train=dataclasses.replace(run.train, bf16=True)) if run.train.bf16 is None else run
+
+
 @dataclasses.dataclass
 class Cluster:
     nodes: int

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from megatron_triroute.training.config import apply_overrides
-from megatron_triroute.training.planner import Cluster, estimate_rank_memory, format_plan, plan
+from megatron_triroute.training.planner import Cluster, estimate_rank_memory, format_plan, on_gpus, plan
 from megatron_triroute.training.recipes import get_recipe
 from tests.dist_utils import free_port
 
@@ -130,6 +130,15 @@ def test_plan_says_when_nothing_fits():
         Cluster(nodes=1, gpus_per_node=8, mfu=1.5)
     with pytest.raises(ConfigError, match=r"--nodes=0"):
         Cluster(nodes=0, gpus_per_node=8)
+
+
+def test_an_unset_bf16_plans_as_bf16_on_gpus_and_an_explicit_one_stays():
+    run = get_recipe("tiny")
+    assert run.train.bf16 is None
+    gpu = on_gpus(run)
+    assert gpu.train.bf16 is True and run.train.bf16 is None  # the recipe itself is left as it was
+    run.train.bf16 = False
+    assert on_gpus(run).train.bf16 is False
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 16, 64, 128])
