@@ -313,8 +313,7 @@ def routed_roofline_parts(run: RoutedRunner, audit, t: int) -> list[tuple[float,
     elt = model.lm_head.weight.element_size()
     widths = torch.cat([run.widths] + [torch.stack([o.bits.y.argmax(-1).view(-1) for o in outs]).unsqueeze(-1)
                                       for _, outs in run.record], -1)  # (L, B, positions 0..t)
-    bits = r.bits if r.bit_routing else (r.uniform_bits,)
-    head_bytes = bit_costs(r, m).view(-1)[: len(bits)] / 8 / m.n_kv_heads  # one token's K+V of one KV head
+    head_bytes = bit_costs(r, m) / 8 / m.n_kv_heads  # per width: one token's K+V of one KV head
     per_pos = head_bytes[widths[..., : t + 1]]  # (L, B, t+1)
     before = F.pad(per_pos.cumsum(-1), (1, 0))  # before[..., p]: bytes at positions < p
     _, outs = run.record[-1]

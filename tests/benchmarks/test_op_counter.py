@@ -46,13 +46,14 @@ def test_executed_attention_macs_follow_the_work_done(oc, times):
     matmuls as activation MACs, whatever they are written with: a fake attention that computes
     twice executes twice the audited 2 d per (head, key)."""
     B, T, H, d, D = 2, 7, 3, 4, 12
-    w = torch.randn(H * d, D)
-    x, k, v = torch.randn(B, D), torch.randn(B, T, H, d), torch.randn(B, T, H, d)
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(H * d, D, generator=g)
+    x, k, v = (torch.randn(*shape, generator=g) for shape in ((B, D), (B, T, H, d), (B, T, H, d)))
     with oc.StepCounter(weights=[w]) as counter:
         q = (x @ w.T).view(B, H, d)
         q2 = x @ w.T.contiguous()  # a copy of the weight is still the weight
         out = _attention(q, k, v, times)
-    assert torch.allclose(q2.view(B, H, d), q)
+    assert torch.allclose(q2.view(B, H, d), q, atol=1e-5)  # two BLAS paths: rounding differs
     audited = B * H * T * 2 * d
     assert counter.weight_macs == 2 * B * D * H * d
     assert counter.activation_macs == times * audited
