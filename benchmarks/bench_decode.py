@@ -582,8 +582,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> dict:
-    with torch.no_grad():  # scoped: an in-process caller keeps its autograd state
-        return _main(argv)
+    threads = torch.get_num_threads()
+    try:
+        with torch.no_grad():  # scoped: an in-process caller keeps its autograd state and thread count
+            return _main(argv)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _main(argv=None) -> dict:
