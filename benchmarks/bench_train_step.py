@@ -56,8 +56,8 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
-from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from benchmarks.op_counter import StepCounter  # noqa: E402
 from megatron_triroute.distributed.one_process import build_model, library_logs_to_stderr, single_process_parallel  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 from megatron_triroute.training.engine import MicroBatch, TrainEngine  # noqa: E402
@@ -83,40 +83,6 @@ def _engine(cfg, groups, run, device: torch.device, bf16: bool):
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-HOST_SYNC_OPS = frozenset({
-    "aten._local_scalar_dense",  # .item(), bool(tensor), int(tensor)
-    "aten.nonzero", "aten.masked_select", "aten.is_nonzero", "aten.equal",
-    "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave.Tensor",
-})
-"""aten ops that need a tensor's value on the host (output size or a Python scalar): on a GPU
-each waits for the device, on a CPU each is where a GPU step would wait."""
-
-
-class StepCounter(TorchDispatchMode):
-    """Counts every aten op dispatched (forward, backward, optimizer) and the host syncs among them;
-    a device-to-host copy counts as a sync too."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = 0
-        self.syncs: dict[str, int] = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops += 1
-        name = str(func.overloadpacket) if func.overloadpacket.__name__ != "repeat_interleave" else str(func)
-        to_host = (name in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs or {}))
-        if name in HOST_SYNC_OPS or to_host:
-            self.syncs[name] = self.syncs.get(name, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
-def _device_to_host(func, args, kwargs) -> bool:
-    src = args[1] if str(func.overloadpacket) == "aten.copy_" else args[0]
-    dst = args[0] if str(func.overloadpacket) == "aten.copy_" else None
-    dst_device = dst.device if dst is not None else kwargs.get("device", src.device)
-    return src.device.type not in ("cpu", "meta") and torch.device(dst_device).type == "cpu"
 
 
 class AttentionFlops(TorchFunctionMode):

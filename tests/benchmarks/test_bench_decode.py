@@ -1,14 +1,15 @@
 """benchmarks/bench_decode.py: its figures are computed from its measurements (no speed targets
 here: those live in the benchmark's printed output). `--quick --json` runs in seconds; the Dense
-baseline decodes like a full causal forward; the synthetic controller realises its mix; MAC and
-KV-byte counts agree with hand computations."""
+baseline decodes like a full causal forward; MAC, KV-byte and roofline byte counts agree with hand
+computations."""
 
+import contextlib
+import dataclasses
 import importlib.util
+import io
 import json
 import math
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -31,62 +32,111 @@ def bench():
 
 
 @pytest.fixture(scope="module")
-def quick():
-    """The CLI's --quick --json output (progress goes to stderr, the object to stdout)."""
-    run = subprocess.run([sys.executable, str(PATH), "--quick", "--json"], capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert "SYNTHETIC" in run.stderr  # the synthetic shape says so
-    return json.loads(run.stdout)
+def quick(bench):
+    """The CLI's --quick --json run, in this process (progress goes to stderr, the object to stdout)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = bench.main(["--quick", "--json"])
+    assert "SYNTHETIC" in err.getvalue()  # the synthetic shape says so
+    assert json.loads(out.getvalue()) == json.loads(json.dumps(result))
+    return json.loads(out.getvalue())
 
 
 def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
     rows = quick["synthetic"]
     assert set(rows) == {f"ctx{c}_b{b}" for c in quick["contexts"] for b in quick["batches"]}
-    for row in rows.values():
+    for key, row in rows.items():
+        batch = int(key.split("_b")[1])
         dense = row["dense"]
-        assert dense["tokens_per_s"] == statistics.median(dense["tokens_per_s_runs"]) > 0
+        assert row["peaks"]["bandwidth_gb_s"] > 0 and row["peaks"]["peak_gflops"] > 0
+        for name in ("dense", *bench.ROUTED):
+            r = row[name]
+            runs = r["step_s_runs"]
+            assert len(runs) == quick["repeats"]
+            assert r["step_s"] == bench.spread(runs) and r["step_s"]["q1"] <= r["step_s"]["median"] <= r["step_s"]["q3"]
+            assert r["tokens_per_s"] == pytest.approx(batch / statistics.median(runs))
+            assert r["roofline_efficiency"] == pytest.approx(r["roofline_s"] / r["step_s"]["median"])
+            assert r["executed_over_audited_attn"] == pytest.approx(r["executed_attn_macs"] / r["audited_attn_macs"])
+            assert r["kv_resident_over_used"] == pytest.approx(r["kv_resident_bytes"] / r["kv_used_bytes"])
+            assert r["kv_resident_bytes"] >= r["kv_used_bytes"] > 0
+            assert r["ops_per_layer"] > 0 and r["uncounted_ops"] == {}
+        assert dense["host_syncs_per_step"] == 0
+        assert dense["executed_over_audited_attn"] == 1.0  # SDPA over exactly the t + 1 keys
         for name in bench.ROUTED:
             r = row[name]
-            assert r["tokens_per_s"] == statistics.median(r["tokens_per_s_runs"]) > 0
             assert r["speedup_vs_dense"] == pytest.approx(r["tokens_per_s"] / dense["tokens_per_s"])
-            assert r["limit"] == pytest.approx(dense["macs_per_token"] / r["macs_per_token"])
+            assert r["step_time_ratio"] == pytest.approx(r["step_s"]["median"] / dense["step_s"]["median"])
+            assert r["limit"] == r["limit_macs"] == pytest.approx(dense["macs_per_token"] / r["macs_per_token"])
+            assert r["limit_bytes"] == pytest.approx(dense["bytes_per_step"] / r["bytes_per_step"])
             assert r["efficiency"] == pytest.approx(r["speedup_vs_dense"] / r["limit"])
-            assert r["kv_bytes_ratio"] == pytest.approx(r["kv_bytes_per_token"] / dense["kv_bytes_per_token"])
+            assert r["kv_bytes_ratio"] == pytest.approx(r["kv_bytes_per_token"] / (2 * 2 * quick_d_kv(quick)))
             assert r["cost_audit_rel_err"] < 1e-9  # the audit counts exactly hard_cost's MACs
+            assert r["host_syncs_per_step"] > 0  # today's engine reads values on the host
+            assert r["executed_attn_macs"] >= r["audited_attn_macs"]  # page granularity at least
+        if batch == max(quick["batches"]):  # the forced mix realises the budget (few decisions: rounding)
+            assert row["triroute"]["realised"]["flops"] == pytest.approx(0.55, abs=0.03)
+            assert row["triroute"]["realised"]["mem"] == pytest.approx(0.40, abs=0.03)
     ctx, (b1, b8) = quick["headline_context"], (min(quick["batches"]), max(quick["batches"]))
-    assert ctx == max(quick["contexts"])  # both quick contexts are below 2,048
+    assert ctx == max(quick["contexts"])  # the quick context is below 2,048
     for suffix, b in (("", b1), ("_b8", b8)):
         r = rows[f"ctx{ctx}_b{b}"]["triroute"]
-        for key in ("speedup_vs_dense", "limit", "efficiency", "ffn_weight_read_ratio"):
+        for key in ("speedup_vs_dense", "limit", "efficiency", "ffn_weight_read_ratio", "roofline_efficiency"):
             assert quick[key + suffix] == r[key]
-    assert quick["kv_bytes_ratio"] == rows[f"ctx{ctx}_b{b1}"]["triroute"]["kv_bytes_ratio"]
+    r = rows[f"ctx{ctx}_b{b1}"]["triroute"]
+    assert quick["step_time_ratio_b1"] == r["step_time_ratio"]
+    for key in ("kv_bytes_ratio", "ops_per_layer", "host_syncs_per_step", "executed_over_audited_attn",
+                "kv_resident_over_used"):
+        assert quick[key] == r[key]
     assert quick["cost_audit_max_rel_err"] == max(r["cost_audit_rel_err"] for row in rows.values()
-                                                  for n, r in row.items() if n != "dense")
+                                                  for n, r in row.items() if n in bench.ROUTED)
 
 
-def test_macs_and_kv_bytes_match_hand_counts(bench):
-    """KV-quant-only executes what Dense does (all heads full, dense FFN) plus its controller, and
-    stores every token at its uniform width: checked against the Dense decoder's own count and
-    kv_bits_per_token."""
+def quick_d_kv(quick) -> int:
+    """L d_kv of the quick run's shape (KV bytes per token of a 16-bit cache = 2 * 2 * L d_kv)."""
+    m = get_recipe(quick["synthetic_shape"]).triroute.validate().model
+    return m.n_layers * m.d_kv
+
+
+def test_macs_kv_bytes_and_roofline_bytes_match_hand_counts(bench):
+    """KV-quant-only executes what Dense does (all heads full, dense FFN) plus its controller, stores
+    every token at its uniform width, and a step must read every stored K/V byte of its context:
+    checked against the Dense decoder's own count and kv_bits_per_token."""
+    from megatron_triroute.inference.audit import CostAudit
+
     torch.set_grad_enabled(False)
     try:
-        cfg = system_config("kvquant", get_recipe("tiny").triroute.validate())
+        tiny = get_recipe("tiny").triroute
+        tiny = dataclasses.replace(tiny, model=dataclasses.replace(tiny.model, n_kv_heads=2))  # GQA groups of 2
+        cfg = system_config("kvquant", tiny.validate())
         m, r = cfg.model, cfg.router
-        model = bench.build_routed(cfg, bench.DEFAULT_MIX)
-        context, steps, repeats = 20, 2, 1
-        got = bench.run_routed(model, 2, context, steps, repeats, bench.DEFAULT_MIX["bits"])
-        dense = bench.run_dense(m, 2, context, steps, repeats)
+        model = bench.build_routed(cfg)
+        batch, context = 2, 20
+        run = bench.RoutedRunner(model, context, batch, bench.budget_mix(cfg, context), steps=2, repeats=2)
+        run.step()
+        audit = CostAudit(m.n_layers)
+        run.step(audit)
+        t = context + 1  # the audited step's position
+        dense = bench.DenseDecoder(m, batch, context + 4)
         controller = sum(layer.controller_macs for layer in model.layers)
-        assert got["macs_per_token"] == pytest.approx(dense["macs_per_token"] + controller)
-        assert got["kv_bytes_per_token"] * 8 == m.n_layers * kv_bits_per_token(r.uniform_bits, m.d_kv, r.group_size_for(m))
-        assert dense["kv_bytes_per_token"] == m.n_layers * 2 * m.d_kv * 2
+        assert audit_per_token(bench, audit) == pytest.approx(dense.macs_per_token(t) + controller)
+        assert run.kv_bytes_per_token * 8 == m.n_layers * kv_bits_per_token(r.uniform_bits, m.d_kv, r.group_size_for(m))
+        parts = bench.routed_roofline_parts(run, audit, t)
+        kv_parts = parts[1:-1:2]  # per layer: weights, then attention; the LM head last
+        assert len(kv_parts) == m.n_layers
+        for kv_bytes, flops in kv_parts:
+            assert kv_bytes * 8 == pytest.approx(batch * (t + 1) * kv_bits_per_token(r.uniform_bits, m.d_kv, r.group_size_for(m)))
+            assert flops == 2 * batch * 2 * m.d_head * m.n_heads * (t + 1)
     finally:
         torch.set_grad_enabled(True)
 
 
+def audit_per_token(bench, audit) -> float:
+    return bench.audit_macs(audit) / audit.tokens
+
+
 def test_dense_decoder_equals_a_full_causal_forward(bench):
     """Step-by-step decode of the Dense baseline against a full-sequence forward written out here
-    (explicit causal softmax, float16-rounded K/V as its cache stores them)."""
+    (explicit causal softmax; the cache keeps float32 K/V, the compute dtype: nothing is rounded)."""
     m = get_recipe("tiny").triroute.validate().model
     dec = bench.DenseDecoder(m, batch=1, max_len=8)
     tokens = torch.tensor([5, 17, 3, 99, 42, 7])
@@ -106,7 +156,7 @@ def test_dense_decoder_equals_a_full_causal_forward(bench):
             h = F.rms_norm(x, (m.d_model,), eps=1e-5)
             q = rot((h @ dec.wq[i].T).view(T, H, d))
             k, v = (h @ dec.wkv[i].T).view(T, 2, Hk, d).unbind(1)
-            k, v = rot(k).half().float(), v.half().float()
+            k = rot(k)
             k, v = k.repeat_interleave(H // Hk, 1), v.repeat_interleave(H // Hk, 1)
             s = torch.einsum("thd,uhd->htu", q, k) / math.sqrt(d)
             s = s.masked_fill(torch.triu(torch.ones(T, T, dtype=torch.bool), 1), float("-inf"))
@@ -117,15 +167,3 @@ def test_dense_decoder_equals_a_full_causal_forward(bench):
             x = x + (F.silu(gate) * up) @ dec.fc2[i].T
         want = F.rms_norm(x, (m.d_model,), eps=1e-5) @ dec.head.T
     assert (steps - want).abs().max() < 1e-4
-
-
-def test_synthetic_controller_realises_its_mix(bench):
-    cfg = system_config("triroute", get_recipe("tiny").triroute.validate())
-    mix = {"attn": [0.2, 0.5, 0.3], "bits": [0.1, 0.2, 0.3, 0.4], "expert_null": 0.25}
-    ctrl = bench.MixController(cfg, 0, mix)
-    with torch.no_grad():
-        out = ctrl(torch.randn(4, 2048, cfg.model.d_model, generator=torch.Generator().manual_seed(0)), None)
-    seen = bench.measure_mix([[out]], len(cfg.router.bits))
-    for key in ("attn", "bits"):
-        assert seen[key] == pytest.approx(mix[key], abs=0.02)
-    assert seen["expert_null"] == pytest.approx(mix["expert_null"], abs=0.02)

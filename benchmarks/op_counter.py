@@ -1,0 +1,140 @@
+"""What a step dispatches, counted from the aten ops themselves (the benchmarks' one op counter).
+
+`StepCounter` is a `TorchDispatchMode`: every top-level aten op dispatched while it is active
+(an op a kernel calls internally is not seen) is counted, and so are the host syncs among them
+(`HOST_SYNC_OPS`, and device-to-host copies). Given the model's weights it also counts the
+multiply-accumulates of every matmul-class op from the shapes it was called with, split into
+`weight_macs` (one operand is a weight, or a view or copy of one: projections, experts, LM head)
+and `activation_macs` (no operand is: attention scores and weighted values, whatever function
+computed them), plus `scaled_dot_product_attention` kernels by their shapes. Ops outside the
+`aten` namespace (custom kernels) are listed in `foreign_ops`: their work is not seen by the
+counter, so a figure that depends on it is incomplete while that list is not empty.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+HOST_SYNC_OPS = frozenset({
+    "aten._local_scalar_dense",  # .item(), bool(tensor), int(tensor), .tolist()
+    "aten.nonzero", "aten.masked_select", "aten.is_nonzero", "aten.equal",
+    "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave.Tensor",
+})
+"""aten ops that need a tensor's value on the host (output size or a Python scalar): on a GPU
+each waits for the device, on a CPU each is where a GPU step would wait."""
+
+MATMUL_OPS = frozenset({"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.mv",
+                        "aten.addmv", "aten.dot", "aten.vdot"})
+"""Matmul-class ops whose MACs are read from their operand shapes (matmul, einsum and linear
+reach the dispatcher as these)."""
+
+SDPA_OPS = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
+                      "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
+                      "aten._scaled_dot_product_attention_math"})
+
+DATA_MOVEMENT_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
+    "aten.clone", "aten.contiguous", "aten._to_copy", "aten.select", "aten.slice", "aten.unsqueeze", "aten.squeeze",
+    "aten.as_strided", "aten.detach", "aten.alias", "aten.index", "aten.index_select", "aten.unbind", "aten.split",
+    "aten.split_with_sizes", "aten.chunk", "aten.narrow", "aten.lift_fresh",
+})
+"""Ops whose output is a rearrangement or copy of their first input: a weight stays a weight."""
+
+
+def _mm_macs(name: str, args) -> int:
+    """MACs of one matmul-class op from its operand shapes."""
+    if name in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv"):
+        a, b = args[1], args[2]
+    else:
+        a, b = args[0], args[1]
+    if name in ("aten.dot", "aten.vdot"):
+        return a.shape[0]
+    if name in ("aten.mv", "aten.addmv"):
+        return a.shape[0] * a.shape[1]
+    if name in ("aten.bmm", "aten.baddbmm", "aten.addbmm"):
+        return a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    return a.shape[0] * a.shape[1] * b.shape[1]
+
+
+def _sdpa_macs(args, kwargs) -> int:
+    """q.k and the weighted V sum: 2 d per (query head, query, key) pair; the causal triangle under
+    is_causal, the whole rectangle otherwise (a masked kernel computes every pair)."""
+    q, k = args[0], args[1]
+    *batch, Tq, d = q.shape
+    Tk = k.shape[-2]
+    causal = bool(kwargs.get("is_causal", False))
+    pairs = Tq * (Tq + 1) // 2 if causal and Tq == Tk else Tq * Tk
+    return 2 * d * pairs * math.prod(batch)
+
+
+class StepCounter(TorchDispatchMode):
+    """Counts every aten op dispatched and the host syncs among them (a device-to-host copy counts
+    as a sync too); with `weights`, the matmul MACs split into weight and activation MACs."""
+
+    def __init__(self, weights=()):
+        super().__init__()
+        self.ops = 0
+        self.syncs: dict[str, int] = {}
+        self.weight_macs = 0
+        self.activation_macs = 0
+        self.foreign_ops: dict[str, int] = {}
+        self._weight_storages = {t.untyped_storage().data_ptr() for t in weights}
+        self._derived: dict[int, object] = {}  # id -> weakref of tensors derived from a weight this step
+
+    @property
+    def host_syncs(self) -> int:
+        return sum(self.syncs.values())
+
+    def _is_weight(self, t) -> bool:
+        if not isinstance(t, torch.Tensor):
+            return False
+        ref = self._derived.get(id(t))
+        if ref is not None and ref() is t:
+            return True
+        return t.untyped_storage().data_ptr() in self._weight_storages
+
+    def _mark(self, out) -> None:
+        import weakref
+
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self._derived[id(t)] = weakref.ref(t)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        self.ops += 1
+        packet = str(func.overloadpacket)
+        name = packet if func.overloadpacket.__name__ != "repeat_interleave" else str(func)
+        if not packet.startswith("aten."):
+            self.foreign_ops[packet] = self.foreign_ops.get(packet, 0) + 1
+        to_host = packet in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs)
+        if name in HOST_SYNC_OPS or to_host:
+            self.syncs[name] = self.syncs.get(name, 0) + 1
+        if packet in MATMUL_OPS:
+            operands = args[1:3] if packet in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv") else args[:2]
+            macs = _mm_macs(packet, args)
+            if any(self._is_weight(t) for t in operands):
+                self.weight_macs += macs
+            else:
+                self.activation_macs += macs
+        elif packet in SDPA_OPS:
+            self.activation_macs += _sdpa_macs(args, kwargs)
+        out = func(*args, **kwargs)
+        if self._weight_storages and packet in DATA_MOVEMENT_OPS and args and self._is_weight(args[0]):
+            self._mark(out)
+        return out
+
+
+def _device_to_host(func, args, kwargs) -> bool:
+    src = args[1] if str(func.overloadpacket) == "aten.copy_" else args[0]
+    dst = args[0] if str(func.overloadpacket) == "aten.copy_" else None
+    dst_device = dst.device if dst is not None else kwargs.get("device", src.device)
+    return src.device.type not in ("cpu", "meta") and torch.device(dst_device).type == "cpu"
+
+
+def model_weights(*modules) -> list[torch.Tensor]:
+    """Every parameter and buffer of `modules` (what `StepCounter(weights=...)` treats as weights)."""
+    return [t for m in modules for t in (*m.parameters(), *m.buffers())]

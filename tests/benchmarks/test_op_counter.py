@@ -1,0 +1,68 @@
+"""benchmarks/op_counter.py: the ops, host syncs and matmul MACs it counts, against hand counts."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "op_counter.py"
+
+
+@pytest.fixture(scope="module")
+def oc():
+    spec = importlib.util.spec_from_file_location("op_counter", PATH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_ops_and_host_syncs(oc):
+    x = torch.arange(6.0)
+    with oc.StepCounter() as counter:
+        y = x * 2 + 1  # mul, add: two ops, no sync
+        assert counter.ops == 2 and counter.syncs == {}
+        y.sum().item()  # sum, then one scalar read
+        (y > 3).nonzero()  # gt, then a data-dependent output size
+    assert counter.ops == 6
+    assert counter.syncs == {"aten._local_scalar_dense": 1, "aten.nonzero": 1}
+    assert counter.host_syncs == 2
+    assert counter.foreign_ops == {}
+
+
+def _attention(q, k, v, times: int):
+    """A decode attention over one query per (request, head) that does its work `times` times."""
+    for _ in range(times):
+        s = torch.einsum("bhd,bthd->bht", q, k) / math.sqrt(q.shape[-1])
+        out = torch.einsum("bht,bthd->bhd", s.softmax(-1), v)
+    return out
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_executed_attention_macs_follow_the_work_done(oc, times):
+    """Projections (by a weight, its transpose or a copy of it) count as weight MACs; the attention's
+    matmuls as activation MACs, whatever they are written with: a fake attention that computes
+    twice executes twice the audited 2 d per (head, key)."""
+    B, T, H, d, D = 2, 7, 3, 4, 12
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(H * d, D, generator=g)
+    x, k, v = (torch.randn(*shape, generator=g) for shape in ((B, D), (B, T, H, d), (B, T, H, d)))
+    with oc.StepCounter(weights=[w]) as counter:
+        q = (x @ w.T).view(B, H, d)
+        q2 = x @ w.T.contiguous()  # a copy of the weight is still the weight
+        out = _attention(q, k, v, times)
+    assert torch.allclose(q2.view(B, H, d), q, atol=1e-5)  # two BLAS paths: rounding differs
+    audited = B * H * T * 2 * d
+    assert counter.weight_macs == 2 * B * D * H * d
+    assert counter.activation_macs == times * audited
+    assert counter.activation_macs / audited == times
+    assert out.shape == (B, H, d)
+
+
+def test_sdpa_counts_its_pairs(oc):
+    q, k = torch.randn(2, 4, 1, 8), torch.randn(2, 2, 10, 8)
+    with oc.StepCounter() as counter:
+        F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
+    assert counter.activation_macs == 2 * 8 * 2 * 4 * 1 * 10
