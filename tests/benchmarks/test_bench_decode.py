@@ -5,12 +5,10 @@ computations."""
 
 import contextlib
 import dataclasses
-import importlib.util
 import io
 import json
 import math
 import statistics
-from pathlib import Path
 
 import pytest
 import torch
@@ -19,16 +17,13 @@ import torch.nn.functional as F
 from megatron_triroute.routing.quant import kv_bits_per_token
 from megatron_triroute.systems import system_config
 from megatron_triroute.training.recipes import get_recipe
+from tests.benchmarks import load_benchmark
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_decode.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_decode", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_decode")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 memory targets here: those live in the benchmark's printed output). `--quick --json` exports the
 tiny recipe's shape three times and measures a baseline interpreter, in under a minute."""
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -10,16 +9,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from tests.benchmarks import load_benchmark
 
 PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_export_memory.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_export_memory", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_export_memory")
 
 
 @pytest.fixture(scope="module")

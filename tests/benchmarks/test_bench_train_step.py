@@ -2,16 +2,14 @@
 tiny size whose JSON carries the ratios (no speed targets: on a shared 2-core CPU those are not
 stable)."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from megatron_triroute.model.attention import routed_attention
+from tests.benchmarks import load_benchmark
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "bench_train_step.py"
 TINY = ["triroute.model.n_layers=1", "triroute.model.seq_len=32", "triroute.model.d_model=64",
         "triroute.model.d_ff=128", "triroute.router.d_router=16", "triroute.model.vocab_size=256",
         "triroute.router.window=8"]
@@ -19,10 +17,7 @@ TINY = ["triroute.model.n_layers=1", "triroute.model.seq_len=32", "triroute.mode
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("bench_train_step")
 
 
 def test_attention_flops_hand_counts(bench):

@@ -1,19 +1,14 @@
 """benchmarks/estimate_dp_comm.py at its defaults (1p3b on 8 x 8 GPUs): every row recomputed by hand
 from the parameter split and the layout it prints."""
 
-import importlib.util
-from pathlib import Path
 
 import pytest
+from tests.benchmarks import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "estimate_dp_comm.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("estimate_dp_comm", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("estimate_dp_comm")
 
 
 def test_defaults_rows_follow_the_ring_arithmetic(capsys):

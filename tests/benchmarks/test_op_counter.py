@@ -1,22 +1,17 @@
 """benchmarks/op_counter.py: the ops, host syncs and matmul MACs it counts, against hand counts."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.benchmarks import load_benchmark
 
-PATH = Path(__file__).resolve().parents[2] / "benchmarks" / "op_counter.py"
 
 
 @pytest.fixture(scope="module")
 def oc():
-    spec = importlib.util.spec_from_file_location("op_counter", PATH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("op_counter")
 
 
 def test_counts_ops_and_host_syncs(oc):
