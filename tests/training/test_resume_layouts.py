@@ -34,7 +34,8 @@ COMMON = [f"train.steps={STEPS}", "train.save_interval_steps=3", "triroute.model
 # whole-moment checkpoint is gathered from, and sliced back into, shards that split tensors.
 SMALL_BUCKETS = ["parallel.bucket_mb=0.01"]
 DEFAULT_EPS = f"optim.eps={OptimConfig().eps}"
-MOMENT_TOL = 5e-4  # measured up to 1.3e-4 (TP2 -> TP1, the attention projections: another summation order)
+MOMENT_TOL = 1e-3  # measured up to 5.3e-4 (TP2 -> TP1, the controller trunk: its gradient is summed over the TP ranks
+# in another order, and the per-mode attention sums its heads in another grouping; 1.3e-4 before the per-mode kernels)
 HALF = ["train.exit_interval=3"]  # checkpoint at step 3 and stop: the first layout's half of the run
 
 
