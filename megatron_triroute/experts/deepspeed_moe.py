@@ -81,7 +81,8 @@ class PrecomputedGate(nn.Module):
             )
         if expert_index.shape[1] != self.k:
             raise ValueError(f"routes have k={expert_index.shape[1]} columns; this gate was built with k={self.k}")
-        if expert_index.numel() and (expert_index.min() < NULL_EXPERT or expert_index.max() >= self.num_experts):
+        out_of_range = (expert_index < NULL_EXPERT) | (expert_index >= self.num_experts)
+        if bool(out_of_range.any()):  # one host read
             raise ValueError(f"expert_index values must be in [-1, {self.num_experts}); -1 is the null expert")
         self._routes = (expert_index, expert_weight)
 
