@@ -143,6 +143,11 @@ class RouterConfig:
     """MoD: weight of the causal predictor's BCE (the family's extra_loss)."""
     mod_predictor_width: int = 128
     """MoD: hidden width of the causal predictor MLP."""
+    # --- execution ------------------------------------------------------------------------
+    compile: Literal["inductor", "aot_eager", "eager"] | None = None
+    """torch.compile backend for the routing ops (counter-based noise and ST-Gumbel relaxation,
+    `routing.compiled`); None: eager. Off by default: on a CPU it does not pay (docs/overhead.md);
+    inductor is the one that fuses (a GPU's choice), aot_eager/eager only trace."""
 
     @property
     def num_expert_options(self) -> int:
@@ -194,6 +199,9 @@ class RouterConfig:
             _fail(f"{path}.mod_predictor_weight", self.mod_predictor_weight, "must be >= 0", "use 1e-2")
         if self.mod_predictor_width <= 0:
             _fail(f"{path}.mod_predictor_width", self.mod_predictor_width, "must be positive", "use 128")
+        if self.compile not in (None, "inductor", "aot_eager", "eager"):
+            _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
+                  "use inductor, aot_eager or eager, or leave it unset (eager)")
         if self.kv_group_size <= 0:
             _fail(f"{path}.kv_group_size", self.kv_group_size, "must be positive", "use 32")
         if model is not None and model.d_head % self.group_size_for(model):

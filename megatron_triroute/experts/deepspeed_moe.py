@@ -81,7 +81,8 @@ class PrecomputedGate(nn.Module):
             )
         if expert_index.shape[1] != self.k:
             raise ValueError(f"routes have k={expert_index.shape[1]} columns; this gate was built with k={self.k}")
-        if expert_index.numel() and (expert_index.min() < NULL_EXPERT or expert_index.max() >= self.num_experts):
+        out_of_range = (expert_index < NULL_EXPERT) | (expert_index >= self.num_experts)
+        if bool(out_of_range.any()):  # one host read
             raise ValueError(f"expert_index values must be in [-1, {self.num_experts}); -1 is the null expert")
         self._routes = (expert_index, expert_weight)
 
@@ -126,12 +127,13 @@ class PrecomputedGate(nn.Module):
 
     def _capacity(self, exp_counts: torch.Tensor, num_tokens: int) -> int:
         """Slots per expert, equal on every rank of the expert-parallel group (the all-to-all needs it)."""
-        if self.capacity_factor is None:
-            local = int(exp_counts.max()) if exp_counts.numel() else 0
+        if self.capacity_factor is None:  # no drops: the fullest expert's count, read on the host once below
+            local = exp_counts.max() if exp_counts.numel() else exp_counts.new_zeros(())
+            capacity = local.clamp_min(1).view(1)
         else:
             local = math.ceil(self.capacity_factor * num_tokens * self.k / self.num_experts)
-        # On the tokens' device: NCCL reduces only device tensors.
-        capacity = torch.tensor([max(1, local)], dtype=torch.long, device=exp_counts.device)
+            # On the tokens' device: NCCL reduces only device tensors.
+            capacity = torch.tensor([max(1, local)], dtype=torch.long, device=exp_counts.device)
         if self.ep_group is not None and dist.get_world_size(self.ep_group) > 1:
             dist.all_reduce(capacity, op=dist.ReduceOp.MAX, group=self.ep_group)
         # MOELayer hands each tensor-parallel rank (of DeepSpeed's mpu) an equal slice of the slots.

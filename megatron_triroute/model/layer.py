@@ -27,7 +27,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -42,6 +41,7 @@ from ..routing.factory import build_controller
 from ..routing.cost import budget_fractions, dense_cost, expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
+from ..routing.gumbel import one_hot
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
 from ..routing.state import RoutingInputs, RoutingState, has_reward
@@ -147,14 +147,14 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         sl = stats.slices()
         B, T = out.attn.y.shape[:2]
         row[sl["tokens"]] += B * T
-        row[sl["attn/fraction"]] += F.one_hot(out.attn.hard, len(ATTN_MODES)).double().sum((0, 1, 2)) / out.attn.hard.shape[2]
+        row[sl["attn/fraction"]] += one_hot(out.attn.hard, len(ATTN_MODES), torch.float64).sum((0, 1, 2)) / out.attn.hard.shape[2]
         if out.attn.logits is not None:
             row[sl["attn/prob"]] += out.attn.logits.double().softmax(-1).mean(2).sum((0, 1))
         if out.experts is not None:
             n = out.experts.probs.shape[-1]
-            row[sl["experts/fraction"]] += F.one_hot(out.experts.option, n).double().sum((0, 1, 2)) / cfg.router.top_k
+            row[sl["experts/fraction"]] += one_hot(out.experts.option, n, torch.float64).sum((0, 1, 2)) / cfg.router.top_k
             row[sl["experts/prob"]] += out.experts.probs.double().sum((0, 1))
-        row[sl["bits/fraction"]] += F.one_hot(out.bits.hard, stats.n_bits).double().sum((0, 1))
+        row[sl["bits/fraction"]] += one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
         if out.bits.logits is not None:
             row[sl["bits/prob"]] += out.bits.logits.double().softmax(-1).sum((0, 1))
         hard = noise_free_cost(out, positions, cfg.model, cfg.router)

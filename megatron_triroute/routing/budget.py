@@ -51,12 +51,14 @@ class BudgetController(nn.Module):
         if not self.config.enabled:
             return torch.zeros_like(self.lambdas)
         kp = self.config.dual_kp
-        if kp == 0.0 or self.steps.item() == 0:
+        if kp == 0.0:
             return self.lambdas
         violation = self.ema - self.targets
         if self.config.tied:
             violation = violation.sum().view(1)
-        return (self.lambdas + kp * violation).clamp_min(0.0)
+        # Before the first update the EMA holds no observation: lambda_I alone. A select, not a
+        # branch on `steps`: every layer reads this, and a branch would read `steps` on the host.
+        return torch.where(self.steps == 0, self.lambdas, (self.lambdas + kp * violation).clamp_min(0.0))
 
     def penalty(self, fractions: torch.Tensor) -> torch.Tensor:
         """sum_r lambda_r (C_r - C*_r) for surrogate fractions (2,) [flops, mem] (Eq. total)."""

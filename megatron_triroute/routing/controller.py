@@ -22,7 +22,8 @@ from ..config import TriRouteConfig
 from .modes import FULL, N_MODES
 from .gating import ExpertRoutes, top_k_gating
 from .grad_balance import GradBalance
-from .gumbel import sample_gumbel, soft_gumbel_sample, straight_through
+from .compiled import routing_ops
+from .gumbel import one_hot, sample_gumbel
 from .noise import NoiseKey
 from .side_features import (
     MODE_FRACTIONS,
@@ -149,6 +150,7 @@ class TriRouteController(nn.Module):
         self.balance = nn.ModuleDict(
             {a: GradBalance(router.grad_balance_momentum, router.grad_balance) for a in sizes}
         )
+        self.ops = routing_ops(router.compile)
 
     @property
     def leads_attention_group(self) -> bool:
@@ -187,10 +189,12 @@ class TriRouteController(nn.Module):
         router = self.config.router
         B, T = hidden.shape[:2]
         raw = self.logits(hidden, side)
+        if "attn" in raw:
+            raw["attn"] = raw["attn"].view(B, T, self.attn_heads, N_MODES)  # (B, T, H_a, N_MODES)
+        noise = self._noise(raw, noise_key)
 
         if "attn" in raw:
-            z = raw["attn"].view(B, T, self.attn_heads, N_MODES)  # (B, T, H_a, N_MODES)
-            attn = self._categorical("attn", z, noise_key, tau)
+            attn = self._categorical("attn", raw["attn"], noise, tau)
             attn = _expand_heads(attn, self.n_heads)
         elif router.attn_routing and prev is not None:  # layer_group follower reuses the leader's
             attn = AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard)
@@ -198,7 +202,7 @@ class TriRouteController(nn.Module):
             attn = _constant_axis((B, T, self.n_heads), FULL, N_MODES, hidden.device)
 
         if "bits" in raw:
-            bits = self._categorical("bits", raw["bits"], noise_key, tau)
+            bits = self._categorical("bits", raw["bits"], noise, tau)
         else:
             bits = _constant_axis((B, T), 0, 1, hidden.device)
 
@@ -213,21 +217,32 @@ class TriRouteController(nn.Module):
         """Mean running gradient norm over this layer's routed axes (see grad_balance, choice d)."""
         return torch.stack([b.rho for b in self.balance.values()]).mean()
 
-    def _categorical(self, axis: str, z: torch.Tensor, key: NoiseKey | None, tau: float) -> AxisDecision:
+    def _noise(self, raw: dict[str, torch.Tensor], key: NoiseKey | None) -> dict[str, torch.Tensor]:
+        """The Gumbel draws of this layer's categorical axes: with a key, every axis in one
+        counter-based computation (`NoiseKey.gumbel_axes`); none in eval mode."""
+        axes = [a for a in ("attn", "bits") if a in raw]
+        if not self.training or not axes:
+            return {}
+        if key is None:
+            return {a: sample_gumbel(raw[a]) for a in axes}
+        dtype = raw[axes[0]].dtype
+        g = key.gumbel_axes({_AXIS_ID[a]: tuple(raw[a].shape) for a in axes}, dtype, noise_fn=self.ops.noise)
+        return {a: g[_AXIS_ID[a]] for a in axes}
+
+    def _categorical(self, axis: str, z: torch.Tensor, noise: dict[str, torch.Tensor], tau: float) -> AxisDecision:
         """ST-Gumbel (or REINFORCE) decision for one axis; z: (B, T, [H_a,] O)."""
         hard = z.argmax(-1)
         if not self.training:
-            y = F.one_hot(hard, z.shape[-1]).to(z.dtype)
+            y = one_hot(hard, z.shape[-1], z.dtype)
             return AxisDecision(y, y, hard, logits=z)
-        g = sample_gumbel(z) if key is None else key.gumbel(tuple(z.shape), _AXIS_ID[axis], z.dtype)
+        g = noise[axis]
         z_model = self.balance[axis](z, self._balance_reference())
         if self.config.router.estimator == "reinforce":
             sample = (z.detach() + g).argmax(-1)  # Gumbel-max: an exact sample of softmax(z)
-            y = F.one_hot(sample, z.shape[-1]).to(z.dtype)
+            y = one_hot(sample, z.shape[-1], z.dtype)
             log_prob = F.log_softmax(z_model, -1).gather(-1, sample.unsqueeze(-1)).squeeze(-1)
             return AxisDecision(y, F.softmax(z, -1), hard, logits=z, log_prob=log_prob)
-        y = straight_through(soft_gumbel_sample(z_model, g, tau))
-        y_cost = straight_through(soft_gumbel_sample(z, g, tau))
+        y, y_cost = self.ops.relax(z_model, z, g, torch.tensor(tau, dtype=z.dtype, device=z.device) if self.ops.compiled else tau)
         return AxisDecision(y, y_cost, hard, logits=z)
 
 
@@ -247,7 +262,7 @@ def _expand_heads(d: AxisDecision, n_heads: int) -> AxisDecision:
 
 def _constant_axis(shape: tuple[int, ...], option: int, n_options: int, device) -> AxisDecision:
     hard = torch.full(shape, option, dtype=torch.long, device=device)
-    y = F.one_hot(hard, n_options).float()
+    y = one_hot(hard, n_options)
     return AxisDecision(y, y, hard)
 
 

@@ -65,9 +65,12 @@ class GradBalance(RunningStatistic):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor) -> None:
-        sq_norm = reduced[0].item()
+        sq_norm = reduced[0].clone()
         self._acc.zero_()
-        if not self.enabled or sq_norm <= 0.0:
-            return  # no gradient reached this head this step (e.g. axis unused): keep rho
+        if not self.enabled:
+            return
         m = self.momentum
-        self.rho.copy_(torch.tensor(m * self.rho.item() + (1 - m) * sq_norm**0.5, dtype=torch.float32))
+        # float64 arithmetic, rounded to fp32 once; no gradient reached this head this step (e.g.
+        # the axis unused): rho kept. A select, not a branch: no host read of the norm.
+        updated = (m * self.rho.double() + (1 - m) * sq_norm.clamp_min(0.0).sqrt()).float()
+        self.rho.copy_(torch.where(sq_norm > 0.0, updated, self.rho))

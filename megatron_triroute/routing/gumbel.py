@@ -20,6 +20,13 @@ def soft_gumbel_sample(logits: torch.Tensor, noise: torch.Tensor, tau: float, di
     return F.softmax((logits + noise) / tau, dim=dim)
 
 
+def one_hot(index: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """onehot(index) over n options, (*index.shape, n): `F.one_hot` without its range check, which
+    reads the indices' min and max on the host (a device sync per call). Every caller passes
+    options it computed itself (argmax, top-k), always in range."""
+    return (index.unsqueeze(-1) == torch.arange(n, device=index.device)).to(dtype)
+
+
 def straight_through(y_soft: torch.Tensor, dim: int = -1) -> torch.Tensor:
     """y_ST = sg(onehot(argmax y~) - y~) + y~: one-hot forward, y~'s gradient backward.
 

@@ -4,32 +4,44 @@ A stateful generator (`torch.rand`) gives a token different noise when the batch
 differently across data-parallel ranks, when a sequence is sharded across tensor-parallel
 ranks, or after a resume. Here every noise value is a pure hash of
 
-    (seed, step, layer, global sample index, position, head, option)
+    (seed, step, layer, axis, global sample index, position, counter)
 
-so the same token draws the same noise under any parallel layout, on every rank, and after a
-restart. The hash is `lowbias32` (a 32-bit integer finaliser with good avalanche) applied as a
-chain over the key fields; it runs on int64 tensors holding 32-bit values, with multiplications
-split into 16-bit halves so no intermediate exceeds 2^49 (no signed overflow anywhere).
+(the counter enumerates a token's trailing dims, e.g. head x option), so the same token draws the
+same noise under any parallel layout, on every rank, and after a restart. The hash is `lowbias32`
+(a 32-bit integer finaliser with good avalanche) applied as a chain over the key fields; it runs on
+int64 tensors holding 32-bit values, with multiplications split into 16-bit halves so no
+intermediate exceeds 2^49 (no signed overflow anywhere).
+
+The same arithmetic runs on Python integers, so the scalar fields that lead the chain (seed,
+step, layer, axis) are folded on the host: a layer's tensor work is the three per-token fields,
+once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`), and the step and layer
+reach the tensor part only as the chain's value, a tensor (no Python integer a compiled graph
+would specialise on).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping, TypeVar
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
+_CHAIN = 0x85EBCA6B
+
+Word = TypeVar("Word", torch.Tensor, int)
+"""32-bit values: an int64 tensor or a Python int (the same arithmetic, bit for bit)."""
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+def _mul32(x: Word, c: int) -> Word:
     """(x * c) mod 2^32 for x in [0, 2^32) without int64 overflow."""
     lo = x * (c & 0xFFFF)
     hi = ((x * (c >> 16)) & 0xFFFF) << 16
     return (lo + hi) & _MASK32
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """lowbias32 finaliser on 32-bit values stored in int64."""
+def _mix32(x: Word) -> Word:
+    """lowbias32 finaliser on 32-bit values stored in int64 (or a Python int)."""
     x = x ^ (x >> 16)
     x = _mul32(x, 0x7FEB352D)
     x = x ^ (x >> 15)
@@ -37,23 +49,57 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
+def _field(key: Word, i: int) -> Word:
+    """Key field i mixed alone, with a distinct odd constant so (a, b) and (b, a) differ."""
+    return _mix32((key & _MASK32) ^ ((0x9E3779B9 * (i + 1)) & _MASK32))
+
+
+def _link(h: Word, field: Word) -> Word:
+    """One link of the chain: the running hash h with the next mixed field folded in."""
+    return _mix32(h ^ _mul32(field, _CHAIN))
+
+
 def hash_keys(*keys: torch.Tensor | int) -> torch.Tensor:
-    """Hash a broadcastable tuple of integer keys to uniform 32-bit values (int64 tensor)."""
-    h: torch.Tensor | None = None
+    """Hash a broadcastable tuple of integer keys to uniform 32-bit values (int64 tensor).
+
+    Leading Python-int keys are folded on the host (no tensor op); the chain becomes a tensor at
+    the first tensor key."""
+    if not keys:
+        raise ValueError("hash_keys needs at least one key")
+    h: torch.Tensor | int | None = None
     for i, key in enumerate(keys):
-        k = torch.as_tensor(key, dtype=torch.int64) & _MASK32
-        # Fold each field in with a distinct odd constant so (a, b) and (b, a) differ.
-        k = _mix32(k ^ ((0x9E3779B9 * (i + 1)) & _MASK32))
-        h = k if h is None else _mix32(h ^ _mul32(k, 0x85EBCA6B))
-    assert h is not None, "hash_keys needs at least one key"
-    return h
+        if not isinstance(key, int):
+            key = torch.as_tensor(key, dtype=torch.int64)
+        k = _field(key, i)
+        h = k if h is None else _link(h, k)
+    return torch.as_tensor(h, dtype=torch.int64)
 
 
 def uniform_from_keys(*keys: torch.Tensor | int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Uniform samples in the open interval (0, 1), one per broadcast key tuple."""
-    h = hash_keys(*keys)
-    # 24 high bits -> exactly representable in float32; +0.5 keeps both ends open.
-    return ((h >> 8).to(torch.float64) + 0.5).div(2.0**24).to(dtype)
+    return _uniform(hash_keys(*keys)).to(dtype)
+
+
+def _uniform(h: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms in (0, 1) from 32-bit hashes: the 24 high bits (exact in float32), +0.5
+    keeps both ends open."""
+    return ((h >> 8).to(torch.float64) + 0.5).div(2.0**24)
+
+
+def counter_gumbel(prefix: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+    """float64 Gumbel(0, 1) noise (A, B, T, n) from the chain's values after its scalar fields.
+
+    prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample (B,) global sample
+    indices; positions (B, T) positions in the full sequence; n: the counters 0 .. n-1. The
+    per-token fields are mixed once and shared by every axis. Pure tensor code with no Python
+    integer from the step or layer: the function `router.compile` compiles.
+    """
+    A, (B, T) = prefix.shape[0], positions.shape
+    counter = torch.arange(n, dtype=torch.int64, device=prefix.device)
+    h = _link(prefix.view(A, 1, 1, 1), _field(sample.view(1, B, 1, 1), 4))  # (A, B, 1, 1)
+    h = _link(h, _field(positions.view(1, B, T, 1), 5))  # (A, B, T, 1)
+    h = _link(h, _field(counter.view(1, 1, 1, n), 6))  # (A, B, T, n)
+    return -torch.log(-torch.log(_uniform(h)))
 
 
 @dataclass(frozen=True)
@@ -71,22 +117,35 @@ class NoiseKey:
     sample_index: torch.Tensor
     positions: torch.Tensor
 
+    def prefix(self, axis: int) -> int:
+        """The hash chain over the scalar fields (seed, step, layer, axis), on the host."""
+        h = _field(self.seed, 0)
+        for i, key in enumerate((self.step, self.layer, axis), start=1):
+            h = _link(h, _field(key, i))
+        return h
+
     def gumbel(self, shape: tuple[int, ...], axis: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Gumbel(0, 1) noise of `shape` = (B, T, *rest); `axis` separates the router axes.
 
         Trailing dims are enumerated in row-major order, so a (B, T, H, M) request gives
         head h, option m the counter h * M + m.
         """
-        B, T = shape[0], shape[1]
-        rest = shape[2:]
-        n_rest = 1
-        for s in rest:
-            n_rest *= s
+        return self.gumbel_axes({axis: shape}, dtype)[axis]
+
+    def gumbel_axes(self, shapes: Mapping[int, tuple[int, ...]], dtype: torch.dtype = torch.float32,
+                    noise_fn=counter_gumbel) -> dict[int, torch.Tensor]:
+        """`gumbel` for several axes {axis: (B, T, *rest)} in one tensor computation (each equal to
+        its own `gumbel` call bit for bit: an axis with fewer counters reads a prefix of them).
+        `noise_fn` is `counter_gumbel` or a compiled twin of it."""
+        axes = list(shapes)
+        B, T = shapes[axes[0]][:2]
+        if any(tuple(s[:2]) != (B, T) for s in shapes.values()):
+            raise ValueError(f"gumbel_axes: every shape must start with the same (B, T); got {dict(shapes)}")
+        counts = {a: torch.Size(shapes[a][2:]).numel() for a in axes}
         device = self.sample_index.device
-        sample = self.sample_index.to(torch.int64).view(B, 1, 1)
+        prefix = torch.tensor([self.prefix(a) for a in axes], dtype=torch.int64, device=device)
+        sample = self.sample_index.to(torch.int64).view(B)
         pos = self.positions.to(device, torch.int64)
-        pos = pos.view(1, T, 1) if pos.dim() == 1 else pos.view(B, T, 1)
-        counter = torch.arange(n_rest, dtype=torch.int64, device=device).view(1, 1, n_rest)
-        u = uniform_from_keys(self.seed, self.step, self.layer, axis, sample, pos, counter, dtype=torch.float64)
-        g = -torch.log(-torch.log(u))
-        return g.to(dtype).view(*shape)
+        pos = pos.view(1, T).expand(B, T) if pos.dim() == 1 else pos.view(B, T)
+        g = noise_fn(prefix, sample, pos, max(counts.values()))  # (A, B, T, n_max)
+        return {a: g[i, :, :, : counts[a]].to(dtype).reshape(shapes[a]) for i, a in enumerate(axes)}

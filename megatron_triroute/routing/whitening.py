@@ -53,14 +53,15 @@ class RunningWhitening(RunningStatistic):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor) -> None:
-        count = reduced[0].item()
+        reduced = reduced.clone()
         self._acc.zero_()
-        if count <= 0:
-            return
+        # No tokens this step: every statistic kept. Selects, not a branch: no host read of the count.
+        seen = reduced[0] > 0
+        count = reduced[0].clamp_min(1.0)
         d = self.mean.numel()
         batch_mean = reduced[1 : 1 + d] / count
         batch_var = (reduced[1 + d :] / count - batch_mean.pow(2)).clamp_min(0.0)
         m = self.momentum
-        self.mean.copy_((m * self.mean.double() + (1 - m) * batch_mean).float())
-        self.var.copy_((m * self.var.double() + (1 - m) * batch_var).float())
-        self.steps += 1
+        self.mean.copy_(torch.where(seen, (m * self.mean.double() + (1 - m) * batch_mean).float(), self.mean))
+        self.var.copy_(torch.where(seen, (m * self.var.double() + (1 - m) * batch_var).float(), self.var))
+        self.steps += seen.to(self.steps.dtype)

@@ -1,7 +1,10 @@
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from megatron_triroute import TriRouteController
+from megatron_triroute.config import BudgetConfig
+from megatron_triroute.routing.budget import BudgetController
 from megatron_triroute.routing.grad_balance import GradBalance
 from megatron_triroute.routing.noise import NoiseKey
 from megatron_triroute.routing.running_stats import commit_running_statistics
@@ -128,3 +131,47 @@ def test_grad_balance_is_relative_to_the_layers_mean_norm():
     z.grad = None
     c.balance["attn"](z, c._balance_reference()).backward(up)
     assert torch.allclose(z.grad, up * mean / 4.0)
+
+
+class _HostReads(TorchDispatchMode):
+    """Counts the aten ops that read a tensor's value on the host (a device sync on a GPU)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.is_nonzero):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_routing_path_reads_nothing_on_the_host_in_forward_backward_and_commit():
+    cfg = tiny_config()
+    controller = TriRouteController(cfg, 0).train()
+    budget = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_kp=0.5))
+    hidden, side = make_inputs(cfg)
+    B, T = hidden.shape[:2]
+    reads = _HostReads()
+    with reads:
+        for step in range(2):  # the second step reads the budget's PI term after an update
+            out = controller(hidden, side, key_for(B, T, step=step), tau=1.5)
+            penalty = budget.penalty(torch.stack([out.attn.y_cost.sum(), out.bits.y_cost.sum()]) / (B * T))
+            (out.attn.y.sum() + out.bits.y.sum() + out.experts.weight.sum() + penalty).backward()
+            commit_running_statistics([controller])
+            budget.update(torch.tensor([0.6, 0.5], dtype=torch.float64))
+        controller.eval()(hidden, side)
+    # The budget's own once-a-step update reads its step count; nothing per layer or per commit does.
+    assert reads.reads == ["aten._local_scalar_dense.default"] * 2, reads.reads
+
+
+def test_commits_keep_the_statistics_when_nothing_was_seen_and_match_the_float64_formula():
+    g = GradBalance(momentum=0.9)
+    g.rho.fill_(2.0)
+    g.commit(torch.zeros(1, dtype=torch.float64))
+    assert g.rho.item() == 2.0
+    g.commit(torch.tensor([9.0], dtype=torch.float64))
+    assert g.rho.item() == torch.tensor(0.9 * 2.0 + 0.1 * 3.0, dtype=torch.float32).item()
+    w = RunningWhitening(2, momentum=0.5)
+    w.commit(torch.zeros(5, dtype=torch.float64))
+    assert w.mean.tolist() == [0.0, 0.0] and w.var.tolist() == [1.0, 1.0] and w.steps.item() == 0

@@ -1,0 +1,53 @@
+"""The counter-based noise: pinned values (a run resumed on any revision draws the same noise), the
+host-folded scalar fields and the all-axes computation equal to one call per axis."""
+
+import torch
+
+from megatron_triroute.routing.noise import NoiseKey, _field, _link, counter_gumbel, hash_keys
+
+# Values of the hash as it was first released (the chain over int64 tensors for every field):
+# any change to the arithmetic changes every routing decision of a resumed run.
+PINNED_HASHES = [110443989, 3588257945, 3787934666, 4074861034, 3603806371, 264902909, 3087027879,
+                 2049655347, 1638050376, 36228172, 2799802813, 2340869657, 2905142842, 3296482229,
+                 926326268, 36936134, 3210699185, 2961949503]
+
+
+def test_hash_is_pinned_to_its_released_values():
+    h = hash_keys(7, 3, 1, 0, torch.tensor([0, 5]).view(2, 1, 1), torch.tensor([0, 1, 2047]).view(1, 3, 1),
+                  torch.arange(3).view(1, 1, 3))
+    assert h.flatten().tolist() == PINNED_HASHES
+    assert hash_keys(-1, 2**40 + 5).item() == 3501442335  # negative and wide keys wrap as int64 & 2^32-1
+
+
+def test_host_folded_fields_equal_the_tensor_chain():
+    # The same fields as tensors from the start: the chain stays on int64 tensors throughout.
+    keys = (123, 2**33 + 9, 7, 2, torch.arange(4).view(4, 1), torch.arange(5).view(1, 5))
+    as_tensors = [torch.as_tensor(k) for k in keys]
+    h = None
+    for i, k in enumerate(as_tensors):
+        h = _field(k, i) if h is None else _link(h, _field(k, i))
+    assert torch.equal(hash_keys(*keys), h)
+
+
+def test_noise_is_pinned_and_all_axes_at_once_equal_one_call_per_axis():
+    key = NoiseKey(11, 123456, 3, torch.arange(4, 7), torch.arange(2, 7))
+    shapes = {0: (3, 5, 4, 3), 2: (3, 5, 3), 1: (3, 5, 6)}
+    together = key.gumbel_axes(shapes)
+    pinned = {0: 98.81806868873537, 2: 26.834429867565632, 1: 56.483489982783794}
+    for axis, shape in shapes.items():
+        alone = key.gumbel(shape, axis)
+        assert alone.shape == shape and alone.dtype == torch.float32
+        assert torch.equal(together[axis], alone)
+        assert alone.double().sum().item() == pinned[axis]
+    # Per-sample positions (B, T), e.g. packed documents.
+    packed = NoiseKey(11, 9, 0, torch.arange(2), torch.arange(6).view(1, 6) + torch.tensor([[0], [3]]))
+    assert packed.gumbel((2, 6, 2), 0).double().sum().item() == 19.58718980103731
+
+
+def test_counter_gumbel_takes_step_and_layer_as_a_tensor():
+    key = NoiseKey(5, 17, 2, torch.arange(3), torch.arange(4))
+    prefix = torch.tensor([key.prefix(0), key.prefix(1)])
+    g = counter_gumbel(prefix, torch.arange(3), torch.arange(4).expand(3, 4), 6)  # (A, B, T, n)
+    assert g.shape == (2, 3, 4, 6) and g.dtype == torch.float64
+    assert torch.equal(g[1].float(), key.gumbel((3, 4, 6), 1))
+    assert not torch.equal(g[0], g[1])
