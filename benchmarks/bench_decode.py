@@ -269,6 +269,9 @@ class MachinePeaks:
     the current thread count; `probe()` measures once more (run in every timed round, so that the
     roofline of a cell sees the machine's load during that cell's steps)."""
 
+    REPEATS = 3
+    """Probes per measurement (the best is kept)."""
+
     def __init__(self, quick: bool = False):
         n = (16 if quick else 256) * 2**20 // 4
         self.src, self.dst = torch.randn(n), torch.empty(n)
@@ -277,7 +280,7 @@ class MachinePeaks:
 
     def probe(self) -> dict:
         copy, mm = [], []
-        for _ in range(3):
+        for _ in range(self.REPEATS):
             start = time.perf_counter()
             self.dst.copy_(self.src)
             copy.append(time.perf_counter() - start)

@@ -134,7 +134,7 @@ def second_definitions(rel: str, index, widths: tuple[int, ...], mode_names: tup
             targets = node.targets if isinstance(node, ast.Assign) else [node.target]
             for t in targets:
                 for n in ast.walk(t):
-                    if isinstance(n, ast.Name) and HOMES.get(n.id, rel) != rel:
+                    if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and HOMES.get(n.id, rel) != rel:
                         found.append(f"{rel}:{node.lineno}: assigns {n.id} (defined in {HOMES[n.id]})")
         elif isinstance(node, (ast.Tuple, ast.List, ast.Set)) and node is not allowed:
             values = [e.value for e in node.elts if isinstance(e, ast.Constant)]
@@ -216,6 +216,7 @@ def test_each_rule_catches_the_pattern_it_names():
         (routing, "ok = b in [16, 8, 4, 2]"),
         (routing, "names = ('skip', 'full')"),
         (routing, "N_MODES = 3"),
+        (routing, "SKIP, LOCAL = 0, 1"),
         ("megatron_triroute/config.py", "SUPPORTED_BITS = (2, 4, 8, 16)"),
     ]
     for rel, source in caught:
@@ -228,6 +229,7 @@ def test_each_rule_catches_the_pattern_it_names():
         ("megatron_triroute/training/x.py", "ffn = 3 * m.d_model * m.d_ff"),
         (routing, "checks = ('shared', 'full')"),
         (routing, "bits = (2, 4, 8)"),
+        (routing, "p[FULL], p[LOCAL] = 0.5, 0.25"),  # indexing by a mode is a use, not a definition
         ("megatron_triroute/config.py", "class RouterConfig:\n    bits: tuple = (2, 4, 8, 16)"),
         (MODES_HOME, "ATTN_MODES = ('skip', 'local', 'full')"),
         (WIDTHS_HOME, "SUPPORTED_BITS = (2, 4, 8, 16)"),
