@@ -76,6 +76,8 @@ class _RelaxedWrite(torch.autograd.Function):
         ctx.weight_dtype = bit_weights.dtype
         weights = bit_weights.to(x.dtype).unsqueeze(-2)  # (B, T, 1, |bits|)
         with torch.autocast(x.device.type, enabled=False):  # the written values keep x's dtype, exactly
+            if values.shape[2] == 1:  # one width (Dense, KV-quant): a scale, not a sum over widths
+                return (weights[..., 0] * values[:, :, 0]).view_as(x)
             return (weights @ values).view_as(x)  # (B, T, 1, H_kv * d_h)
 
     @staticmethod

@@ -34,8 +34,10 @@ COMMON = [f"train.steps={STEPS}", "train.save_interval_steps=3", "triroute.model
 # whole-moment checkpoint is gathered from, and sliced back into, shards that split tensors.
 SMALL_BUCKETS = ["parallel.bucket_mb=0.01"]
 DEFAULT_EPS = f"optim.eps={OptimConfig().eps}"
-MOMENT_TOL = 1e-3  # measured up to 5.3e-4 (TP2 -> TP1, the controller trunk: its gradient is summed over the TP ranks
-# in another order, and the per-mode attention sums its heads in another grouping; 1.3e-4 before the per-mode kernels)
+MOMENT_TOL = 1e-2  # measured up to 5.6e-3 (TP2 -> TP1, exp_avg of the attention output projection; 1.3e-4 before the
+# per-mode attention kernels and the one-hash noise, with the parameters still within 1e-5). TP2 sums the attention
+# heads and the controller's gradient in another order, and the moments integrate those gradients; a moment that
+# was not carried over is off by about 1.
 HALF = ["train.exit_interval=3"]  # checkpoint at step 3 and stop: the first layout's half of the run
 
 
