@@ -23,6 +23,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from tests.dist_utils import run_distributed
 from tests.model.harness import batch, build, tiny_triroute
+from tests.inference.test_routed_attention import designed_routes
 
 
 def _modes(B, T, H):
@@ -41,13 +42,7 @@ def _routes(B, T, E):
     """(B, T, 2) expert ids (-1 = null) and renormalised weights: tokens with {null, j}, {j, j'}
     and {null, null}."""
     g = torch.Generator().manual_seed(5)
-    first = torch.randint(0, E, (B, T), generator=g)
-    second = (first + 1 + torch.randint(0, E - 1, (B, T), generator=g)) % E
-    index = torch.stack([first, second], -1)
-    t = torch.arange(T).view(1, T).expand(B, T)
-    index[..., 0][t % 3 == 0] = -1
-    index[..., 1][t % 7 == 6] = -1
-    index[..., 0][t % 7 == 6] = -1
+    index = designed_routes(B, T, E, g)
     p = torch.rand(B, T, 2, generator=g) + 0.1
     return index, p / p.sum(-1, keepdim=True)
 

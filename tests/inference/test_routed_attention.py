@@ -124,8 +124,8 @@ def test_skipped_token_kv_is_read_later_at_its_width_and_window_boundary_is_exac
         assert bool((out[0, 7] - base[0, 7]).abs().max() > 1e-4) == moves, key
 
 
-def _routes(Bn, Tn, E):
-    g = torch.Generator().manual_seed(5)
+def designed_routes(Bn, Tn, E, g: torch.Generator) -> torch.Tensor:
+    """(Bn, Tn, 2) expert ids (-1 = null), drawn from `g`: tokens with {null, j}, {j, j'} and {null, null}."""
     first = torch.randint(0, E, (Bn, Tn), generator=g)
     second = (first + 1 + torch.randint(0, E - 1, (Bn, Tn), generator=g)) % E
     index = torch.stack([first, second], -1)
@@ -141,7 +141,7 @@ def test_cost_audit_equals_hard_cost_and_bytes_at_rest_equal_kv_bits():
     cfg = model.config
     L, E = cfg.model.n_layers, cfg.router.num_experts
     modes, bits = designed()
-    index = _routes(B, T, E)
+    index = designed_routes(B, T, E, torch.Generator().manual_seed(5))
     assert bool((index < 0).all(-1).any())  # some tokens run no expert at all
 
     def decide(x, side, prev, positions, prices):  # the designed decisions, at each token's position
