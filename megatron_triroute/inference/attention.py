@@ -1,18 +1,17 @@
-"""Routed attention over the paged cache, executing only the selected reads.
+"""Routed attention over the paged cache: one write and one read op per layer, tensor ops only.
 
-Every valid token first writes its K/V to the pool of its chosen width (skip is a read
-decision). Then per query head h, only the (token, h) pairs whose mode is not `skip` get a
-query projection, read keys and an output projection: `local` reads keys at positions
-max(0, t - w)..t, `full` 0..t. Heads of one KV group may take different modes.
+Every valid token writes its K/V to the pool of its chosen width (skip is a read decision) with
+the kernels' one cache write. Then every token is one query row of the kernels' one attention op
+over all precision pools (`triroute_kernels.paged_attention`: one online softmax across pools,
+work per (row, KV head) with all its query heads): query head h of a row reads keys lo..t, where
+`read_start` gives lo from its mode (a skipping head gets the empty range lo = t + 1 and a zero
+context). Q, K, V and O are one matmul each over all heads; a skipping head's Q is computed and
+never read, and its zero context adds nothing through O (at one token per request the weights
+are read whole either way). Prefill and decode take the same path: a prompt's tokens are rows
+with their own positions.
 
-Prefill and decode take one read path: every new token is one query row of the kernels'
-`triroute_kernels.decode_attention_pool`, called once per precision pool for all rows and heads
-(the torch twin on CPU, the Triton kernel on CUDA) with the row's request's page table, keys
-lo..t (a skipping head gets the empty range lo = t + 1); the pools' partials are merged by
-their log-sum-exp (`merge_partials`). The kernels keep the online softmax, bounded scratch
-included: the engine has none of its own. Work is vectorised over the batch and the reading
-tokens; the Python loops run over pools, heads and (for long prompts) row blocks, never over
-tokens.
+`attend` is the step's part (no host read). `routed_attention` wraps it for one layer called on
+its own (tests, tools): it reserves the cache's room before and audits after.
 """
 
 from __future__ import annotations
@@ -21,15 +20,14 @@ import math
 
 import torch
 
-from triroute_kernels import decode_attention_pool, merge_partials
-
-from ..routing.modes import SKIP, read_start
-from .audit import CostAudit
+from ..routing.modes import read_start
+from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
 
-ROW_BLOCKS = 1 << 22
-"""Cap on (row, kv head, page) entries per kernel call: a long prompt's rows go in several calls,
-so the page tables and the kernels' block lists stay O(ROW_BLOCKS), not O(prompt x context)."""
+try:
+    from triroute_kernels import paged_attention
+except ImportError:  # pragma: no cover
+    from triroute_kernels._devshim import paged_attention
 
 
 def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,103 +49,47 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return apply_rope(x, *rope_tables(positions, x.shape[-1], base))
 
 
+def attend(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
+           mode: torch.Tensor, option: torch.Tensor, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           valid: torch.Tensor | None, cache: PagedKVCache, layer: int, rows: torch.Tensor, n: int,
+           window: int) -> torch.Tensor:
+    """h (N, D) normed inputs of B requests, n tokens each (request-major, N = B n); wq (H, d, D),
+    wk/wv (H_kv, d, D), wo (D, H, d); mode (N, H) in ATTN_MODES order; option (N,) bit option;
+    t (N,) positions; cos/sin (N, 1, d) their rotary tables; valid (N,) (None: all valid); rows (B,)
+    the requests' cache rows. Returns (N, D). Tensor ops only; room reserved beforehand."""
+    N, D = h.shape
+    H, d = wq.shape[:2]
+    n_kv = wk.shape[0]
+    qk = torch.cat([h @ wq.view(H * d, D).T, h @ wk.view(n_kv * d, D).T], -1).view(N, H + n_kv, d)
+    qk = apply_rope(qk, cos, sin)
+    v = (h @ wv.view(n_kv * d, D).T).view(N, n_kv, d)
+    cache.write_step(layer, rows, option, t, qk[:, H:], v, valid, n)
+    lo = read_start(t.view(N, 1), mode, window)  # skip: t + 1, an empty range
+    if valid is not None:
+        lo = torch.where(valid.view(N, 1), lo, t.view(N, 1) + 1)
+    request = rows.repeat_interleave(n) if n > 1 else rows
+    a = cache.layers[layer].args()
+    context = paged_attention(qk[:, :H].contiguous(), a.k_data, a.k_scale, a.k_zero, a.v_data, a.v_scale, a.v_zero,
+                              a.token_pos, a.bits, a.group_size, cache.tables[layer], request, lo, t,
+                              1.0 / math.sqrt(d), cache.executed[layer])
+    return context.view(N, H * d) @ wo.view(D, H * d).T
+
+
 def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
                      mode: torch.Tensor, bit_option: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
                      cache: PagedKVCache, layer: int, rids: list[int], window: int,
                      audit: CostAudit | None) -> torch.Tensor:
-    """h (B, n, D) normed input; wq (H, d, D), wk/wv (H_kv, d, D), wo (D, H, d); mode (B, n, H)
-    in ATTN_MODES order; bit_option (B, n); positions, valid (B, n). Returns (B, n, D)."""
+    """One layer's `attend` on its own: h (B, n, D) normed input; mode (B, n, H); bit_option,
+    positions, valid (B, n). Reserves room for the tokens, runs, then counts the audit. Returns (B, n, D)."""
     B, n, D = h.shape
-    H, d = wq.shape[:2]
-    n_kv = wk.shape[0]
-    flat_h = h.reshape(B * n, D)
-    tokens = valid.flatten().nonzero().flatten()  # (N,) valid flat indices, request-major then position
-    batch_of = torch.arange(B, device=h.device).repeat_interleave(n)
-    pos_flat = positions.flatten()
-
-    # --- writes: every token, at its chosen width ---------------------------------------------
-    x = flat_h[tokens]
-    cos, sin = rope_tables(pos_flat[tokens], d)  # once per call: shared by K and every head's Q
-    k = apply_rope(torch.einsum("nD,hdD->nhd", x, wk), cos, sin)
-    v = torch.einsum("nD,hdD->nhd", x, wv)
-    written = cache.bytes_written
-    cache.write(layer, rids, batch_of[tokens], bit_option.flatten()[tokens], pos_flat[tokens], k, v)
+    d = wq.shape[1]
+    cache.reserve(rids, [n] * B)
+    t = positions.reshape(-1)
+    rows = cache.rows(rids)
+    cos, sin = rope_tables(t, d)
+    out = attend(h.reshape(B * n, D), wq, wk, wv, wo, mode.reshape(B * n, -1), bit_option.reshape(-1), t, cos, sin,
+                 valid.reshape(-1), cache, layer, rows, n, window)
     if audit is not None:
-        audit.add(layer, "k_proj", tokens.numel() * n_kv * d * D)
-        audit.add(layer, "v_proj", tokens.numel() * n_kv * d * D)
-        audit.add(layer, "bytes_written", cache.bytes_written - written)
-
-    # --- reads: one query row per new token -----------------------------------------------------
-    out = torch.zeros(B * n, D, dtype=h.dtype, device=h.device)
-    proj = _read_rows(x, cos, sin, wq, wo, batch_of[tokens], pos_flat[tokens], mode.reshape(B * n, H)[tokens], cache,
-                      layer, rids, window, audit)
-    return out.index_copy_(0, tokens, proj).view(B, n, D)
-
-
-def _read_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, wq: torch.Tensor, wo: torch.Tensor,
-               request: torch.Tensor, t: torch.Tensor, mode: torch.Tensor, cache: PagedKVCache, layer: int,
-               rids: list[int], window: int, audit: CostAudit | None) -> torch.Tensor:
-    """Attention of N query rows (N, D) -> (N, D): row i is a token of request `request[i]` at
-    position t[i] with per-head modes mode[i] (N, H); x its normed input, cos/sin (N, 1, d) its
-    rotary tables. The query and output projections of the reading (row, head) pairs only, head
-    by head; one rotary embedding over all of them; every pool read by the kernels' decode
-    attention for all rows and heads at once (a skipping head gets the empty range lo = t + 1);
-    partials merged by log-sum-exp."""
-    H, d, D = wq.shape
-    N = x.shape[0]
-    reading = mode != SKIP
-    n_read = reading.sum(0).tolist()  # per head: reading rows
-    if not any(n_read):
-        return x.new_zeros(N, D)
-    every = [c == N for c in n_read]
-    rows = [None if c in (0, N) else reading[:, head].nonzero().flatten() for head, c in enumerate(n_read)]
-    q = torch.zeros(N, H, d, dtype=x.dtype, device=x.device)  # skipping pairs stay 0 and are never read
-    for head, c in enumerate(n_read):
-        if every[head]:
-            q[:, head] = x @ wq[head].T
-        elif c:
-            q[rows[head], head] = x[rows[head]] @ wq[head].T
-    q = apply_rope(q, cos, sin)
-    lo = read_start(t.view(-1, 1).expand_as(mode), mode, window)  # skip: t + 1, an empty range
-    outs, lses = [], []
-    for option, pool in enumerate(cache.layers[layer].pools):
-        pages, _ = cache.page_table(layer, option, rids)  # (B, max pages) per request
-        if pages.shape[1] == 0:
-            continue
-        step = max(1, ROW_BLOCKS // (pool.k.num_kv_heads * pages.shape[1]))  # rows per kernel call
-        parts = [decode_attention_pool(q[i : i + step], pool.k, pool.v, pool.bits, cache.group_size,
-                                       pages[request[i : i + step]], lo[i : i + step], t[i : i + step],
-                                       1.0 / math.sqrt(d)) for i in range(0, N, step)]
-        outs.append(torch.cat([o for o, _ in parts]))
-        lses.append(torch.cat([lse for _, lse in parts]))
-        if audit is not None:
-            slots, keys = _slots_and_keys_read(pool.token_pos, pages, request, lo, t)
-            audit.add(layer, "bytes_read", slots * pool.slot_bytes)
-            audit.add(layer, "attn", 2 * d * keys)
-    context = merge_partials(outs, lses)[0] if len(outs) > 1 else outs[0]  # (N, H, d)
-    proj = torch.zeros(N, D, dtype=x.dtype, device=x.device)
-    for head, c in enumerate(n_read):
-        if every[head]:
-            proj += context[:, head] @ wo[:, head].T
-        elif c:
-            proj.index_add_(0, rows[head], context[rows[head], head] @ wo[:, head].T)
-    if audit is not None:
-        audit.add(layer, "q_proj", sum(n_read) * d * D)
-        audit.add(layer, "o_proj", sum(n_read) * d * D)
-    return proj
-
-
-def _slots_and_keys_read(token_pos: torch.Tensor, pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
-                         hi: torch.Tensor) -> tuple[int, int]:
-    """In one pool, with `pages` (B, max pages; absent -1) each request's page list: the slots of
-    row i's request at positions <= hi[i] (its context in this pool, whatever its heads read),
-    summed over rows, and the keys the (row, head) ranges [lo, hi] meet, summed over rows and
-    heads; so a prefill of n tokens counts what n decode steps count. Memory O(B x positions)."""
-    pos = torch.where(pages.unsqueeze(-1) >= 0, token_pos[pages.clamp(min=0)], -1).flatten(1).long()  # (B, L)
-    size = max(int(hi.max()), int(pos.max())) + 2
-    before = torch.zeros(pos.shape[0], size, dtype=torch.long, device=pos.device)
-    before.scatter_add_(1, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
-    before = before.cumsum(1)  # before[b, p]: b's slots at positions < p
-    upto = before[request, hi + 1]  # (N,)
-    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), lo.clamp(max=size - 1)]  # (N, H); skip: lo = hi + 1
-    return int(upto.sum()), int(keys.clamp(min=0).sum())
+        count_attention(audit, layer, cache, rows.repeat_interleave(n), mode.reshape(B * n, -1), bit_option.reshape(-1),
+                        t, valid.reshape(-1), window, D)
+    return out.view(B, n, D)

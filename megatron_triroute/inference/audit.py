@@ -1,22 +1,37 @@
-"""Cost-audit counters: what the engine executed and moved, per layer.
+"""Cost-audit counters: what the decisions ask for (audited) and what the kernels executed, per layer.
 
 MACs are multiply-accumulates as in `routing.cost` (attention: d_h for q.k plus d_h for the
 weighted V sum per key read and head; experts: 3 d d_e per real route). Projections (Q/K/V/O),
 the controller and the LM head are counted separately from the budgeted attention-read and
 expert MACs, so the budget fraction can be read either way (see docs/inference.md).
+
+The audited counters are computed after a step from its decision tensors and the cache
+(`count_attention`, the model's `audit_step`), never inside the timed work. Beside them,
+`executed` holds per layer what the attention kernel itself counted while it ran (`attn`: q.k and
+p.V MACs of every (head, key) it scored; `bytes_read`: the K/V bytes of every slot it unpacked),
+so audited and executed can differ visibly (page granularity, a slot scored for a head that
+then masks it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from ..routing.modes import SKIP, read_start
+
 COUNTERS = ("q_proj", "k_proj", "v_proj", "o_proj", "attn", "experts", "controller", "bytes_written", "bytes_read")
+EXECUTED = ("attn", "bytes_read")
+"""What the attention kernel counted as it ran (`CostAudit.executed`)."""
 
 
 @dataclass
 class CostAudit:
     n_layers: int
     layers: list[dict[str, int]] = field(default_factory=list)
+    executed: list[dict[str, int]] = field(default_factory=list)
+    """Per layer, the attention kernel's own counters (module doc)."""
     lm_head: int = 0
     tokens: int = 0
     """Tokens processed by the decoder (prompt and generated)."""
@@ -24,16 +39,31 @@ class CostAudit:
     """The dense reference (Appendix A) of the same tokens: sum over layers of 2 d (t+1) + 3 d d_f."""
     dense_kv_bytes: int = 0
     """The 16-bit cache the dense model would store for the same tokens."""
+    _seen: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not self.layers:
             self.layers = [dict.fromkeys(COUNTERS, 0) for _ in range(self.n_layers)]
+        if not self.executed:
+            self.executed = [dict.fromkeys(EXECUTED, 0) for _ in range(self.n_layers)]
 
     def add(self, layer: int, name: str, value) -> None:
         self.layers[layer][name] += int(value)
 
     def total(self, name: str) -> int:
         return sum(layer[name] for layer in self.layers)
+
+    def total_executed(self, name: str) -> int:
+        return sum(layer[name] for layer in self.executed)
+
+    def take_executed(self, cache) -> None:
+        """Add what the cache's kernels counted (`cache.executed`, cumulative) since this audit last looked."""
+        now = cache.executed.tolist()
+        before = self._seen.get(id(cache), [[0, 0]] * len(now))
+        for layer, (a, b) in enumerate(zip(now, before)):
+            for name, x, y in zip(EXECUTED, a, b):
+                self.executed[layer][name] += x - y
+        self._seen[id(cache)] = now
 
     @property
     def budgeted_macs(self) -> int:
@@ -56,4 +86,51 @@ class CostAudit:
         return {name: self.total(name) for name in COUNTERS} | {
             "lm_head": self.lm_head, "tokens": self.tokens, "realised_flops": self.realised_flops(),
             "realised_mem": self.realised_mem(),
-        }
+        } | {f"executed_{name}": self.total_executed(name) for name in EXECUTED}
+
+
+def count_attention(audit: CostAudit, layer: int, cache, rows: torch.Tensor, mode: torch.Tensor, option: torch.Tensor,
+                    t: torch.Tensor, valid: torch.Tensor, window: int, d_model: int) -> None:
+    """Add one layer's audited attention counters for N token rows, after the step that ran them:
+    rows (N,) cache rows, mode (N, H), option (N,) bit option, t (N,) positions, valid (N,). Reads
+    the cache as the step left it (a step writes each layer's tokens before reading them)."""
+    H = mode.shape[1]
+    pools = cache.layers[layer].pools
+    n_kv, d = pools[0].n_kv, pools[0].d_head
+    keep = valid.nonzero().flatten()
+    rows, mode, option, t = rows[keep], mode[keep], option[keep], t[keep]
+    reading = mode != SKIP
+    tokens, pairs = keep.numel(), int(reading.sum())
+    audit.add(layer, "k_proj", tokens * n_kv * d * d_model)
+    audit.add(layer, "v_proj", tokens * n_kv * d * d_model)
+    audit.add(layer, "q_proj", pairs * d * d_model)
+    audit.add(layer, "o_proj", pairs * d * d_model)
+    slot_bytes = torch.tensor([p.slot_bytes for p in pools], dtype=torch.long)
+    audit.add(layer, "bytes_written", int(slot_bytes[option.cpu()].sum()))
+    if tokens == 0:
+        return
+    lo = read_start(t.view(-1, 1), mode, window)  # skip: t + 1
+    requests, request = torch.unique(rows, return_inverse=True)
+    for o, pool in enumerate(pools):
+        slots, keys = slots_and_keys_read(pool.token_pos, cache.tables[layer, o][requests], request, lo, t)
+        audit.add(layer, "bytes_read", slots * pool.slot_bytes)
+        audit.add(layer, "attn", 2 * d * keys)
+
+
+def slots_and_keys_read(token_pos: torch.Tensor, pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
+                        hi: torch.Tensor) -> tuple[int, int]:
+    """In one pool, with `pages` (B, max pages; absent -1) each request's page list and request (N,)
+    each row's request: the slots of row i's request at
+    positions <= hi[i] (the row's context in this pool, whatever its heads read), summed over rows,
+    and the keys the (row, head) ranges [lo, hi] meet, summed over rows and heads; so a prefill of n
+    tokens counts what n decode steps count. Memory O(B x positions)."""
+    pos = torch.where(pages.unsqueeze(-1) >= 0, token_pos[pages.clamp(min=0)], -1).flatten(1).long()  # (B, L)
+    if pos.shape[1] == 0:
+        return 0, 0
+    size = max(int(hi.max()), int(pos.max())) + 2
+    before = torch.zeros(pos.shape[0], size, dtype=torch.long, device=pos.device)
+    before.scatter_add_(1, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
+    before = before.cumsum(1)  # before[b, p]: b's slots at positions < p
+    upto = before[request, hi + 1]  # (N,)
+    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), lo.clamp(max=size - 1)]  # (N, H); skip: lo = hi + 1
+    return int(upto.sum()), int(keys.clamp(min=0).sum())

@@ -1,19 +1,27 @@
 """Paged, precision-segregated KV cache: per layer one pool of fixed-size pages per bit-width.
 
 The pages are `triroute_kernels` pools (`triroute_kernels.pool` documents the layout), written by
-`triroute_kernels.quantize_pack_into` and read by its dequantiser and decode-attention kernel
-(the torch twins on CPU, Triton on CUDA): the engine has no packing code of its own. Per
-(layer, width) a K pool and a V pool share one `token_pos` index. One slot stores one token's K
-(or V) for every KV head; per (token, head), for b < 16 bits, d_h * b / 8 bytes of codes
-(`triroute_kernels.quant.pack_codes`' order: code i of a byte at bit i * b) and one float16 scale and
-zero per quantisation group (`quantize_groups`'); for 16 bits the float16 values. A token's K and V
-therefore take exactly `routing.quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and every cached K/V
-dequantises bit-identically to `routing.quant.fake_quantize` of the training code (tested at 2/4/8/16 bits).
+the kernels' one cache write and read by their one attention over all pools (C++ on CPU, the
+torch twins elsewhere): the engine has no packing code of its own. Per (layer, width) a K pool
+and a V pool share one `token_pos` index. One slot stores one token's K (or V) for every KV head;
+per (token, head), for b < 16 bits, d_h * b / 8 bytes of codes (`triroute_kernels.quant.pack_codes`'
+order) and one float16 scale and zero per quantisation group; for 16 bits the float16 values. A
+token's K and V therefore take exactly `routing.quant.kv_bits_per_token(b, d_kv, g) / 8` bytes, and
+every cached K/V dequantises bit-identically to `routing.quant.fake_quantize` of the training code.
 
-Each request owns, per layer and pool, a list of page ids and a slot count; `token_pos` holds the
-position of the token in each slot (-1 when free), and a pool holds only the tokens that chose its
-width, in increasing position. Pages come from a free list, return to it (slots marked free) when
-a request ends and are reused; storage grows by doubling only when the free list is empty.
+Decode state on the device. Per layer, `tables[l]` (pools, rows, width) holds each request's page
+ids (-1 past its pages; width bucketed to a power of two) and `counts[l]` (pools, rows) its filled
+slots, one row per request. A step writes and advances them with tensor ops only (`write_step`):
+no host read, whatever width each token takes. Because the width is decided inside the step, the
+scheduler keeps room for the next tokens in EVERY pool, outside the step (`reserve`, vLLM-style):
+it reads the counts back only when a request's room runs out, then gives every pool room for
+`page_size` more tokens (or the step's tokens, if more), so decode reads the device once every
+`page_size` steps, and a request holds at most about two unfilled pages per pool.
+`trim` (after a prefill, and for the host-side `write`) returns pages beyond that room.
+
+Pages come from a free list per pool, return to it (slots marked free) when a request ends and
+are reused; a pool's storage grows only when its free list runs out, by what is needed plus an
+eighth, so free storage stays a small fraction of what is held.
 """
 
 from __future__ import annotations
@@ -21,9 +29,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from triroute_kernels import allocate_kv_pools, dequantize_slots, quantize_pack_into
+from triroute_kernels import allocate_kv_pools, dequantize_slots
 
 from ..routing.quant import kv_bits_per_token
+
+try:
+    from triroute_kernels import cache_write
+except ImportError:  # pragma: no cover
+    from triroute_kernels._devshim import cache_write
+
+GROWTH_DIVISOR = 8
+"""A pool grows by what it needs plus 1/GROWTH_DIVISOR of its size."""
 
 
 class WidthPool:
@@ -69,24 +85,21 @@ class WidthPool:
             for src, dst in zip(old.storage_tensors(), new.storage_tensors()):
                 dst[:n] = src
         self.k, self.v = k, v
+        self.free = list(range(n, pages))[::-1] + self.free
 
-    def alloc(self) -> int:
-        if not self.free:
+    def alloc(self, count: int) -> list[int]:
+        """`count` free page ids (growing the storage if the free list is short)."""
+        if len(self.free) < count:
             n = self.num_pages
-            self._grow(2 * n)
-            self.free = list(range(n, 2 * n))[::-1]
-        return self.free.pop()
+            self._grow(n + count - len(self.free) + n // GROWTH_DIVISOR)
+        taken = self.free[len(self.free) - count:][::-1]
+        del self.free[len(self.free) - count:]
+        return taken
 
     def release(self, pages: list[int]) -> None:
         if pages:
             self.token_pos[torch.tensor(pages, dtype=torch.long, device=self.device)] = -1
             self.free.extend(reversed(pages))
-
-    def write(self, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor) -> None:
-        """Store tokens at flat slots (page * P + offset) (N,); k, v (N, H_kv, d_h) float; positions (N,)."""
-        self.token_pos.view(-1)[slots] = positions.to(torch.int32)
-        quantize_pack_into(k.contiguous(), self.bits, self.group, self.k, slots)
-        quantize_pack_into(v.contiguous(), self.bits, self.group, self.v, slots)
 
     def read(self, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Dequantised K, V (..., P, H_kv, d_h) float32 and positions (..., P) of `pages` (...);
@@ -103,7 +116,27 @@ class PoolPages:
 
     pages: list[int] = field(default_factory=list)
     count: int = 0
-    """Slots filled (the request's tokens stored at this width in this layer)."""
+    """Slots filled, as of the last read of the device counts (`sync`)."""
+
+
+@dataclass(frozen=True)
+class PoolArgs:
+    """One layer's pools as the kernels take them: per pool, in `bits` order."""
+
+    k_data: list[torch.Tensor]
+    k_scale: list[torch.Tensor]
+    k_zero: list[torch.Tensor]
+    v_data: list[torch.Tensor]
+    v_scale: list[torch.Tensor]
+    v_zero: list[torch.Tensor]
+    token_pos: list[torch.Tensor]
+    bits: list[int]
+    group_size: int
+
+
+def _parts(pool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    empty = pool.token_pos.new_empty(0, dtype=torch.float16)
+    return (pool.values, empty, empty) if pool.bits >= 16 else (pool.codes, pool.scale, pool.zero)
 
 
 class LayerCache:
@@ -112,13 +145,28 @@ class LayerCache:
     def __init__(self, bits: tuple[int, ...], n_kv_heads: int, d_head: int, group_size: int, page_size: int,
                  initial_pages: int = 4, device=None):
         self.bits = tuple(bits)
+        self.group_size = group_size
         self.pools = [WidthPool(b, n_kv_heads, d_head, group_size, page_size, initial_pages, device) for b in bits]
         self.page_size = page_size
         self.bits_per_token = [kv_bits_per_token(b, n_kv_heads * d_head, group_size) for b in bits]
+        self._args: PoolArgs | None = None
+        self._args_key = None
+
+    def args(self) -> PoolArgs:
+        """The pools' tensors for the kernels (rebuilt only after a pool grew)."""
+        key = tuple(id(p.k) for p in self.pools)
+        if key != self._args_key:
+            k = [_parts(p.k) for p in self.pools]
+            v = [_parts(p.v) for p in self.pools]
+            self._args = PoolArgs(*([list(x) for x in zip(*k)] + [list(x) for x in zip(*v)]),
+                                  [p.token_pos for p in self.pools], list(self.bits), self.group_size)
+            self._args_key = key
+        return self._args
 
 
 class PagedKVCache:
-    """The whole model's cache: `layers[l].pools[option]`, and per request its page lists."""
+    """The whole model's cache: `layers[l].pools[option]`, per request its page lists (host, `requests`)
+    and the device decode state (`tables`, `counts`, `row_of`: see the module doc)."""
 
     def __init__(self, n_layers: int, bits: tuple[int, ...], n_kv_heads: int, d_head: int, group_size: int,
                  page_size: int = 16, initial_pages: int = 4, device=None):
@@ -127,12 +175,40 @@ class PagedKVCache:
         self.device = torch.device(device or "cpu")
         self.layers = [LayerCache(bits, n_kv_heads, d_head, group_size, page_size, initial_pages, self.device)
                        for _ in range(n_layers)]
+        self.n_pools = len(bits)
         self.requests: dict[int, list[list[PoolPages]]] = {}
-        self.bytes_written = 0
+        self.row_of: dict[int, int] = {}
+        self.room: dict[int, int] = {}
+        """Per request: tokens every pool of every layer can still take without a new page."""
+        self._free_rows: list[int] = []
+        self.tables = torch.full((n_layers, self.n_pools, 0, 1), -1, dtype=torch.long, device=self.device)
+        self.counts = torch.zeros(n_layers, self.n_pools, 0, dtype=torch.long, device=self.device)
+        self.executed = torch.zeros(n_layers, 2, dtype=torch.long, device=self.device)
+        """Per layer, what the attention kernel executed: attention MACs, K/V bytes read (cumulative)."""
+
+    # -- rows and pages (host, outside a step) ---------------------------------------------------
+    def _resize(self, rows: int, width: int) -> None:
+        """Reallocate `tables` (L, pools, rows, width) and `counts` (L, pools, rows), keeping contents."""
+        L, W = len(self.layers), self.n_pools
+        r, w = self.tables.shape[2:]
+        tables = torch.full((L, W, rows, width), -1, dtype=torch.long, device=self.device)
+        counts = torch.zeros(L, W, rows, dtype=torch.long, device=self.device)
+        tables[:, :, :r, :w] = self.tables
+        counts[:, :, :r] = self.counts
+        self._free_rows = list(range(r, rows))[::-1] + self._free_rows
+        self.tables, self.counts = tables, counts
+
+    def rows(self, rids: list[int]) -> torch.Tensor:
+        """(B,) the decode-state rows of `rids`, on the cache's device."""
+        return torch.tensor([self.row_of[r] for r in rids], dtype=torch.long, device=self.device)
 
     def add_request(self, rid: int) -> None:
         if rid in self.requests:
             raise ValueError(f"request {rid} already holds cache pages")
+        if not self._free_rows:
+            self._resize(max(4, 2 * self.tables.shape[2]), self.tables.shape[3])
+        self.row_of[rid] = self._free_rows.pop()
+        self.room[rid] = 0
         self.requests[rid] = [[PoolPages() for _ in layer.pools] for layer in self.layers]
 
     def free_request(self, rid: int) -> None:
@@ -140,48 +216,143 @@ class PagedKVCache:
         for layer, entries in zip(self.layers, self.requests.pop(rid)):
             for pool, entry in zip(layer.pools, entries):
                 pool.release(entry.pages)
+        row = self.row_of.pop(rid)
+        del self.room[rid]
+        self.tables[:, :, row] = -1
+        self.counts[:, :, row] = 0
+        self._free_rows.append(row)
+
+    def sync(self, rids: list[int]) -> None:
+        """Read the device counts of `rids` into their host entries (one device read)."""
+        if not rids:
+            return
+        counts = self.counts[:, :, self.rows(rids)].tolist()  # (L, pools, B)
+        for b, rid in enumerate(rids):
+            for l, entries in enumerate(self.requests[rid]):
+                for o, entry in enumerate(entries):
+                    entry.count = counts[l][o][b]
+
+    def reserve(self, rids: list[int], new_tokens: list[int]) -> None:
+        """Before a step: room for `new_tokens[b]` more tokens of rids[b] in every pool of every
+        layer. Reads the device counts only of requests whose room ran out."""
+        short = [(rid, n) for rid, n in zip(rids, new_tokens) if self.room[rid] < n]
+        if short:
+            self.sync([rid for rid, _ in short])
+            self._top_up([(rid, max(n, self.page_size)) for rid, n in short])
+        for rid, n in zip(rids, new_tokens):
+            self.room[rid] -= n
+
+    def _top_up(self, wants: list[tuple[int, int]]) -> None:
+        """Give each (rid, room) pages so that every pool can take `room` more tokens (counts synced)."""
+        P = self.page_size
+        where, ids = [], []
+        for rid, room in wants:
+            row = self.row_of[rid]
+            for l, (layer, entries) in enumerate(zip(self.layers, self.requests[rid])):
+                for o, (pool, entry) in enumerate(zip(layer.pools, entries)):
+                    need = -(-(entry.count + room) // P) - len(entry.pages)
+                    if need > 0:
+                        new = pool.alloc(need)
+                        where.extend((l, o, row, len(entry.pages) + i) for i in range(need))
+                        entry.pages.extend(new)
+                        ids.extend(new)
+            self.room[rid] = room
+        if ids:
+            width = max(c for *_, c in where) + 1
+            if width > self.tables.shape[3]:
+                self._resize(self.tables.shape[2], 1 << (width - 1).bit_length())
+            index = torch.tensor(where, dtype=torch.long, device=self.device).T
+            self.tables.index_put_(tuple(index), torch.tensor(ids, dtype=torch.long, device=self.device))
+
+    def trim(self, rids: list[int]) -> None:
+        """Sync the counts of `rids` and return each pool's pages beyond room for `page_size` more
+        tokens; a request's room is then what its fullest pool can still take."""
+        P = self.page_size
+        self.sync(rids)
+        clear = []
+        for rid in rids:
+            row, room = self.row_of[rid], None
+            for l, (layer, entries) in enumerate(zip(self.layers, self.requests[rid])):
+                for o, (pool, entry) in enumerate(zip(layer.pools, entries)):
+                    keep = -(-(entry.count + P) // P)
+                    if len(entry.pages) > keep:
+                        pool.release(entry.pages[keep:])
+                        clear.extend((l, o, row, c) for c in range(keep, len(entry.pages)))
+                        del entry.pages[keep:]
+                    free = len(entry.pages) * P - entry.count
+                    room = free if room is None else min(room, free)
+            self.room[rid] = room or 0
+        if clear:
+            self.tables[tuple(torch.tensor(clear, dtype=torch.long, device=self.device).T)] = -1
+
+    # -- the step's write (tensor ops only) ----------------------------------------------------------
+    def write_step(self, layer: int, rows: torch.Tensor, option: torch.Tensor, positions: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None,
+                   n: int = 1) -> None:
+        """Append the step's tokens of B requests, n each (request-major, N = B n), to their
+        request's pool of their chosen width, with tensor ops only. rows (B,) decode-state rows;
+        option (N,) bit option; positions (N,); k, v (N, H_kv, d_h); valid (N,) bool, False for
+        padding (None: every token). Room for n tokens per request must be reserved in every pool."""
+        P, W = self.page_size, self.n_pools
+        B = rows.shape[0]
+        counts = self.counts[layer]  # (pools, R)
+        if n == 1 and valid is None:
+            slot_index = counts[option, rows]
+            counts.index_put_((option, rows), torch.ones_like(rows), accumulate=True)
+            row_of_token = rows
+        else:
+            onehot = torch.nn.functional.one_hot(option.view(B, n), W)  # (B, n, pools)
+            if valid is not None:
+                onehot = onehot * valid.view(B, n, 1)
+            before = (onehot.cumsum(1) - onehot).gather(-1, option.view(B, n, 1)).flatten()  # earlier same-pool tokens
+            row_of_token = rows.repeat_interleave(n) if n > 1 else rows
+            slot_index = counts[option, row_of_token] + before
+            counts.index_add_(1, rows, onehot.sum(1).T)
+        page = self.tables[layer, option, row_of_token, slot_index // P]
+        slots = page * P + slot_index % P
+        if valid is not None:
+            option = torch.where(valid, option, -1)
+        a = self.layers[layer].args()
+        cache_write(k.float().contiguous(), v.float().contiguous(), option, slots, positions.long(), a.k_data,
+                    a.k_scale, a.k_zero, a.v_data, a.v_scale, a.v_zero, a.token_pos, a.bits, a.group_size)
 
     def write(self, layer: int, rids: list[int], row: torch.Tensor, option: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
-        """Append tokens to their request's pool of their chosen width. row (N,) index into `rids`
-        (tokens of one request in increasing position), option (N,) bit option, positions (N,);
-        k, v (N, H_kv, d_h)."""
-        cache, P = self.layers[layer], self.page_size
-        for o, pool in enumerate(cache.pools):
-            sel = (option == o).nonzero().flatten()
-            if sel.numel() == 0:
-                continue
-            rows = row[sel]
-            counts = torch.bincount(rows, minlength=len(rids)).tolist()
-            slots = []
-            for b, n in enumerate(counts):  # per request: the flat slots of its next n tokens
-                if n == 0:
-                    continue
-                entry = self.requests[rids[b]][layer][o]
-                while len(entry.pages) * P < entry.count + n:
-                    entry.pages.append(pool.alloc())
-                index = torch.arange(entry.count, entry.count + n)
-                slots.append(torch.tensor(entry.pages)[index // P] * P + index % P)
-                entry.count += n
-            # A stable sort on the row lists the tokens request by request, each in position order.
-            order = torch.argsort(rows, stable=True)
-            flat = torch.empty_like(rows)
-            flat[order] = torch.cat(slots).to(rows.device)
-            pool.write(flat, k[sel], v[sel], positions[sel])
-            self.bytes_written += sel.numel() * pool.slot_bytes
+        """Host-side write of one layer (tests, benchmarks filling a cache): row (N,) index into
+        `rids` (a request's tokens in increasing position), option (N,), positions (N,); k, v
+        (N, H_kv, d_h). Reserves, writes, then trims and syncs the host counts."""
+        B = len(rids)
+        new = torch.bincount(row, minlength=B)
+        n = int(new.max()) if row.numel() else 0
+        if n == 0:
+            return
+        self.sync(rids)
+        self._top_up([(rid, n) for rid in rids])
+        order = torch.argsort(row, stable=True)  # request by request, each in position order
+        col = torch.arange(row.numel()) - torch.repeat_interleave(new.cumsum(0) - new, new)
+        scatter = row[order] * n + col  # padded (B, n) flat index of each token
+        padded = lambda x, fill=0: torch.full((B * n, *x.shape[1:]), fill, dtype=x.dtype).index_copy_(  # noqa: E731
+            0, scatter, x[order])
+        valid = padded(torch.ones_like(row, dtype=torch.bool), False)
+        self.write_step(layer, self.rows(rids), padded(option).to(self.device), padded(positions).to(self.device),
+                        padded(k), padded(v), valid.to(self.device), n)
+        self.trim(rids)
 
     def page_table(self, layer: int, option: int, rids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(B, max pages) page ids (padded with -1) and (B,) slot counts of pool `option`, on the cache's device."""
-        entries = [self.requests[r][layer][option] for r in rids]
-        width = max([len(e.pages) for e in entries] + [0])
-        table = torch.tensor([e.pages + [-1] * (width - len(e.pages)) for e in entries], dtype=torch.long)
-        counts = torch.tensor([e.count for e in entries], dtype=torch.long)
-        return table.view(len(rids), width).to(self.device), counts.to(self.device)
+        """(B, width) page ids (padded with -1) and (B,) slot counts of pool `option`, on the cache's device."""
+        rows = self.rows(rids)
+        return self.tables[layer, option][rows], self.counts[layer, option][rows]
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of every token stored so far (filled slots of the live requests)."""
+        return self.memory()["used"]
 
     # -- accounting ----------------------------------------------------------------------------
     def memory(self) -> dict[str, int]:
         """Bytes at rest, measured from the storage: `used` (filled slots), `slack` (unfilled
-        slots of allocated pages), `index` (the int32 positions kept beside the codes)."""
+        slots of held pages), `index` (the int32 positions kept beside the codes)."""
+        self.sync(list(self.requests))
         used = slack = index = 0
         for l, layer in enumerate(self.layers):
             for o, pool in enumerate(layer.pools):

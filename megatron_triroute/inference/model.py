@@ -15,6 +15,7 @@ Megatron layer does in an evaluation pass given those prices. Imports only torch
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -27,10 +28,15 @@ from ..routing.factory import build_controller
 from ..routing.pricing import price_decisions
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
-from .attention import routed_attention
-from .audit import CostAudit
+from .attention import attend, rope_tables
+from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
+
+try:
+    from triroute_kernels import routed_experts
+except ImportError:  # pragma: no cover
+    from triroute_kernels._devshim import routed_experts
 
 NORM_EPS = 1e-5
 
@@ -71,49 +77,84 @@ class InferenceLayer(nn.Module):
         self.controller_macs = sum(mod.weight.numel() for mod in self.controller.modules() if isinstance(mod, nn.Linear))
 
     def decide(self, x: torch.Tensor, side: torch.Tensor, leader: RouterOutput | None, positions: torch.Tensor,
-               prices: torch.Tensor) -> RouterOutput:
+               prices: tuple[float, float]) -> RouterOutput:
         """Noise-free (priced) decisions of this layer for x (B, n, D), psi (B, n, F); `leader`: the
-        layer group's attention decision a follower reuses (RoutingState.leader_output)."""
+        layer group's attention decision a follower reuses (RoutingState.leader_output); prices
+        the host copy of the model's (mu_flops, mu_mem)."""
         out = self.controller(x, side, None, 1.0, leader)
-        if self.config.router.kind != "triroute" or not bool(prices.ne(0).any()):
+        if self.config.router.kind != "triroute" or not any(prices):
             return out
-        # Prices depend on each token's position; price_decisions takes one position row.
-        rows = [price_decisions(_take(out, b), prices, positions[b], self.config.model, self.config.router)
-                for b in range(x.shape[0])]
-        return _cat(rows)
+        # Pricing is per token (its cost depends on its position only): the batch is priced as
+        # one row of B n tokens.
+        B, n = positions.shape
+        flat = price_decisions(_reshape(out, (1, B * n)), prices, positions.reshape(B * n), self.config.model,
+                               self.config.router)
+        return _reshape(flat, (B, n))
 
-    def forward(self, x, out: RouterOutput, positions, valid, cache, rids, audit):
-        r = self.config.router
-        if audit is not None:
-            audit.add(self.layer_number, "controller", int(valid.sum()) * self.controller_macs)
-        mode = out.attn.y.argmax(-1)  # (B, n, H) executed read modes
-        bit_option = out.bits.y.argmax(-1)  # (B, n)
-        x = x + routed_attention(self.attn_norm(x), self.wq, self.wk, self.wv, self.wo, mode, bit_option,
-                                 positions, valid, cache, self.layer_number, rids, r.window, audit)
-        return x + self._ffn(self.ffn_norm(x), out, valid, audit)
+    def forward(self, x: torch.Tensor, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> torch.Tensor:
+        """x (B, n, D) -> (B, n, D) with this layer's decisions `out`; tensor ops only."""
+        B, n, D = x.shape
+        N = B * n
+        mode = out.attn.hard.reshape(N, -1)  # (N, H) executed read modes (eval: hard is what y encodes)
+        option = out.bits.hard.reshape(N)
+        h = self.attn_norm(x).view(N, D)
+        x = x + attend(h, self.wq, self.wk, self.wv, self.wo, mode, option, batch.t, batch.cos, batch.sin, batch.valid,
+                       cache, self.layer_number, batch.rows, n, self.config.router.window).view(B, n, D)
+        return x + self._ffn(self.ffn_norm(x), out, batch.valid)
 
-    def _ffn(self, h: torch.Tensor, out: RouterOutput, valid: torch.Tensor, audit: CostAudit | None) -> torch.Tensor:
-        """Experts grouped by expert (each runs once, on its tokens only); null runs nothing."""
-        B, n, D = h.shape
-        flat = h.reshape(B * n, D)
-        result = torch.zeros_like(flat)
-        ok = valid.flatten()
+    def _ffn(self, h: torch.Tensor, out: RouterOutput, valid: torch.Tensor | None) -> torch.Tensor:
+        """h (..., D) -> (..., D); valid (N,) or None (every token). Each chosen expert runs once, on
+        its tokens only (`triroute_kernels.routed_experts`); the null expert and padding run nothing."""
+        shape = h.shape
+        h = h.reshape(-1, shape[-1])
         if out.experts is None:
-            rows = ok.nonzero().flatten()
-            result[rows] = self.ffn(flat[rows])
-            routes = rows.numel()
+            y = self.ffn(h)
+            return (y if valid is None else y * valid.view(-1, 1)).view(shape)
+        index = out.experts.index.reshape(h.shape[0], -1)  # (N, k); NULL_EXPERT = -1
+        if valid is not None:
+            index = torch.where(valid.view(-1, 1), index, -1)
+        e = self.experts
+        return routed_experts(h, index, out.experts.weight.reshape(h.shape[0], -1).to(h.dtype),
+                              [x.w1.weight for x in e], [x.w3.weight for x in e], [x.w2.weight for x in e]).view(shape)
+
+    def audit_step(self, audit: CostAudit, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> None:
+        """This layer's audited counters of a finished step, from its decisions."""
+        N = batch.t.numel()
+        valid = batch.valid if batch.valid is not None else torch.ones(N, dtype=torch.bool, device=batch.t.device)
+        tokens = int(valid.sum())
+        audit.add(self.layer_number, "controller", tokens * self.controller_macs)
+        rows = batch.rows.repeat_interleave(N // batch.rows.numel())
+        count_attention(audit, self.layer_number, cache, rows, out.attn.hard.reshape(N, -1), out.bits.hard.reshape(N), batch.t, valid, self.config.router.window,
+                        self.config.model.d_model)
+        if out.experts is None:
+            routes = tokens
         else:
-            index = out.experts.index.reshape(B * n, -1)
-            weight = out.experts.weight.reshape(B * n, -1)
-            routes = 0
-            for e, expert in enumerate(self.experts):
-                rows, slots = ((index == e) & ok[:, None]).nonzero(as_tuple=True)
-                if rows.numel():
-                    result.index_add_(0, rows, weight[rows, slots, None].to(h.dtype) * expert(flat[rows]))
-                    routes += rows.numel()
-        if audit is not None:
-            audit.add(self.layer_number, "experts", routes * self.expert_macs)
-        return result.view(B, n, D)
+            routes = int(((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum())
+        audit.add(self.layer_number, "experts", routes * self.expert_macs)
+
+
+@dataclass
+class StepBatch:
+    """A step's device inputs, prepared on the host before it (`InferenceModel.prepare`); N = B n."""
+
+    tokens: torch.Tensor
+    """(B, n) right-padded."""
+    positions: torch.Tensor
+    """(B, n) sequence positions."""
+    valid: torch.Tensor | None
+    """(N,) False for padding; None when every token is valid (decode)."""
+    side: torch.Tensor
+    """(B, n, F) static side features psi."""
+    rows: torch.Tensor
+    """(B,) each request's row in the cache's decode state."""
+    t: torch.Tensor
+    """(N,) positions, flat."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    """(N, 1, d) rotary tables at `t`, shared by every layer."""
+    last: torch.Tensor | None
+    """(B,) column of each request's last new token (None: n = 1)."""
+    prices: tuple[float, float]
 
 
 class InferenceModel(nn.Module):
@@ -149,55 +190,85 @@ class InferenceModel(nn.Module):
         return PagedKVCache(m.n_layers, tuple(bits), m.n_kv_heads, m.d_head, r.group_size_for(m), page_size,
                             initial_pages, self.device)
 
+    def host_prices(self) -> tuple[float, float]:
+        """(mu_flops, mu_mem) as host floats, read from the buffer once per change."""
+        key = (self.prices.data_ptr(), self.prices._version)
+        if getattr(self, "_prices_key", None) != key:
+            self._host_prices, self._prices_key = tuple(float(p) for p in self.prices), key
+        return self._host_prices
+
+    def prepare(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
+                rids: list[int]) -> StepBatch:
+        """Host side, before a step: psi (advancing `states`), room in the cache for the new tokens,
+        and the step's index tensors."""
+        B, n = tokens.shape
+        dev = self.device
+        tokens = tokens.to(dev)
+        start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev)
+        positions = start.view(B, 1) + torch.arange(n, device=dev).view(1, n)
+        all_valid = bool((lengths == n).all())
+        valid = None if all_valid else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten().to(dev)
+        side = advance(tokens, lengths.to(dev), states, self.tables, self.config.router.max_doc_position)
+        cache.reserve(rids, [n] * B)  # padding included: it takes no slot, but the room is per request
+        t = positions.flatten()
+        cos, sin = rope_tables(t, self.config.model.d_head)
+        last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
+        return StepBatch(tokens, positions, valid, side, cache.rows(rids), t, cos, sin, last, self.host_prices())
+
+    def forward_step(self, batch: StepBatch, cache: PagedKVCache, all_logits: bool = False):
+        """The step itself, tensor ops only (no host read): logits (B, V) of each request's last new
+        token, or (B, n, V) with `all_logits`, and the per-layer decisions."""
+        B, n = batch.tokens.shape
+        x = self.embed(batch.tokens)
+        state, outs = RoutingState.initial(self.config, B, n, x.device), []
+        for layer in self.layers:
+            out = layer.decide(x, torch.cat([batch.side, state.decisions], -1), state.leader_output(),
+                               batch.positions, batch.prices)
+            x = layer(x, out, batch, cache)
+            state = state.after(out, self.config)
+            outs.append(out)
+        x = self.final_norm(x)
+        if not all_logits:
+            x = x[:, 0] if batch.last is None else x[torch.arange(B, device=x.device), batch.last]
+        return self.lm_head(x), outs
+
+    def finish(self, batch: StepBatch, outs: list[RouterOutput], cache: PagedKVCache, rids: list[int],
+               audit: CostAudit | None, all_logits: bool = False) -> None:
+        """Host side, after a step: a prefill returns the pages its tokens did not fill; the audit
+        counts the step from its decisions and the kernels' counters."""
+        B, n = batch.tokens.shape
+        if n > 1:
+            cache.trim(rids)
+        if audit is None:
+            return
+        m = self.config.model
+        for layer, out in zip(self.layers, outs):
+            layer.audit_step(audit, out, batch, cache)
+        audit.take_executed(cache)
+        valid = batch.valid if batch.valid is not None else torch.ones_like(batch.t, dtype=torch.bool)
+        count = int(valid.sum())
+        audit.tokens += count
+        audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
+        audit.dense_macs += float(dense_cost(batch.t[valid], m).flops.sum()) * m.n_layers
+        audit.dense_kv_bytes += count * m.n_layers * 2 * m.d_kv * 2
+
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
              rids: list[int], audit: CostAudit | None = None, all_logits: bool = False):
         """Consume the next `lengths[b]` tokens of each request (tokens (B, n), right-padded).
         Returns the logits (B, V) of each request's last new token, or (B, n, V) with `all_logits`,
         and the per-layer decisions (RouterOutput list) of this step."""
-        m, r = self.config.model, self.config.router
-        B, n = tokens.shape
-        dev = self.device
-        tokens, lengths = tokens.to(dev), lengths.to(dev)
-        start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev)
-        positions = start.view(B, 1) + torch.arange(n, device=dev).view(1, n)
-        valid = torch.arange(n, device=dev).view(1, n) < lengths.view(B, 1)
-        static = advance(tokens, lengths, states, self.tables, r.max_doc_position)
-        x = self.embed(tokens)
-        state, outs = RoutingState.initial(self.config, B, n, dev), []
-        for layer in self.layers:
-            out = layer.decide(x, torch.cat([static, state.decisions], -1), state.leader_output(), positions,
-                               self.prices)
-            x = layer(x, out, positions, valid, cache, rids, audit)
-            state = state.after(out, self.config)
-            outs.append(out)
-        x = self.final_norm(x)
-        if not all_logits:
-            x = x[torch.arange(B, device=dev), (lengths - 1).clamp_min(0)]
-        logits = self.lm_head(x)
-        if audit is not None:
-            count = int(valid.sum())
-            audit.tokens += count
-            audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
-            audit.dense_macs += float(dense_cost(positions[valid], m).flops.sum()) * m.n_layers
-            audit.dense_kv_bytes += count * m.n_layers * 2 * m.d_kv * 2
+        batch = self.prepare(tokens, lengths, states, cache, rids)
+        logits, outs = self.forward_step(batch, cache, all_logits)
+        self.finish(batch, outs, cache, rids, audit, all_logits)
         return logits, outs
 
 
-def _take(obj, b: int):
-    """Request b of a batched RouterOutput (every tensor field is batch-first)."""
+def _reshape(obj, lead: tuple[int, int]):
+    """A RouterOutput (every tensor field leads with two token axes) with those axes as `lead`."""
     if torch.is_tensor(obj):
-        return obj[b : b + 1]
+        return obj.reshape(*lead, *obj.shape[2:])
     if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _take(getattr(obj, f.name), b) for f in dataclasses.fields(obj)})
+        return dataclasses.replace(obj, **{f.name: _reshape(getattr(obj, f.name), lead)
+                                           for f in dataclasses.fields(obj)})
     return obj
-
-
-def _cat(items: list):
-    first = items[0]
-    if torch.is_tensor(first):
-        return torch.cat(items, 0)
-    if dataclasses.is_dataclass(first):
-        return dataclasses.replace(first, **{f.name: _cat([getattr(i, f.name) for i in items])
-                                            for f in dataclasses.fields(first)})
-    return first

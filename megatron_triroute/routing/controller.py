@@ -34,6 +34,9 @@ from .side_features import (
 )
 from .whitening import RunningWhitening
 
+if (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT) != (slice(0, N_MODES), N_MODES, slice(N_MODES + 1, None)):
+    raise ImportError("decision_features concatenates psi's decision block in side_features' layout; update both")
+
 AXES = ("attn", "experts", "bits")
 _AXIS_ID = {"attn": 0, "experts": 1, "bits": 2}
 
@@ -102,6 +105,15 @@ class RouterHead(nn.Module):
         if self.whiten is not None:
             u = self.gain * self.whiten(u)
         return u + self.bias
+
+    def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight, bias) of the same head as one affine map, for evaluation (statistics frozen):
+        z = gain (W h - mean) / (std + eps) + bias = (a W) h + (bias - a mean), a = gain / (std + eps)."""
+        if self.whiten is None:
+            return self.proj.weight, self.bias
+        w = self.whiten
+        a = self.gain / (w.var.sqrt() + w.eps)
+        return self.proj.weight * a.unsqueeze(-1), self.bias - a * w.mean
 
 
 class TriRouteController(nn.Module):
@@ -175,7 +187,21 @@ class TriRouteController(nn.Module):
         if sharing == "single_head":
             u = self.shared_head(h) if self.sizes else None
             return {a: u[..., :n] for a, n in self.sizes.items()}
+        if not self.training and not torch.is_grad_enabled():  # evaluation: one matmul for every head
+            weight, bias = self._folded_heads()
+            return dict(zip(self.sizes, F.linear(h, weight, bias).split(list(self.sizes.values()), -1)))
         return {a: self.heads[a](h) for a in self.sizes}
+
+    def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every head's `RouterHead.folded` map stacked into one (rebuilt when a parameter or
+        whitening statistic changes: keyed on their storage and version counters)."""
+        tensors = [t for a in self.sizes for t in (*self.heads[a].parameters(), *self.heads[a].buffers())]
+        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        if getattr(self, "_fold_key", None) != key:
+            maps = [self.heads[a].folded() for a in self.sizes]
+            self._fold = (torch.cat([w for w, _ in maps]).contiguous(), torch.cat([b for _, b in maps]))
+            self._fold_key = key
+        return self._fold
 
     def forward(
         self,
@@ -209,8 +235,9 @@ class TriRouteController(nn.Module):
         experts, expert_logits = None, None
         if "experts" in raw:
             expert_logits = raw["experts"]
-            experts = top_k_gating(self.balance["experts"](expert_logits, self._balance_reference()),
-                                   router.top_k, router.null_expert)
+            balanced = (self.balance["experts"](expert_logits, self._balance_reference()) if torch.is_grad_enabled()
+                        else expert_logits)  # gradient balancing is the identity without a backward
+            experts = top_k_gating(balanced, router.top_k, router.null_expert)
         return RouterOutput(attn=attn, bits=bits, experts=experts, expert_logits=expert_logits)
 
     def _balance_reference(self) -> torch.Tensor:
@@ -273,14 +300,16 @@ def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_opt
     Reads the executed decisions. `n_bits_options` is len(router.bits); with bit routing off
     the uniform width has no one-hot slot and the bit block stays zero.
     """
-    feats = torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
     if out is None:
-        return feats
-    feats[..., MODE_FRACTIONS] = out.attn.y.detach().float().mean(2)
+        return torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
+    # One concatenation in the block's layout (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT).
+    modes = out.attn.y.detach().float().mean(2)
     if out.experts is not None:
-        feats[..., REAL_EXPERT_FRACTION] = (out.experts.index >= 0).float().sum(-1) / top_k
+        real = (out.experts.index >= 0).sum(-1, keepdim=True).float() / top_k
     else:
-        feats[..., REAL_EXPERT_FRACTION] = 1.0
+        real = modes.new_ones(batch, seq, 1)
     if out.bits.y.shape[-1] == n_bits_options:
-        feats[..., WIDTH_ONE_HOT] = out.bits.y.detach().float()
-    return feats
+        width = out.bits.y.detach().float()
+    else:
+        width = modes.new_zeros(batch, seq, n_bits_options)
+    return torch.cat([modes, real, width], -1)

@@ -31,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-import torch.nn.functional as F
 
 from ..config import ModelConfig, RouterConfig
 from .controller import AxisDecision, RouterOutput
 from .cost import bit_costs, dense_cost, expert_width
 from .modes import keys_read
 from .gating import top_k_gating
+from .gumbel import one_hot
 
 
 def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: RouterConfig, attn_heads: int):
@@ -56,7 +56,7 @@ def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: R
 
 def _priced_axis(d: AxisDecision, shift: torch.Tensor, n_heads: int) -> AxisDecision:
     hard = (d.logits.double() - shift).argmax(-1)  # (B, T, [H_a])
-    y = F.one_hot(hard, d.logits.shape[-1]).to(d.logits.dtype)
+    y = one_hot(hard, d.logits.shape[-1], d.logits.dtype)
     if hard.dim() == 3 and hard.shape[2] != n_heads:  # token-granular attention: one mode for all heads
         B, T = hard.shape[:2]
         hard = hard.expand(B, T, n_heads)

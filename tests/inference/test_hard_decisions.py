@@ -186,7 +186,7 @@ def _sublayers(layer, engine, x, rope, designed, cfg):
     attn_engine = routed_attention(h.transpose(0, 1), e.wq, e.wk, e.wv, e.wo, modes, bits, pos, ok, cache, 0,
                                    list(range(B)), cfg.router.window, None)  # (B, T, D)
     routes = RouterOutput(None, None, ExpertRoutes(None, index, weight, None))
-    ffn_engine = e._ffn(h2.transpose(0, 1), routes, ok, None)  # (B, T, D)
+    ffn_engine = e._ffn(h2.transpose(0, 1), routes, None)  # (B, T, D)
     return attn, attn_engine.transpose(0, 1), ffn, ffn_engine.transpose(0, 1)
 
 

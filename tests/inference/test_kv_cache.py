@@ -82,5 +82,8 @@ def test_freed_pages_are_reused():
     n = option.shape[1]
     cache.write(0, [11], torch.zeros(n, dtype=torch.long), option[0], torch.arange(n), k[0], v[0])
     for o, pool in enumerate(cache.layers[0].pools):
-        assert sorted(cache.requests[11][0][o].pages) == held[o]  # the same pages, taken back from the free list
-        assert pool.num_pages == sizes[o]  # no growth
+        pages = cache.requests[11][0][o].pages
+        assert set(held[o]) <= set(pages)  # the freed pages, taken back from the free list
+        # Room for one page of further tokens at most: a free list that held enough means no growth.
+        assert len(pages) <= -(-(cache.requests[11][0][o].count + cache.page_size) // cache.page_size)
+        assert pool.num_pages <= sizes[o] + max(0, len(pages) - len(held[o]))

@@ -97,17 +97,6 @@ def test_prefill_counts_what_decoding_token_by_token_counts():
     assert prefill.total("bytes_read") == want
 
 
-def test_prefill_in_row_blocks_equals_one_call(monkeypatch):
-    import megatron_triroute.inference.attention as attention
-
-    h, wq, wk, wv, wo = weights()
-    modes, bits = designed()
-    whole, audit, _ = run(h, wq, wk, wv, wo, modes, bits, False)
-    monkeypatch.setattr(attention, "ROW_BLOCKS", 1)  # one query row per kernel call
-    blocks, audit_blocks, _ = run(h, wq, wk, wv, wo, modes, bits, False)
-    assert (blocks - whole).abs().max() < 1e-6 and audit_blocks.layers == audit.layers
-
-
 def test_skipped_token_kv_is_read_later_at_its_width_and_window_boundary_is_exact():
     h, wq, wk, wv, wo = weights()
     modes, bits = designed()
