@@ -9,7 +9,9 @@ crash. Each op has a fake (shape-only) implementation so torch.compile can trace
 
 from __future__ import annotations
 
+import hashlib
 import os
+import platform
 import sys
 from pathlib import Path
 
@@ -24,14 +26,33 @@ exactly `quant.dequantize_groups`; the scale is a true float32 division, as `qua
 _state: dict = {}
 
 
+def build_directory() -> Path:
+    """Where the library is built: torch's extension root, one folder per (source, flags, torch,
+    Python, machine), so a changed source or toolchain builds afresh and nothing stale is loaded."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(repr((CFLAGS, torch.__version__, sys.version, platform.machine())).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
+
+
 def _build() -> None:
     from torch.utils.cpp_extension import load
 
     if os.environ.get("TRIROUTE_NO_CPU_OPS"):
-        raise RuntimeError("TRIROUTE_NO_CPU_OPS is set")
+        raise RuntimeError("TRIROUTE_NO_CPU_OPS is set (the PyTorch twins serve)")
     if not hasattr(torch.ops.triroute, "paged_attention"):
-        print("building the CPU decode kernels (once per machine)", file=sys.stderr)
-        load(name=EXTENSION_NAME, sources=[str(SOURCE)], extra_cflags=CFLAGS, is_python_module=False, verbose=False)
+        where = build_directory()
+        if not (where / f"{EXTENSION_NAME}.so").exists():
+            print("building the CPU decode kernels (once per machine)", file=sys.stderr)
+        where.mkdir(parents=True, exist_ok=True)
+        load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(where),
+            is_python_module=False,
+            verbose=False,
+        )
     _register_fakes()
 
 

@@ -208,18 +208,15 @@ def test_opcheck_schemas_fakes_and_mutations():
     torch.library.opcheck(
         torch.ops.triroute.paged_attention,
         (q, *lists, bits, gs, tables, torch.tensor([0, 1]), lo, hi, 0.25, torch.zeros(2, dtype=torch.long)),
-        test_utils=("test_schema", "test_faketensor"),
     )
     k = torch.randn(3, 1, D, generator=gen)
     torch.library.opcheck(
         torch.ops.triroute.cache_write,
         (k, k * 2, torch.tensor([0, 3, -1]), torch.tensor([1, 2, 0]), torch.tensor([7, 8, 9]), *lists, bits, gs),
-        test_utils=("test_schema", "test_faketensor"),
     )
     x = torch.randn(3, 8, generator=gen)
     w = [torch.randn(6, 8, generator=gen)]
     torch.library.opcheck(
         torch.ops.triroute.routed_experts,
         (x, torch.tensor([[0], [-1], [0]]), torch.rand(3, 1), w, w, [torch.randn(8, 6, generator=gen)]),
-        test_utils=("test_schema", "test_faketensor"),
     )
