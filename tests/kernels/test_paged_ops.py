@@ -108,6 +108,10 @@ def _halfway_data(N, H_kv, gen):
     x[1, 0, :GS] = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 3.0])  # 2 bits: s = 1, ties to even
     x[2, 0, :GS] = torch.tensor([0.0, 7.5, 8.5, 0.5, 1.5, 14.5, 15.0, 2.5])  # 4 bits: s = 1
     x[3, 0, :GS] = torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5, 100.5, 101.5, 254.5])  # 8 bits: s = 1
+    # ranges whose scale max / levels rounds to another float16 when computed as max * (1 / levels)
+    x[4, 0, :GS] = torch.tensor([0.0, 6.524413585662842, 1, 2, 3, 4, 5, 6])  # 2 bits
+    x[5, 0, :GS] = torch.tensor([0.0, 5.4144287109375, 1, 2, 3, 4, 5, 0.5])  # 4 bits
+    x[6, 0, :GS] = torch.tensor([0.0, 5.332603454589844, 1, 2, 3, 4, 5, 0.5])  # 8 bits
     return x
 
 
@@ -122,8 +126,8 @@ def test_cache_write_is_bit_exact_with_the_number_format():
     k = _halfway_data(N, H_kv, gen)
     v = _halfway_data(N, H_kv, gen).flip(0)
     option = torch.randint(-1, len(WIDTHS), (N,), generator=gen)
-    option[:4] = torch.tensor([0, 0, 1, 2])  # the half-way groups land at their width
-    option[4:8] = torch.arange(4)  # every pool is written
+    option[:7] = torch.tensor([0, 0, 1, 2, 0, 1, 2])  # the hand-made groups land at their width
+    option[7:11] = torch.arange(4)  # every pool is written
     slots = torch.empty(N, dtype=torch.long)
     for w in range(len(WIDTHS)):  # distinct slots per pool
         sel = (option == w).nonzero().flatten()
