@@ -6,10 +6,15 @@ merge across pools. `quant` is the cache's number format: the supported widths (
 and the group quantisation and packing every writer uses. Each kernel has a vectorised
 pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_ops`, CUDA, or
 CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
-GPU extra. The package imports only torch (and triton): nothing of `megatron_triroute`.
+GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
+online softmax, the mixed-width cache write, the routed experts): C++ CPU kernels (`cpu_ops`,
+built once per machine) with PyTorch twins as the fallback. The package imports only torch (and
+triton): nothing of `megatron_triroute`.
 """
 
+from .cpu_ops import cpu_ops_available, cpu_ops_error
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
+from .paged_ops import cache_write, paged_attention, routed_experts
 from .pool import PagePool, allocate_kv_pools, allocate_pool
 from .quant import SUPPORTED_BITS
 from .torch_ops import (
@@ -27,11 +32,16 @@ __all__ = [
     "PagePool",
     "allocate_kv_pools",
     "allocate_pool",
+    "cache_write",
+    "cpu_ops_available",
+    "cpu_ops_error",
     "choose_backend",
     "decode_attention_pool",
     "decode_attention_pool_torch",
     "dequantize_slots",
     "merge_partials",
+    "paged_attention",
     "quantize_pack_into",
     "quantize_pack_into_torch",
+    "routed_experts",
 ]

@@ -1,0 +1,91 @@
+"""The C++ CPU decode kernels (`csrc/decode_ops.cpp`): built once per machine, registered as
+`torch.ops.triroute.{paged_attention, cache_write, routed_experts}`.
+
+`cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
+torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
+compiler is missing or the build fails: callers then use the PyTorch twins (`paged_ops`), never
+crash. Each op has a fake (shape-only) implementation so torch.compile can trace it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
+EXTENSION_NAME = "triroute_decode_ops"
+CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]
+"""-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
+exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`."""
+
+_state: dict = {}
+
+
+def build_directory() -> Path:
+    """Where the library is built: torch's extension root, one folder per (source, flags, torch,
+    Python, machine), so a changed source or toolchain builds afresh and nothing stale is loaded."""
+    key = hashlib.sha256(SOURCE.read_bytes())
+    key.update(repr((CFLAGS, torch.__version__, sys.version, platform.machine())).encode())
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
+    return Path(root) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
+
+
+def _build() -> None:
+    from torch.utils.cpp_extension import load
+
+    if os.environ.get("TRIROUTE_NO_CPU_OPS"):
+        raise RuntimeError("TRIROUTE_NO_CPU_OPS is set (the PyTorch twins serve)")
+    if not hasattr(torch.ops.triroute, "paged_attention"):
+        where = build_directory()
+        if not (where / f"{EXTENSION_NAME}.so").exists():
+            print("building the CPU decode kernels (once per machine)", file=sys.stderr)
+        where.mkdir(parents=True, exist_ok=True)
+        load(
+            name=EXTENSION_NAME,
+            sources=[str(SOURCE)],
+            extra_cflags=CFLAGS,
+            build_directory=str(where),
+            is_python_module=False,
+            verbose=False,
+        )
+    _register_fakes()
+
+
+def cpu_ops_available() -> bool:
+    """Whether torch.ops.triroute.* have CPU kernels here (builds them on the first call)."""
+    if "ok" not in _state:
+        try:
+            _build()
+            _state["ok"], _state["error"] = True, None
+        except Exception as e:  # a missing compiler, a failed build: the twins serve instead
+            _state["ok"], _state["error"] = False, f"{type(e).__name__}: {e}"
+    return _state["ok"]
+
+
+def cpu_ops_error() -> str | None:
+    """Why the C++ kernels are unavailable (None when they are, or before the first check)."""
+    return _state.get("error")
+
+
+def _register_fakes() -> None:
+    if _state.get("fakes"):
+        return
+
+    @torch.library.register_fake("triroute::paged_attention")
+    def _(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size, page_tables, request, lo, hi, sm_scale, counters):
+        return q.new_empty(q.shape)
+
+    @torch.library.register_fake("triroute::cache_write")
+    def _(k, v, option, slots, positions, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size):
+        return None
+
+    @torch.library.register_fake("triroute::routed_experts")
+    def _(x, index, weight, w1, w3, w2):
+        return x.new_empty(x.shape)
+
+    _state["fakes"] = True

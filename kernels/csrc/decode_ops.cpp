@@ -1,0 +1,432 @@
+// CPU kernels of one decode step, registered as torch.ops.triroute.*:
+//
+// - paged_attention: one query row per token over ALL precision pools with one online softmax
+//   (no per-pool partials, no merge pass). Work item = (row, kv head) with the group's query heads;
+//   each slot row of K is unpacked and dequantised once into a stack buffer and scored for every
+//   query head of the group whose range holds it; V is unpacked once when some head took the key.
+// - cache_write: every token quantised into its own width's pool in one call (bit-identical to
+//   triroute_kernels.quant.quantize_groups + pack_codes).
+// - routed_experts: the top-k SwiGLU experts of each token, routes grouped by expert (counting
+//   sort), three GEMMs per expert that some token chose.
+//
+// The number format is the one of triroute_kernels/quant.py: per group of g channels of one
+// (token, kv head), scale = half((max - min) / levels), zero = half(min), a value dequantised as
+// float(code) * float(scale) + float(zero) in float32; code i of a byte at bit i * bits.
+// Build with -ffp-contract=off: a fused multiply-add would round differently from those two ops.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::Half;
+using at::Tensor;
+
+constexpr int64_t kMaxHeadDim = 1024;
+
+// Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
+template <int BITS>
+inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d, int64_t gs, float* out) {
+  constexpr int per_byte = 8 / BITS;
+  constexpr int mask = (1 << BITS) - 1;
+  for (int64_t g0 = 0; g0 < d; g0 += gs) {
+    const float s = static_cast<float>(scale[g0 / gs]);
+    const float z = static_cast<float>(zero[g0 / gs]);
+    for (int64_t i = g0; i < g0 + gs; ++i) {
+      const int code = (codes[i / per_byte] >> ((i % per_byte) * BITS)) & mask;
+      const float c = static_cast<float>(code) * s;
+      out[i] = c + z;
+    }
+  }
+}
+
+inline void load_row(int bits, const uint8_t* codes, const Half* scale, const Half* zero, const Half* values,
+                     int64_t d, int64_t gs, float* out) {
+  switch (bits) {
+    case 2: dequant_row<2>(codes, scale, zero, d, gs, out); break;
+    case 4: dequant_row<4>(codes, scale, zero, d, gs, out); break;
+    case 8: dequant_row<8>(codes, scale, zero, d, gs, out); break;
+    default:
+      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(values[i]);
+  }
+}
+
+inline float dot(const float* a, const float* b, int64_t d) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= d; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+  for (; i < d; ++i) s += a[i] * b[i];
+  return s;
+}
+
+// One pool's tensors as raw pointers (all contiguous, checked by the caller).
+struct PoolView {
+  int bits;
+  int64_t pages, P, H_kv, row_bytes, n_groups;  // row_bytes: packed codes (or f16 values) per (slot, head)
+  const uint8_t *k_codes, *v_codes;
+  const Half *k_scale, *k_zero, *v_scale, *v_zero, *k_values, *v_values;
+  const int32_t* token_pos;
+  int64_t kv_bytes;  // K + V bytes read for one (slot, kv head): codes + scale + zero, or the f16 values
+};
+
+void check_pool_list(const char* name, const at::TensorList& ts, size_t W) {
+  TORCH_CHECK(ts.size() == W, name, " holds ", ts.size(), " tensors but bits names ", W, " pools");
+  for (const auto& t : ts) TORCH_CHECK(t.device().is_cpu(), name, " must be CPU tensors");
+}
+
+std::vector<PoolView> pool_views(at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+                                 at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero,
+                                 at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size, int64_t d,
+                                 int64_t H_kv) {
+  const size_t W = bits.size();
+  check_pool_list("k_data", k_data, W);
+  check_pool_list("k_scale", k_scale, W);
+  check_pool_list("k_zero", k_zero, W);
+  check_pool_list("v_data", v_data, W);
+  check_pool_list("v_scale", v_scale, W);
+  check_pool_list("v_zero", v_zero, W);
+  check_pool_list("token_pos", token_pos, W);
+  TORCH_CHECK(d <= kMaxHeadDim, "head dim ", d, " exceeds ", kMaxHeadDim);
+  std::vector<PoolView> views(W);
+  for (size_t w = 0; w < W; ++w) {
+    PoolView& pv = views[w];
+    pv.bits = static_cast<int>(bits[w]);
+    const Tensor& tp = token_pos[w];
+    TORCH_CHECK(tp.dim() == 2 && tp.scalar_type() == at::kInt && tp.is_contiguous(),
+                "token_pos[", w, "] must be contiguous int32 [pages, P]");
+    pv.pages = tp.size(0);
+    pv.P = tp.size(1);
+    pv.H_kv = H_kv;
+    pv.token_pos = tp.data_ptr<int32_t>();
+    pv.k_codes = pv.v_codes = nullptr;
+    pv.k_scale = pv.k_zero = pv.v_scale = pv.v_zero = pv.k_values = pv.v_values = nullptr;
+    for (const Tensor* t : {&k_data[w], &v_data[w]})
+      TORCH_CHECK(t->dim() == 4 && t->size(0) == pv.pages && t->size(1) == pv.P && t->size(2) == H_kv &&
+                      t->is_contiguous(),
+                  "pool ", w, ": data must be contiguous [pages=", pv.pages, ", P=", pv.P, ", H_kv=", H_kv,
+                  ", ...], got ", t->sizes());
+    if (pv.bits == 16) {
+      for (const Tensor* t : {&k_data[w], &v_data[w]})
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->size(3) == d, "pool ", w,
+                    ": 16-bit data must be float16 [..., d=", d, "]");
+      pv.k_values = k_data[w].data_ptr<Half>();
+      pv.v_values = v_data[w].data_ptr<Half>();
+      pv.row_bytes = 2 * d;
+      pv.n_groups = 0;
+      pv.kv_bytes = 2 * pv.row_bytes;
+    } else {
+      TORCH_CHECK(pv.bits == 2 || pv.bits == 4 || pv.bits == 8, "bits[", w, "]=", pv.bits,
+                  " is not a cache width; use 2, 4, 8 or 16");
+      TORCH_CHECK(group_size > 0 && d % group_size == 0, "group_size=", group_size, " must divide d=", d);
+      pv.row_bytes = d * pv.bits / 8;
+      pv.n_groups = d / group_size;
+      for (const Tensor* t : {&k_data[w], &v_data[w]})
+        TORCH_CHECK(t->scalar_type() == at::kByte && t->size(3) == pv.row_bytes, "pool ", w,
+                    ": codes must be uint8 [..., ", pv.row_bytes, "]");
+      for (const Tensor* t : {&k_scale[w], &k_zero[w], &v_scale[w], &v_zero[w]})
+        TORCH_CHECK(t->scalar_type() == at::kHalf && t->is_contiguous() && t->dim() == 4 && t->size(0) == pv.pages &&
+                        t->size(1) == pv.P && t->size(2) == H_kv && t->size(3) == pv.n_groups,
+                    "pool ", w, ": scale/zero must be contiguous float16 [", pv.pages, ", ", pv.P, ", ", H_kv, ", ",
+                    pv.n_groups, "]");
+      pv.k_codes = k_data[w].data_ptr<uint8_t>();
+      pv.v_codes = v_data[w].data_ptr<uint8_t>();
+      pv.k_scale = k_scale[w].data_ptr<Half>();
+      pv.k_zero = k_zero[w].data_ptr<Half>();
+      pv.v_scale = v_scale[w].data_ptr<Half>();
+      pv.v_zero = v_zero[w].data_ptr<Half>();
+      pv.kv_bytes = 2 * (pv.row_bytes + 2 * 2 * pv.n_groups);
+    }
+  }
+  return views;
+}
+
+Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+                           at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero,
+                           at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size,
+                           const Tensor& page_tables, const Tensor& request, const Tensor& lo, const Tensor& hi,
+                           double sm_scale, const Tensor& counters) {
+  TORCH_CHECK(q.dim() == 3 && q.scalar_type() == at::kFloat, "q must be float32 [N, H, d], got ", q.sizes());
+  const int64_t N = q.size(0), H = q.size(1), d = q.size(2);
+  TORCH_CHECK(!bits.empty(), "paged_attention needs at least one pool");
+  TORCH_CHECK(k_data[0].dim() == 4, "k_data[0] must be [pages, P, H_kv, ...]");
+  const int64_t H_kv = k_data[0].size(2);
+  TORCH_CHECK(H_kv > 0 && H % H_kv == 0, "H=", H, " must be a multiple of the pools' H_kv=", H_kv, " (GQA)");
+  const int64_t G = H / H_kv;
+  const int64_t W = static_cast<int64_t>(bits.size());
+  auto views = pool_views(k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size, d, H_kv);
+  TORCH_CHECK(page_tables.dim() == 3 && page_tables.size(0) == W && page_tables.scalar_type() == at::kLong,
+              "page_tables must be int64 [W=", W, ", R, M], got ", page_tables.scalar_type(), " ", page_tables.sizes());
+  TORCH_CHECK(request.dim() == 1 && request.size(0) == N && request.scalar_type() == at::kLong,
+              "request must be int64 [N=", N, "]");
+  TORCH_CHECK(lo.dim() == 2 && lo.size(0) == N && lo.size(1) == H && lo.scalar_type() == at::kLong,
+              "lo must be int64 [N=", N, ", H=", H, "]");
+  TORCH_CHECK(hi.dim() == 1 && hi.size(0) == N && hi.scalar_type() == at::kLong, "hi must be int64 [N=", N, "]");
+  TORCH_CHECK(counters.dim() == 1 && counters.size(0) == 2 && counters.scalar_type() == at::kLong &&
+                  counters.is_contiguous(),
+              "counters must be int64 [2]");
+  const Tensor qc = q.contiguous();
+  const Tensor tables = page_tables.contiguous();
+  const Tensor req = request.contiguous(), loc = lo.contiguous(), hic = hi.contiguous();
+  const int64_t R = tables.size(1), M = tables.size(2);
+  const float* qp = qc.data_ptr<float>();
+  const int64_t* tab = tables.data_ptr<int64_t>();
+  const int64_t* reqp = req.data_ptr<int64_t>();
+  const int64_t* lop = loc.data_ptr<int64_t>();
+  const int64_t* hip = hic.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n)
+    TORCH_CHECK(reqp[n] >= 0 && reqp[n] < R, "request[", n, "]=", reqp[n], " is not a row of page_tables (R=", R, ")");
+  for (int64_t i = 0; i < W * R * M; ++i)
+    TORCH_CHECK(tab[i] < views[i / (R * M)].pages, "page_tables holds page ", tab[i], " but pool ", i / (R * M),
+                " has ", views[i / (R * M)].pages, " pages");
+
+  Tensor out = at::zeros({N, H, d}, q.options());
+  float* op = out.data_ptr<float>();
+  const float scale = static_cast<float>(sm_scale);
+  std::atomic<int64_t> macs_total{0}, bytes_total{0};
+
+  at::parallel_for(0, N * H_kv, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> krow(d), vrow(d), m(G), l(G), acc(G * d), s(G);
+    std::vector<int64_t> lo_h(G);
+    std::vector<char> reads(G), took(G);
+    int64_t macs = 0, bytes = 0;
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / H_kv, g = item % H_kv;
+      const int64_t hi_n = hip[n];
+      int64_t lo_min = std::numeric_limits<int64_t>::max();
+      for (int64_t j = 0; j < G; ++j) {
+        lo_h[j] = std::max<int64_t>(lop[n * H + g * G + j], 0);  // free slots (position -1) are never read
+        reads[j] = lo_h[j] <= hi_n;
+        if (reads[j]) lo_min = std::min(lo_min, lo_h[j]);
+        m[j] = -std::numeric_limits<float>::infinity();
+        l[j] = 0.f;
+      }
+      if (lo_min > hi_n) continue;  // no head of the group reads: out stays 0
+      std::fill(acc.begin(), acc.end(), 0.f);
+      const float* qg = qp + (n * H + g * G) * d;
+      for (int64_t w = 0; w < W; ++w) {
+        const PoolView& pv = views[w];
+        const int64_t* row_pages = tab + (w * R + reqp[n]) * M;
+        for (int64_t mi = 0; mi < M; ++mi) {
+          const int64_t page = row_pages[mi];
+          if (page < 0) continue;
+          const int32_t* tp = pv.token_pos + page * pv.P;
+          // Positions increase inside a page and unfilled slots are -1: the last filled slot holds
+          // the page's largest position, the first its smallest.
+          int64_t last = pv.P - 1;
+          while (last >= 0 && tp[last] < 0) --last;
+          if (last < 0 || tp[last] < lo_min || tp[0] > hi_n) continue;
+          for (int64_t slot = 0; slot <= last; ++slot) {
+            const int64_t p = tp[slot];
+            if (p < lo_min || p > hi_n) continue;
+            const int64_t r = (page * pv.P + slot) * H_kv + g;  // (slot, kv head) row
+            const int64_t nsc = pv.n_groups;
+            if (pv.bits == 16)
+              load_row(16, nullptr, nullptr, nullptr, pv.k_values + r * d, d, group_size, krow.data());
+            else
+              load_row(pv.bits, pv.k_codes + r * pv.row_bytes, pv.k_scale + r * nsc, pv.k_zero + r * nsc, nullptr,
+                       d, group_size, krow.data());
+            bool any = false;
+            for (int64_t j = 0; j < G; ++j) {
+              took[j] = reads[j] && lo_h[j] <= p;
+              if (!took[j]) continue;
+              s[j] = dot(qg + j * d, krow.data(), d) * scale;
+              macs += 2 * d;
+              any = true;
+            }
+            bytes += pv.kv_bytes;  // the K row and (below) the V row of this slot
+            if (!any) continue;
+            if (pv.bits == 16)
+              load_row(16, nullptr, nullptr, nullptr, pv.v_values + r * d, d, group_size, vrow.data());
+            else
+              load_row(pv.bits, pv.v_codes + r * pv.row_bytes, pv.v_scale + r * nsc, pv.v_zero + r * nsc, nullptr,
+                       d, group_size, vrow.data());
+            for (int64_t j = 0; j < G; ++j) {
+              if (!took[j]) continue;
+              const float m_new = std::max(m[j], s[j]);
+              const float alpha = std::exp(m[j] - m_new);  // exp(-inf) = 0 on the first key
+              const float pe = std::exp(s[j] - m_new);
+              l[j] = l[j] * alpha + pe;
+              float* a = acc.data() + j * d;
+              for (int64_t i = 0; i < d; ++i) a[i] = a[i] * alpha + pe * vrow[i];
+              m[j] = m_new;
+            }
+          }
+        }
+      }
+      for (int64_t j = 0; j < G; ++j) {
+        if (l[j] <= 0.f) continue;
+        float* o = op + (n * H + g * G + j) * d;
+        const float inv = l[j];
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] / inv;
+      }
+    }
+    macs_total += macs;
+    bytes_total += bytes;
+  });
+  int64_t* cp = counters.data_ptr<int64_t>();
+  cp[0] += macs_total.load();
+  cp[1] += bytes_total.load();
+  return out;
+}
+
+// Quantise one group of gs float32 values at `bits`: quant.quantize_grouped's arithmetic.
+template <int BITS>
+inline void quantize_group(const float* x, int64_t gs, uint8_t* codes_row, int64_t first, Half* scale, Half* zero) {
+  constexpr int levels = (1 << BITS) - 1;
+  constexpr int per_byte = 8 / BITS;
+  float mn = x[0], mx = x[0];
+  for (int64_t i = 1; i < gs; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  const float diff = mx - mn;
+  volatile float levels_f = static_cast<float>(levels);  // a true division, not a reciprocal multiply
+  const Half sh(diff / levels_f);
+  const Half zh(mn);
+  *scale = sh;
+  *zero = zh;
+  const float s = static_cast<float>(sh), z = static_cast<float>(zh);
+  for (int64_t i = 0; i < gs; ++i) {
+    int code = 0;
+    if (s > 0.f) {
+      const float t = std::nearbyint((x[i] - z) / s);  // round half to even (default rounding mode)
+      code = static_cast<int>(std::min(std::max(t, 0.f), static_cast<float>(levels)));
+    }
+    const int64_t c = first + i;
+    uint8_t& byte = codes_row[c / per_byte];
+    if (c % per_byte == 0) byte = 0;
+    byte |= static_cast<uint8_t>(code << ((c % per_byte) * BITS));
+  }
+}
+
+inline void quantize_row(int bits, const float* x, int64_t d, int64_t gs, uint8_t* codes, Half* scale, Half* zero) {
+  for (int64_t g0 = 0, k = 0; g0 < d; g0 += gs, ++k) {
+    switch (bits) {
+      case 2: quantize_group<2>(x + g0, gs, codes, g0, scale + k, zero + k); break;
+      case 4: quantize_group<4>(x + g0, gs, codes, g0, scale + k, zero + k); break;
+      default: quantize_group<8>(x + g0, gs, codes, g0, scale + k, zero + k); break;
+    }
+  }
+}
+
+void cache_write_cpu(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& slots,
+                     const Tensor& positions, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+                     at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos,
+                     at::IntArrayRef bits, int64_t group_size) {
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes(), "k and v must both be [N, H_kv, d], got ", k.sizes(), " and ",
+              v.sizes());
+  const int64_t N = k.size(0), H_kv = k.size(1), d = k.size(2);
+  TORCH_CHECK(!bits.empty(), "cache_write needs at least one pool");
+  auto views = pool_views(k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size, d, H_kv);
+  for (const Tensor* t : {&option, &slots, &positions})
+    TORCH_CHECK(t->dim() == 1 && t->size(0) == N && t->scalar_type() == at::kLong,
+                "option, slots and positions must be int64 [N=", N, "]");
+  const Tensor kc = k.to(at::kFloat).contiguous(), vc = v.to(at::kFloat).contiguous();
+  const Tensor oc = option.contiguous(), sc = slots.contiguous(), pc = positions.contiguous();
+  const int64_t *opt = oc.data_ptr<int64_t>(), *slt = sc.data_ptr<int64_t>(), *pos = pc.data_ptr<int64_t>();
+  const int64_t W = static_cast<int64_t>(bits.size());
+  for (int64_t n = 0; n < N; ++n) {
+    if (opt[n] < 0) continue;
+    TORCH_CHECK(opt[n] < W, "option[", n, "]=", opt[n], " names no pool (", W, " pools)");
+    const PoolView& pv = views[opt[n]];
+    TORCH_CHECK(slt[n] >= 0 && slt[n] < pv.pages * pv.P, "slots[", n, "]=", slt[n], " must lie in [0, ",
+                pv.pages * pv.P, ") of pool ", opt[n]);
+  }
+  const float* kp = kc.data_ptr<float>();
+  const float* vp = vc.data_ptr<float>();
+  at::parallel_for(0, N * H_kv, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t n = item / H_kv, h = item % H_kv;
+      if (opt[n] < 0) continue;
+      const int64_t w = opt[n];
+      const PoolView& pv = views[w];
+      const int64_t r = slt[n] * H_kv + h;
+      const float* xk = kp + item * d;
+      const float* xv = vp + item * d;
+      if (pv.bits == 16) {
+        Half* kd = const_cast<Half*>(pv.k_values) + r * d;
+        Half* vd = const_cast<Half*>(pv.v_values) + r * d;
+        for (int64_t i = 0; i < d; ++i) {
+          kd[i] = Half(xk[i]);
+          vd[i] = Half(xv[i]);
+        }
+      } else {
+        const int64_t ng = pv.n_groups;
+        quantize_row(pv.bits, xk, d, group_size, const_cast<uint8_t*>(pv.k_codes) + r * pv.row_bytes,
+                     const_cast<Half*>(pv.k_scale) + r * ng, const_cast<Half*>(pv.k_zero) + r * ng);
+        quantize_row(pv.bits, xv, d, group_size, const_cast<uint8_t*>(pv.v_codes) + r * pv.row_bytes,
+                     const_cast<Half*>(pv.v_scale) + r * ng, const_cast<Half*>(pv.v_zero) + r * ng);
+      }
+      if (h == 0) const_cast<int32_t*>(pv.token_pos)[slt[n]] = static_cast<int32_t>(pos[n]);
+    }
+  });
+}
+
+Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
+                          at::TensorList w3, at::TensorList w2) {
+  TORCH_CHECK(x.dim() == 2, "x must be [N, D], got ", x.sizes());
+  const int64_t N = x.size(0), E = static_cast<int64_t>(w1.size());
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == N && index.scalar_type() == at::kLong,
+              "index must be int64 [N=", N, ", k]");
+  TORCH_CHECK(weight.sizes() == index.sizes(), "weight must have index's shape ", index.sizes());
+  TORCH_CHECK(static_cast<int64_t>(w3.size()) == E && static_cast<int64_t>(w2.size()) == E,
+              "w1, w3 and w2 must hold one weight per expert");
+  const int64_t K = index.size(1);
+  const Tensor ic = index.contiguous();
+  const int64_t* ip = ic.data_ptr<int64_t>();
+  // Counting sort of the routes (token, slot) by expert; -1 is the null expert (no work).
+  std::vector<int64_t> count(E + 1, 0);
+  for (int64_t i = 0; i < N * K; ++i) {
+    TORCH_CHECK(ip[i] >= -1 && ip[i] < E, "index holds expert ", ip[i], " but there are ", E, " experts (-1 = null)");
+    if (ip[i] >= 0) ++count[ip[i] + 1];
+  }
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
+  Tensor route = at::empty({count[E]}, index.options());  // flat route ids n * K + j, grouped by expert
+  int64_t* rp = route.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * K; ++i)
+    if (ip[i] >= 0) rp[fill[ip[i]]++] = i;
+  Tensor out = at::zeros_like(x);
+  const Tensor wflat = weight.reshape({-1});
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c0 = count[e], c1 = count[e + 1];
+    if (c0 == c1) continue;
+    const Tensor routes = route.slice(0, c0, c1);
+    const Tensor rows = at::floor_divide(routes, K);
+    const Tensor xe = x.index_select(0, rows);
+    const Tensor h = at::silu(at::linear(xe, w1[e])) * at::linear(xe, w3[e]);
+    const Tensor y = at::linear(h, w2[e]) * wflat.index_select(0, routes).to(x.scalar_type()).unsqueeze(1);
+    out.index_add_(0, rows, y);
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(triroute, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor[] k_data, Tensor[] k_scale, Tensor[] k_zero, Tensor[] v_data, "
+      "Tensor[] v_scale, Tensor[] v_zero, Tensor[] token_pos, int[] bits, int group_size, Tensor page_tables, "
+      "Tensor request, Tensor lo, Tensor hi, float sm_scale, Tensor(a!) counters) -> Tensor");
+  m.def(
+      "cache_write(Tensor k, Tensor v, Tensor option, Tensor slots, Tensor positions, Tensor(a!)[] k_data, "
+      "Tensor(b!)[] k_scale, Tensor(c!)[] k_zero, Tensor(d!)[] v_data, Tensor(e!)[] v_scale, Tensor(f!)[] v_zero, "
+      "Tensor(g!)[] token_pos, int[] bits, int group_size) -> ()");
+  m.def("routed_experts(Tensor x, Tensor index, Tensor weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triroute, CPU, m) {
+  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("cache_write", &cache_write_cpu);
+  m.impl("routed_experts", &routed_experts_cpu);
+}

@@ -1,0 +1,173 @@
+"""The decode step's three one-call ops over all precision pools, what the engine calls:
+
+- `paged_attention`: one query row per token over every pool with one online softmax;
+- `cache_write`: every token quantised into its own width's pool;
+- `routed_experts`: the top-k SwiGLU experts of each token, grouped by expert.
+
+On CPU tensors with the C++ kernels built (`cpu_ops.cpu_ops_available()`) each is one call of
+`torch.ops.triroute.*`; otherwise the PyTorch twin below runs (composed from `torch_ops`: per pool
+`decode_attention_pool_torch` + `merge_partials`, per pool `quantize_pack_into_torch`, a loop over
+experts). The twins are the tests' second implementation; they may sync (they are the fallback).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .cpu_ops import cpu_ops_available
+from .pool import PagePool
+from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
+
+_EMPTY_HALF: dict = {}
+
+
+def _pool_lists(k_pools: Sequence[PagePool], v_pools: Sequence[PagePool]):
+    """The ops' per-pool tensor lists: (k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size).
+
+    A 16-bit pool's scale and zero are distinct empty float16 tensors (no metadata)."""
+    if len(k_pools) != len(v_pools) or not k_pools:
+        raise ValueError(f"k_pools and v_pools must be non-empty and of one length, got {len(k_pools)} and {len(v_pools)}")
+    quantised = [p.group_size for p in k_pools if p.bits < 16]
+    group_size = quantised[0] if quantised else k_pools[0].group_size
+    if any(g != group_size for g in quantised):
+        raise ValueError(f"every quantised pool must share one group_size, got {quantised}")
+    lists: list[list[torch.Tensor]] = [[] for _ in range(7)]
+    for kp, vp in zip(k_pools, v_pools):
+        if kp.bits != vp.bits:
+            raise ValueError(f"a K pool of {kp.bits} bits is paired with a V pool of {vp.bits} bits")
+        for off, pool in ((0, kp), (3, vp)):
+            if pool.bits >= 16:
+                none = pool.values.new_empty(0)
+                lists[off] += [pool.values]
+                lists[off + 1] += [none]
+                lists[off + 2] += [none.clone()]
+            else:
+                lists[off] += [pool.codes]
+                lists[off + 1] += [pool.scale]
+                lists[off + 2] += [pool.zero]
+        lists[6].append(kp.token_pos)
+    return (*lists, [p.bits for p in k_pools], group_size)
+
+
+def _use_cpp(*tensors: torch.Tensor) -> bool:
+    return all(t.device.type == "cpu" for t in tensors) and cpu_ops_available()
+
+
+# --- attention ----------------------------------------------------------------------------------
+def paged_attention(
+    q: torch.Tensor,
+    k_pools: Sequence[PagePool],
+    v_pools: Sequence[PagePool],
+    page_tables: torch.Tensor,
+    request: torch.Tensor,
+    lo: torch.Tensor,
+    hi: torch.Tensor,
+    sm_scale: float,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of query rows q [N, H, d] (float32) over all pools: row n, head h reads the slots of
+    row request[n] of `page_tables` [W, R, M] (per pool, page ids, -1 = none) whose positions lie in
+    lo[n, h]..hi[n] (lo [N, H], hi [N], int64), from kv head h // (H / H_kv); one softmax over every
+    pool. A head reading nothing gets 0. `counters` (int64 [2]), if given, is incremented by the
+    executed attention MACs (2 d per query head and key scored) and the K/V bytes read (codes +
+    scale + zero, or float16 values, of each (slot, kv head) row dequantised)."""
+    if counters is None:
+        counters = torch.zeros(2, dtype=torch.long, device=q.device)
+    if _use_cpp(q, page_tables):
+        *lists, bits, gs = _pool_lists(k_pools, v_pools)
+        return torch.ops.triroute.paged_attention(
+            q, *lists, bits, gs, page_tables, request, lo, hi, float(sm_scale), counters
+        )
+    return paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters)
+
+
+def paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters) -> torch.Tensor:
+    """The PyTorch twin: per pool `decode_attention_pool_torch`, then `merge_partials`; the
+    counters from the positions the kernel reads (same definition)."""
+    *_, bits, gs = _pool_lists(k_pools, v_pools)
+    N, H, d = q.shape
+    H_kv = k_pools[0].num_kv_heads
+    G = H // H_kv
+    lo_c = lo.long().clamp_min(0)
+    hi_c = hi.long()
+    outs, lses = [], []
+    macs = torch.zeros((), dtype=torch.long, device=q.device)
+    nbytes = torch.zeros((), dtype=torch.long, device=q.device)
+    for w, (kp, vp) in enumerate(zip(k_pools, v_pools)):
+        table = page_tables[w].index_select(0, request.long())  # [N, M]
+        out, lse = decode_attention_pool_torch(q.float(), kp, vp, kp.bits, gs, table, lo_c, hi_c, sm_scale)
+        outs.append(out)
+        lses.append(lse)
+        pos = torch.where((table >= 0).unsqueeze(-1), kp.token_pos[table.clamp_min(0)].long(), -1).flatten(1)  # [N, M*P]
+        in_hi = pos <= hi_c.view(N, 1)
+        took = (pos.unsqueeze(1) >= lo_c.unsqueeze(-1)) & in_hi.unsqueeze(1) & (lo_c <= hi_c.view(N, 1)).unsqueeze(-1)  # [N, H, S]
+        macs += 2 * d * took.sum()
+        row_read = took.view(N, H_kv, G, -1).any(2)  # a (slot, kv head) row is dequantised once for its group
+        nbytes += row_read.sum() * (kp.bytes_per_slot() + vp.bytes_per_slot()) // H_kv
+    counters += torch.stack([macs, nbytes])
+    return merge_partials(outs, lses)[0]
+
+
+# --- cache write --------------------------------------------------------------------------------
+def cache_write(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    option: torch.Tensor,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    k_pools: Sequence[PagePool],
+    v_pools: Sequence[PagePool],
+) -> None:
+    """Quantise token n's k[n], v[n] ([N, H_kv, d]) into pool option[n] (< 0: skip the token) at flat
+    slot slots[n] (page * P + offset in that pool) and record positions[n] in its token_pos."""
+    if _use_cpp(k, option):
+        *lists, bits, gs = _pool_lists(k_pools, v_pools)
+        torch.ops.triroute.cache_write(
+            k.float(), v.float(), option.long(), slots.long(), positions.long(), *lists, bits, gs
+        )
+        return
+    cache_write_torch(k, v, option, slots, positions, k_pools, v_pools)
+
+
+def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools) -> None:
+    """The PyTorch twin: per pool, `quantize_pack_into_torch` of the tokens that chose it."""
+    for w, (kp, vp) in enumerate(zip(k_pools, v_pools)):
+        sel = (option == w).nonzero().flatten()
+        if sel.numel() == 0:
+            continue
+        at = slots.long().index_select(0, sel)
+        quantize_pack_into_torch(k.index_select(0, sel).float(), kp.bits, kp.group_size, kp, at)
+        quantize_pack_into_torch(v.index_select(0, sel).float(), vp.bits, vp.group_size, vp, at)
+        kp.token_pos.view(-1)[at] = positions.index_select(0, sel).to(torch.int32)
+
+
+# --- experts ------------------------------------------------------------------------------------
+def routed_experts(
+    x: torch.Tensor,
+    index: torch.Tensor,
+    weight: torch.Tensor,
+    w1: Sequence[torch.Tensor],
+    w3: Sequence[torch.Tensor],
+    w2: Sequence[torch.Tensor],
+) -> torch.Tensor:
+    """sum_j weight[n, j] * w2_e(silu(w1_e x_n) * w3_e x_n), e = index[n, j] (-1: the null expert,
+    nothing); x [N, D], index/weight [N, k], w1/w3 per expert [F, D], w2 [D, F] (nn.Linear weights)."""
+    if _use_cpp(x, index):
+        return torch.ops.triroute.routed_experts(x, index.long(), weight, list(w1), list(w3), list(w2))
+    return routed_experts_torch(x, index, weight, w1, w3, w2)
+
+
+def routed_experts_torch(x, index, weight, w1, w3, w2) -> torch.Tensor:
+    """The PyTorch twin: each expert on the tokens routed to it."""
+    out = torch.zeros_like(x)
+    for e in range(len(w1)):
+        rows, slot = (index == e).nonzero(as_tuple=True)
+        if rows.numel() == 0:
+            continue
+        xe = x[rows]
+        y = F.linear(F.silu(F.linear(xe, w1[e])) * F.linear(xe, w3[e]), w2[e])
+        out.index_add_(0, rows, y * weight[rows, slot].to(x.dtype).unsqueeze(1))
+    return out

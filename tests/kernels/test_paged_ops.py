@@ -1,0 +1,226 @@
+"""The one-call decode ops (`paged_ops`): the C++ CPU kernels against the naive reference, the
+PyTorch twins and the cache's number format; the fallback when the kernels are unavailable."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import triroute_kernels.paged_ops as paged_ops
+from tests.kernels.scenario import fill_pools, naive_attention
+from tests.oracles import hard_experts, pack_kv, swiglu
+from triroute_kernels import allocate_kv_pools, cpu_ops_available, quantize_pack_into_torch
+from triroute_kernels import cpu_ops
+from triroute_kernels.paged_ops import (
+    cache_write,
+    cache_write_torch,
+    paged_attention,
+    paged_attention_torch,
+    routed_experts,
+    routed_experts_torch,
+)
+from triroute_kernels.quant import pack_codes, quantize_groups
+
+pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason=f"C++ kernels unavailable: {cpu_ops.cpu_ops_error()}")
+
+WIDTHS = (2, 4, 8, 16)
+D, GS = 16, 8
+
+
+def _mixed_pools(lengths, H_kv, P, gen):
+    """Each request's positions 0..L-1 scattered over four pools of widths 2/4/8/16 (in increasing
+    order within each pool); returns the per-pool stores and page_tables [W, R, M] int64."""
+    owner = [torch.randint(0, len(WIDTHS), (n,), generator=gen) for n in lengths]
+    stores = [
+        fill_pools(quantize_pack_into_torch, b, [(o == w).nonzero().flatten().tolist() for o in owner], H_kv, D, GS, P, gen)
+        for w, b in enumerate(WIDTHS)
+    ]
+    M = max(s.page_table.shape[1] for s in stores)
+    tables = torch.full((len(WIDTHS), len(lengths), M), -1, dtype=torch.long)
+    for w, s in enumerate(stores):
+        tables[w, :, : s.page_table.shape[1]] = s.page_table.long()
+    return stores, tables
+
+
+def _rows_reference(q, stores, request, lo, hi, sm):
+    """naive_attention with each query row reading its own request's tokens."""
+    rows = [dataclasses.replace(s, tokens=[s.tokens[int(r)] for r in request]) for s in stores]
+    return naive_attention(q, rows, GS, lo, hi, sm)[0]
+
+
+@pytest.mark.parametrize("H_kv", [1, 2, 4])
+@pytest.mark.parametrize("P", [4, 16])
+def test_paged_attention_matches_reference_and_twin(H_kv, P):
+    gen = torch.Generator().manual_seed(100 * H_kv + P)
+    H = 4
+    lengths = [37, 9, 1, 20]  # requests of different lengths in one batch; partial last pages
+    stores, tables = _mixed_pools(lengths, H_kv, P, gen)
+    # decode rows (one per request, at its last position) then prefill rows of request 0 at several hi
+    request = torch.tensor([0, 1, 2, 3, 0, 0, 0, 0], dtype=torch.long)
+    hi = torch.tensor([36, 8, 0, 19, 0, 5, 17, 30], dtype=torch.long)
+    N = len(request)
+    # per head: full (lo 0), local windows of 1 and 7 keys, skip (lo > hi); heads of one group differ
+    modes = torch.randint(0, 4, (N, H), generator=gen)
+    window = torch.tensor([0, 0, 6, 0])[modes]
+    lo = torch.where(modes == 0, 0, (hi.view(N, 1) - window).clamp_min(0))
+    lo = torch.where(modes == 3, hi.view(N, 1) + 1, lo)
+    lo[0, 0], lo[1, H - 1], lo[2, 0] = 0, hi[1] + 1, 0  # at least one full head and one skip
+    q = torch.randn(N, H, D, generator=gen)
+    sm = 1 / math.sqrt(D)
+    k_pools = [s.k_pool for s in stores]
+    v_pools = [s.v_pool for s in stores]
+    counters = torch.zeros(2, dtype=torch.long)
+    out = paged_attention(q, k_pools, v_pools, tables, request, lo, hi, sm, counters)
+    ref = _rows_reference(q, stores, request, lo, hi, sm)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+    twin_counters = torch.zeros(2, dtype=torch.long)
+    twin = paged_attention_torch(q, k_pools, v_pools, tables, request, lo, hi, sm, twin_counters)
+    assert torch.allclose(out, twin, atol=1e-5, rtol=1e-5)
+    assert torch.equal(counters, twin_counters) and counters[0] > 0
+    skipped = lo > hi.view(N, 1)
+    assert skipped.any() and not out[skipped].any()
+
+
+def test_a_local_head_reads_only_its_window_and_counters_count_it():
+    """Hand count: one local head of window w reads w + 1 keys (the pages before are skipped
+    whole); a full head of the same group reads everything."""
+    gen = torch.Generator().manual_seed(5)
+    st = fill_pools(quantize_pack_into_torch, 4, [list(range(203))], 1, D, GS, 4, gen)
+    tables = st.page_table.long().unsqueeze(0)
+    q = torch.randn(1, 2, D, generator=gen)
+    hi = torch.tensor([202])
+    row_bytes = 2 * (D * 4 // 8 + 2 * 2 * (D // GS))  # K + V: codes + f16 scale + f16 zero
+    for lo, keys, rows, broken in (([195, 0], 8 + 203, 203, 0), ([203, 203], 0, 0, 0), ([195, 203], 8, 8, 48)):
+        for pool in (st.k_pool, st.v_pool):  # pages wholly before the window must not be read
+            pool.scale[tables[0, 0, :broken]] = float("nan")
+        counters = torch.zeros(2, dtype=torch.long)
+        out = paged_attention(q, [st.k_pool], [st.v_pool], tables, torch.tensor([0]), torch.tensor([lo]), hi, 0.25, counters)
+        assert counters.tolist() == [2 * D * keys, row_bytes * rows]
+        assert torch.allclose(out, _rows_reference(q, [st], [0], torch.tensor([lo]), hi, 0.25), atol=1e-5)
+
+
+def _halfway_data(N, H_kv, gen):
+    """Random K/V with constant groups and values exactly half-way between two codes."""
+    x = torch.randn(N, H_kv, D, generator=gen) * 3
+    x[0, 0, :GS] = 0.75  # constant group: scale 0, codes 0
+    x[1, 0, :GS] = torch.tensor([0.0, 0.5, 1.5, 2.5, 3.0, 1.0, 2.0, 3.0])  # 2 bits: s = 1, ties to even
+    x[2, 0, :GS] = torch.tensor([0.0, 7.5, 8.5, 0.5, 1.5, 14.5, 15.0, 2.5])  # 4 bits: s = 1
+    x[3, 0, :GS] = torch.tensor([0.0, 255.0, 0.5, 1.5, 2.5, 100.5, 101.5, 254.5])  # 8 bits: s = 1
+    # ranges whose scale max / levels rounds to another float16 when computed as max * (1 / levels)
+    x[4, 0, :GS] = torch.tensor([0.0, 6.524413585662842, 1, 2, 3, 4, 5, 6])  # 2 bits
+    x[5, 0, :GS] = torch.tensor([0.0, 5.4144287109375, 1, 2, 3, 4, 5, 0.5])  # 4 bits
+    x[6, 0, :GS] = torch.tensor([0.0, 5.332603454589844, 1, 2, 3, 4, 5, 0.5])  # 8 bits
+    return x
+
+
+def _fresh_pools(H_kv, P, pages):
+    pools = [allocate_kv_pools(b, pages, P, H_kv, D, GS) for b in WIDTHS]
+    return [k for k, _ in pools], [v for _, v in pools]
+
+
+def test_cache_write_is_bit_exact_with_the_number_format():
+    gen = torch.Generator().manual_seed(11)
+    H_kv, P, pages, N = 2, 4, 6, 40
+    k = _halfway_data(N, H_kv, gen)
+    v = _halfway_data(N, H_kv, gen).flip(0)
+    option = torch.randint(-1, len(WIDTHS), (N,), generator=gen)
+    option[:7] = torch.tensor([0, 0, 1, 2, 0, 1, 2])  # the hand-made groups land at their width
+    option[7:11] = torch.arange(4)  # every pool is written
+    slots = torch.empty(N, dtype=torch.long)
+    for w in range(len(WIDTHS)):  # distinct slots per pool
+        sel = (option == w).nonzero().flatten()
+        slots[sel] = torch.randperm(pages * P, generator=gen)[: sel.numel()]
+    slots[option < 0] = 10**9  # a skipped token's slot is never looked at
+    positions = torch.randint(0, 1000, (N,), generator=gen)
+    got_k, got_v = _fresh_pools(H_kv, P, pages)
+    cache_write(k, v, option, slots, positions, got_k, got_v)
+    twin_k, twin_v = _fresh_pools(H_kv, P, pages)
+    cache_write_torch(k, v, option, slots.clamp_max(pages * P - 1), positions, twin_k, twin_v)
+    for a, b in zip(got_k + got_v, twin_k + twin_v):
+        assert torch.equal(a.token_pos, b.token_pos)
+        for ta, tb in zip(a.storage_tensors(), b.storage_tensors()):
+            assert torch.equal(ta, tb), f"{a.bits}-bit pool differs"
+    # and against quant.quantize_groups + pack_codes directly, token by token
+    for n in range(N):
+        w = int(option[n])
+        if w < 0:
+            continue
+        for x, pool in ((k, got_k[w]), (v, got_v[w])):
+            s = int(slots[n])
+            page, off = divmod(s, P)
+            assert int(pool.token_pos[page, off]) == int(positions[n])
+            if pool.bits == 16:
+                assert torch.equal(pool.values[page, off], x[n].half())
+                continue
+            codes, scale, zero = quantize_groups(x[n], pool.bits, GS)
+            assert torch.equal(pool.codes[page, off], pack_codes(codes.flatten(-2), pool.bits))
+            assert torch.equal(pool.scale[page, off], scale) and torch.equal(pool.zero[page, off], zero)
+            assert torch.equal(pool.codes[page, off], torch.stack([pack_kv(x[n, h : h + 1], pool.bits, GS).codes for h in range(H_kv)]))
+    # the half-way groups: ties went to even codes (2 bits: 0.5 -> 0, 1.5 -> 2, 2.5 -> 2)
+    p0 = got_k[0]
+    page, off = divmod(int(slots[1]), P)
+    first = int(p0.codes[page, off, 0, 0])
+    assert [(first >> (2 * i)) & 3 for i in range(4)] == [0, 0, 2, 2]
+
+
+def test_routed_experts_equals_a_loop_over_experts():
+    gen = torch.Generator().manual_seed(3)
+    N, Dm, F_, E, k = 9, 24, 40, 5, 2
+    x = torch.randn(N, Dm, generator=gen)
+    w1 = [torch.randn(F_, Dm, generator=gen) * 0.2 for _ in range(E)]
+    w3 = [torch.randn(F_, Dm, generator=gen) * 0.2 for _ in range(E)]
+    w2 = [torch.randn(Dm, F_, generator=gen) * 0.2 for _ in range(E)]
+    index = torch.randint(-1, E - 1, (N, k), generator=gen)  # expert E-1 unused; -1 = null expert
+    index[0] = torch.tensor([-1, -1])  # a token that runs no expert
+    weight = torch.rand(N, k, generator=gen)
+    out = routed_experts(x, index, weight, w1, w3, w2)
+    ref = hard_experts(x, index, weight, [swiglu(a.T, b.T, c.T) for a, b, c in zip(w1, w3, w2)])
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+    assert torch.allclose(out, routed_experts_torch(x, index, weight, w1, w3, w2), atol=1e-5)
+    assert not out[0].any()
+    # only chosen experts are read: a broken unused expert changes nothing
+    w1[E - 1] = torch.full_like(w1[E - 1], float("nan"))
+    assert torch.equal(routed_experts(x, index, weight, w1, w3, w2), out)
+
+
+def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
+    gen = torch.Generator().manual_seed(2)
+    stores, tables = _mixed_pools([12, 5], 2, 4, gen)
+    k_pools, v_pools = [s.k_pool for s in stores], [s.v_pool for s in stores]
+    q = torch.randn(2, 4, D, generator=gen)
+    args = (tables, torch.tensor([0, 1]), torch.zeros(2, 4, dtype=torch.long), torch.tensor([11, 4]), 0.25)
+    fast = paged_attention(q, k_pools, v_pools, *args)
+    calls = []
+    monkeypatch.setattr(paged_ops, "cpu_ops_available", lambda: False)
+    monkeypatch.setattr(torch.ops.triroute, "paged_attention", lambda *a: calls.append(a))
+    slow = paged_attention(q, k_pools, v_pools, *args)
+    assert not calls and torch.allclose(fast, slow, atol=1e-5)
+    # a failed build is reported, not raised
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.setenv("TRIROUTE_NO_CPU_OPS", "1")
+    assert cpu_ops.cpu_ops_available() is False and "TRIROUTE_NO_CPU_OPS" in cpu_ops.cpu_ops_error()
+
+
+def test_opcheck_schemas_fakes_and_mutations():
+    gen = torch.Generator().manual_seed(4)
+    stores, tables = _mixed_pools([6, 3], 1, 4, gen)
+    *lists, bits, gs = paged_ops._pool_lists([s.k_pool for s in stores], [s.v_pool for s in stores])
+    q = torch.randn(2, 2, D, generator=gen)
+    lo, hi = torch.zeros(2, 2, dtype=torch.long), torch.tensor([5, 2])
+    torch.library.opcheck(
+        torch.ops.triroute.paged_attention,
+        (q, *lists, bits, gs, tables, torch.tensor([0, 1]), lo, hi, 0.25, torch.zeros(2, dtype=torch.long)),
+    )
+    k = torch.randn(3, 1, D, generator=gen)
+    torch.library.opcheck(
+        torch.ops.triroute.cache_write,
+        (k, k * 2, torch.tensor([0, 3, -1]), torch.tensor([1, 2, 0]), torch.tensor([7, 8, 9]), *lists, bits, gs),
+    )
+    x = torch.randn(3, 8, generator=gen)
+    w = [torch.randn(6, 8, generator=gen)]
+    torch.library.opcheck(
+        torch.ops.triroute.routed_experts,
+        (x, torch.tensor([[0], [-1], [0]]), torch.rand(3, 1), w, w, [torch.randn(8, 6, generator=gen)]),
+    )
