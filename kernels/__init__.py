@@ -14,7 +14,7 @@ triton): nothing of `megatron_triroute`.
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
-from .paged_ops import cache_write, paged_attention, routed_experts
+from .paged_ops import PoolLists, cache_write, paged_attention, routed_experts
 from .pool import PagePool, allocate_kv_pools, allocate_pool
 from .quant import SUPPORTED_BITS
 from .torch_ops import (
@@ -30,6 +30,7 @@ __all__ = [
     "HAS_TRITON",
     "SUPPORTED_BITS",
     "PagePool",
+    "PoolLists",
     "allocate_kv_pools",
     "allocate_pool",
     "cache_write",

@@ -12,6 +12,7 @@ experts). The twins are the tests' second implementation; they may sync (they ar
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 import torch
@@ -21,35 +22,47 @@ from .cpu_ops import cpu_ops_available
 from .pool import PagePool
 from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
 
-_EMPTY_HALF: dict = {}
+@dataclass(frozen=True)
+class PoolLists:
+    """One layer's pools as the ops take them: per pool (in `bits` order) the K and V payload
+    tensors (a 16-bit pool's scale and zero are empty float16 tensors), the shared `token_pos`,
+    the widths and the group size. Build it once (`of`) and reuse it until a pool is reallocated."""
+
+    k_pools: tuple[PagePool, ...]
+    v_pools: tuple[PagePool, ...]
+    tensors: tuple[list[torch.Tensor], ...]
+    """(k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos)."""
+    bits: list[int]
+    group_size: int
+
+    @classmethod
+    def of(cls, k_pools: Sequence[PagePool], v_pools: Sequence[PagePool]) -> "PoolLists":
+        if len(k_pools) != len(v_pools) or not k_pools:
+            raise ValueError(f"k_pools and v_pools must be non-empty and of one length, got {len(k_pools)} and {len(v_pools)}")
+        quantised = [p.group_size for p in k_pools if p.bits < 16]
+        group_size = quantised[0] if quantised else k_pools[0].group_size
+        if any(g != group_size for g in quantised):
+            raise ValueError(f"every quantised pool must share one group_size, got {quantised}")
+        lists: list[list[torch.Tensor]] = [[] for _ in range(7)]
+        for kp, vp in zip(k_pools, v_pools):
+            if kp.bits != vp.bits:
+                raise ValueError(f"a K pool of {kp.bits} bits is paired with a V pool of {vp.bits} bits")
+            for off, pool in ((0, kp), (3, vp)):
+                if pool.bits >= 16:
+                    lists[off] += [pool.values]
+                    lists[off + 1] += [pool.values.new_empty(0)]
+                    lists[off + 2] += [pool.values.new_empty(0)]
+                else:
+                    lists[off] += [pool.codes]
+                    lists[off + 1] += [pool.scale]
+                    lists[off + 2] += [pool.zero]
+            lists[6].append(kp.token_pos)
+        return cls(tuple(k_pools), tuple(v_pools), tuple(lists), [p.bits for p in k_pools], group_size)
 
 
-def _pool_lists(k_pools: Sequence[PagePool], v_pools: Sequence[PagePool]):
-    """The ops' per-pool tensor lists: (k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size).
-
-    A 16-bit pool's scale and zero are distinct empty float16 tensors (no metadata)."""
-    if len(k_pools) != len(v_pools) or not k_pools:
-        raise ValueError(f"k_pools and v_pools must be non-empty and of one length, got {len(k_pools)} and {len(v_pools)}")
-    quantised = [p.group_size for p in k_pools if p.bits < 16]
-    group_size = quantised[0] if quantised else k_pools[0].group_size
-    if any(g != group_size for g in quantised):
-        raise ValueError(f"every quantised pool must share one group_size, got {quantised}")
-    lists: list[list[torch.Tensor]] = [[] for _ in range(7)]
-    for kp, vp in zip(k_pools, v_pools):
-        if kp.bits != vp.bits:
-            raise ValueError(f"a K pool of {kp.bits} bits is paired with a V pool of {vp.bits} bits")
-        for off, pool in ((0, kp), (3, vp)):
-            if pool.bits >= 16:
-                none = pool.values.new_empty(0)
-                lists[off] += [pool.values]
-                lists[off + 1] += [none]
-                lists[off + 2] += [none.clone()]
-            else:
-                lists[off] += [pool.codes]
-                lists[off + 1] += [pool.scale]
-                lists[off + 2] += [pool.zero]
-        lists[6].append(kp.token_pos)
-    return (*lists, [p.bits for p in k_pools], group_size)
+def _lists(pools) -> PoolLists:
+    """`pools`: a PoolLists, or a (k_pools, v_pools) pair."""
+    return pools if isinstance(pools, PoolLists) else PoolLists.of(*pools)
 
 
 def _use_cpp(*tensors: torch.Tensor) -> bool:
@@ -59,8 +72,7 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
 # --- attention ----------------------------------------------------------------------------------
 def paged_attention(
     q: torch.Tensor,
-    k_pools: Sequence[PagePool],
-    v_pools: Sequence[PagePool],
+    pools: PoolLists | tuple[Sequence[PagePool], Sequence[PagePool]],
     page_tables: torch.Tensor,
     request: torch.Tensor,
     lo: torch.Tensor,
@@ -68,7 +80,8 @@ def paged_attention(
     sm_scale: float,
     counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of query rows q [N, H, d] (float32) over all pools: row n, head h reads the slots of
+    """Attention of query rows q [N, H, d] (float32) over all pools (`pools`: a `PoolLists`, or
+    (k_pools, v_pools)): row n, head h reads the slots of
     row request[n] of `page_tables` [W, R, M] (per pool, page ids, -1 = none) whose positions lie in
     lo[n, h]..hi[n] (lo [N, H], hi [N], int64), from kv head h // (H / H_kv); one softmax over every
     pool. A head reading nothing gets 0. `counters` (int64 [2]), if given, is incremented by the
@@ -76,18 +89,18 @@ def paged_attention(
     scale + zero, or float16 values, of each (slot, kv head) row dequantised)."""
     if counters is None:
         counters = torch.zeros(2, dtype=torch.long, device=q.device)
+    p = _lists(pools)
     if _use_cpp(q, page_tables):
-        *lists, bits, gs = _pool_lists(k_pools, v_pools)
         return torch.ops.triroute.paged_attention(
-            q, *lists, bits, gs, page_tables, request, lo, hi, float(sm_scale), counters
+            q, *p.tensors, p.bits, p.group_size, page_tables, request, lo, hi, float(sm_scale), counters
         )
-    return paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters)
+    return paged_attention_torch(q, p.k_pools, p.v_pools, page_tables, request, lo, hi, sm_scale, counters)
 
 
 def paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters) -> torch.Tensor:
     """The PyTorch twin: per pool `decode_attention_pool_torch`, then `merge_partials`; the
     counters from the positions the kernel reads (same definition)."""
-    *_, bits, gs = _pool_lists(k_pools, v_pools)
+    gs = PoolLists.of(k_pools, v_pools).group_size
     N, H, d = q.shape
     H_kv = k_pools[0].num_kv_heads
     G = H // H_kv
@@ -118,18 +131,17 @@ def cache_write(
     option: torch.Tensor,
     slots: torch.Tensor,
     positions: torch.Tensor,
-    k_pools: Sequence[PagePool],
-    v_pools: Sequence[PagePool],
+    pools: PoolLists | tuple[Sequence[PagePool], Sequence[PagePool]],
 ) -> None:
     """Quantise token n's k[n], v[n] ([N, H_kv, d]) into pool option[n] (< 0: skip the token) at flat
     slot slots[n] (page * P + offset in that pool) and record positions[n] in its token_pos."""
+    p = _lists(pools)
     if _use_cpp(k, option):
-        *lists, bits, gs = _pool_lists(k_pools, v_pools)
         torch.ops.triroute.cache_write(
-            k.float(), v.float(), option.long(), slots.long(), positions.long(), *lists, bits, gs
+            k.float(), v.float(), option.long(), slots.long(), positions.long(), *p.tensors, p.bits, p.group_size
         )
         return
-    cache_write_torch(k, v, option, slots, positions, k_pools, v_pools)
+    cache_write_torch(k, v, option, slots, positions, p.k_pools, p.v_pools)
 
 
 def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools) -> None:

@@ -72,7 +72,7 @@ def test_paged_attention_matches_reference_and_twin(H_kv, P):
     k_pools = [s.k_pool for s in stores]
     v_pools = [s.v_pool for s in stores]
     counters = torch.zeros(2, dtype=torch.long)
-    out = paged_attention(q, k_pools, v_pools, tables, request, lo, hi, sm, counters)
+    out = paged_attention(q, (k_pools, v_pools), tables, request, lo, hi, sm, counters)
     ref = _rows_reference(q, stores, request, lo, hi, sm)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
     twin_counters = torch.zeros(2, dtype=torch.long)
@@ -96,7 +96,7 @@ def test_a_local_head_reads_only_its_window_and_counters_count_it():
         for pool in (st.k_pool, st.v_pool):  # pages wholly before the window must not be read
             pool.scale[tables[0, 0, :broken]] = float("nan")
         counters = torch.zeros(2, dtype=torch.long)
-        out = paged_attention(q, [st.k_pool], [st.v_pool], tables, torch.tensor([0]), torch.tensor([lo]), hi, 0.25, counters)
+        out = paged_attention(q, ([st.k_pool], [st.v_pool]), tables, torch.tensor([0]), torch.tensor([lo]), hi, 0.25, counters)
         assert counters.tolist() == [2 * D * keys, row_bytes * rows]
         assert torch.allclose(out, _rows_reference(q, [st], [0], torch.tensor([lo]), hi, 0.25), atol=1e-5)
 
@@ -135,7 +135,7 @@ def test_cache_write_is_bit_exact_with_the_number_format():
     slots[option < 0] = 10**9  # a skipped token's slot is never looked at
     positions = torch.randint(0, 1000, (N,), generator=gen)
     got_k, got_v = _fresh_pools(H_kv, P, pages)
-    cache_write(k, v, option, slots, positions, got_k, got_v)
+    cache_write(k, v, option, slots, positions, (got_k, got_v))
     twin_k, twin_v = _fresh_pools(H_kv, P, pages)
     cache_write_torch(k, v, option, slots.clamp_max(pages * P - 1), positions, twin_k, twin_v)
     for a, b in zip(got_k + got_v, twin_k + twin_v):
@@ -191,11 +191,11 @@ def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
     k_pools, v_pools = [s.k_pool for s in stores], [s.v_pool for s in stores]
     q = torch.randn(2, 4, D, generator=gen)
     args = (tables, torch.tensor([0, 1]), torch.zeros(2, 4, dtype=torch.long), torch.tensor([11, 4]), 0.25)
-    fast = paged_attention(q, k_pools, v_pools, *args)
+    fast = paged_attention(q, (k_pools, v_pools), *args)
     calls = []
     monkeypatch.setattr(paged_ops, "cpu_ops_available", lambda: False)
     monkeypatch.setattr(torch.ops.triroute, "paged_attention", lambda *a: calls.append(a))
-    slow = paged_attention(q, k_pools, v_pools, *args)
+    slow = paged_attention(q, (k_pools, v_pools), *args)
     assert not calls and torch.allclose(fast, slow, atol=1e-5)
     # a failed build is reported, not raised
     monkeypatch.setattr(cpu_ops, "_state", {})
@@ -206,7 +206,8 @@ def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
 def test_opcheck_schemas_fakes_and_mutations():
     gen = torch.Generator().manual_seed(4)
     stores, tables = _mixed_pools([6, 3], 1, 4, gen)
-    *lists, bits, gs = paged_ops._pool_lists([s.k_pool for s in stores], [s.v_pool for s in stores])
+    p = paged_ops.PoolLists.of([s.k_pool for s in stores], [s.v_pool for s in stores])
+    lists, bits, gs = p.tensors, p.bits, p.group_size
     q = torch.randn(2, 2, D, generator=gen)
     lo, hi = torch.zeros(2, 2, dtype=torch.long), torch.tensor([5, 2])
     torch.library.opcheck(
