@@ -1,7 +1,7 @@
 """Time the one-call C++ paged attention against the per-pool PyTorch path (one
 `decode_attention_pool_torch` per width + `merge_partials`), one decode step of one layer.
 
-    OMP_NUM_THREADS=1 python benchmarks/bench_cpu_ops.py [--context 2048] [--batches 1 8] [--march-native]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cpu_ops.py [--context 2048] [--batches 1 8] [--portable]
 
 Shape: the 160m recipe's attention (12 query heads, 3 KV heads, head dim 64, group 32), pages of 16
 slots, every token's width drawn uniformly from 2/4/8/16 bits, every head full. Prints per batch the
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import time
 
@@ -63,10 +64,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=20)
-    p.add_argument("--march-native", action="store_true", help="build the kernels with -march=native (own build folder)")
+    p.add_argument("--portable", action="store_true", help="the kernels built without -march=native (own build folder)")
     a = p.parse_args()
-    if a.march_native:
-        cpu_ops.CFLAGS.append("-march=native")
+    if a.portable:
+        os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
     if not cpu_ops.cpu_ops_available():
         raise SystemExit(f"the C++ CPU kernels are unavailable: {cpu_ops.cpu_ops_error()}")
     gen = torch.Generator().manual_seed(0)
@@ -88,7 +89,7 @@ def main() -> None:
         per_call = torch.zeros(2, dtype=torch.long)
         paged_attention(q, k_pools, v_pools, *args, per_call)
         rows.append({
-            "batch": batch, "context": a.context, "threads": torch.get_num_threads(), "march_native": a.march_native,
+            "batch": batch, "context": a.context, "threads": torch.get_num_threads(), "portable": a.portable,
             "cpp_ms": round(cpp, 3), "torch_per_pool_ms": round(torch_ms, 3), "speedup": round(torch_ms / cpp, 2),
             "bytes_read": int(per_call[1]), "attn_macs": int(per_call[0]), "cpp_gb_per_s": round(int(per_call[1]) / cpp / 1e6, 2),
             "max_abs_diff_vs_torch": err,
