@@ -21,7 +21,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 EXTENSION_NAME = "triroute_decode_ops"
-CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]
+CFLAGS = ["-O3", "-ffp-contract=off"]
 """-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
 exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`."""
 
