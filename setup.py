@@ -24,6 +24,7 @@ setup(
         "mpi4py>=3.1",
         "numpy>=1.26",
         "pyarrow>=14",
+        "ninja>=1.11",  # torch.utils.cpp_extension builds the C++ CPU decode kernels with it
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.3", "triton>=3.0"],  # Triton kernels run interpreted on CPU
@@ -38,8 +39,9 @@ setup(
         # Export to / import from Hugging Face format (python -m megatron_triroute.export).
         "hf": ["transformers>=5.23,<6", "tokenizers>=0.23"],
     },
-    # The exported modeling code's templates (copied into each export directory).
-    package_data={"megatron_triroute.export": ["hf_code/*.py"]},
+    # The exported modeling code's templates (copied into each export directory); the C++ CPU
+    # kernels' source (JIT-built on first use, triroute_kernels.cpu_ops).
+    package_data={"megatron_triroute.export": ["hf_code/*.py"], "triroute_kernels": ["csrc/*.cpp"]},
     entry_points={
         "console_scripts": [
             "triroute-data-prep=data_prep.__main__:main",

@@ -4,7 +4,9 @@
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
 compiler is missing or the build fails: callers then use the PyTorch twins (`paged_ops`), never
-crash. Each op has a fake (shape-only) implementation so torch.compile can trace it.
+crash. `-march=native` is tried first (`NATIVE_CFLAGS`); TRIROUTE_CPU_OPS_PORTABLE=1 builds
+without it, TRIROUTE_NO_CPU_OPS=1 turns the kernels off. Each op has a fake (shape-only)
+implementation so torch.compile can trace it.
 """
 
 from __future__ import annotations
@@ -19,41 +21,66 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 EXTENSION_NAME = "triroute_decode_ops"
-CFLAGS = ["-O3", "-ffp-contract=off", "-std=c++17"]
+CFLAGS = ["-O3", "-ffp-contract=off"]
 """-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
 exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`."""
+
+NATIVE_CFLAGS = ["-march=native"]
+"""Tried first: hardware float16 conversion and wider vectors (1.3-1.5x faster attention on an
+AVX-512 machine, `benchmarks/bench_cpu_ops.py --portable`); the build folder's key holds this CPU's
+model and flags, so a shared home directory never loads another CPU's build. Without it (a
+compiler that rejects it) the portable flags are built instead."""
 
 _state: dict = {}
 
 
-def build_directory() -> Path:
+def _cpu_signature() -> str:
+    """The CPU's model and feature flags (Linux), what -march=native compiles for."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor()
+    return "|".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+
+
+def build_directory(flags: list[str]) -> Path:
     """Where the library is built: torch's extension root, one folder per (source, flags, torch,
     Python, machine), so a changed source or toolchain builds afresh and nothing stale is loaded."""
     key = hashlib.sha256(SOURCE.read_bytes())
-    key.update(repr((CFLAGS, torch.__version__, sys.version, platform.machine())).encode())
+    key.update(repr((flags, torch.__version__, sys.version, platform.machine(), _cpu_signature())).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
 
 
 def _build() -> None:
-    from torch.utils.cpp_extension import load
-
     if os.environ.get("TRIROUTE_NO_CPU_OPS"):
         raise RuntimeError("TRIROUTE_NO_CPU_OPS is set (the PyTorch twins serve)")
     if not hasattr(torch.ops.triroute, "paged_attention"):
-        where = build_directory()
-        if not (where / f"{EXTENSION_NAME}.so").exists():
-            print("building the CPU decode kernels (once per machine)", file=sys.stderr)
-        where.mkdir(parents=True, exist_ok=True)
-        load(
-            name=EXTENSION_NAME,
-            sources=[str(SOURCE)],
-            extra_cflags=CFLAGS,
-            build_directory=str(where),
-            is_python_module=False,
-            verbose=False,
-        )
+        native = not os.environ.get("TRIROUTE_CPU_OPS_PORTABLE")
+        try:
+            _load(CFLAGS + NATIVE_CFLAGS if native else CFLAGS)
+        except Exception:
+            if not native:
+                raise
+            _load(CFLAGS)
     _register_fakes()
+
+
+def _load(flags: list[str]) -> None:
+    from torch.utils.cpp_extension import load
+
+    where = build_directory(flags)
+    if not (where / f"{EXTENSION_NAME}.so").exists():
+        print("building the CPU decode kernels (once per machine)", file=sys.stderr)
+    where.mkdir(parents=True, exist_ok=True)
+    load(
+        name=EXTENSION_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=flags,
+        build_directory=str(where),
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def cpu_ops_available() -> bool:

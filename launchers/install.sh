@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs everything megatron-triroute needs on a fresh Debian/Ubuntu machine into ./.venv:
-# system packages (OpenMPI for mpi4py/mpirun; Slurm + munge for the one-node test cluster),
+# system packages (g++ for the JIT-built C++ CPU decode kernels; OpenMPI for mpi4py/mpirun; Slurm + munge
+# for the one-node test cluster),
 # then the Python packages at the exact versions in constraints.txt (with the `test`, `eval`, `analysis` and `hf` extras).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -9,7 +10,7 @@ SUDO=""
 [ "$(id -u)" -ne 0 ] && SUDO="sudo"
 if command -v apt-get >/dev/null 2>&1; then
   need=()
-  for pkg in libopenmpi-dev openmpi-bin slurmctld slurmd slurm-client munge; do
+  for pkg in g++ libopenmpi-dev openmpi-bin slurmctld slurmd slurm-client munge; do
     dpkg -s "$pkg" >/dev/null 2>&1 || need+=("$pkg")
   done
   if [ ${#need[@]} -gt 0 ]; then

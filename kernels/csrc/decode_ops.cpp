@@ -37,14 +37,15 @@ template <int BITS>
 inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d, int64_t gs, float* out) {
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
-  for (int64_t g0 = 0; g0 < d; g0 += gs) {
-    const float s = static_cast<float>(scale[g0 / gs]);
+  for (int64_t b = 0; b < d / per_byte; ++b) {  // unpack: code k of byte b at bit k * BITS
+    const int byte = codes[b];
+    for (int k = 0; k < per_byte; ++k) out[b * per_byte + k] = static_cast<float>((byte >> (k * BITS)) & mask);
+  }
+  for (int64_t g0 = 0; g0 < d; g0 += gs) {  // code * scale, then + zero, each rounded in float32
+    const float sc = static_cast<float>(scale[g0 / gs]);
     const float z = static_cast<float>(zero[g0 / gs]);
-    for (int64_t i = g0; i < g0 + gs; ++i) {
-      const int code = (codes[i / per_byte] >> ((i % per_byte) * BITS)) & mask;
-      const float c = static_cast<float>(code) * s;
-      out[i] = c + z;
-    }
+    for (int64_t i = g0; i < g0 + gs; ++i) out[i] = out[i] * sc;
+    for (int64_t i = g0; i < g0 + gs; ++i) out[i] = out[i] + z;
   }
 }
 
@@ -194,10 +195,17 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   const float scale = static_cast<float>(sm_scale);
   std::atomic<int64_t> macs_total{0}, bytes_total{0};
 
+  int64_t P_max = 1;
+  for (const auto& pv : views) P_max = std::max(P_max, pv.P);
+
   at::parallel_for(0, N * H_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> krow(d), vrow(d), m(G), l(G), acc(G * d), s(G);
-    std::vector<int64_t> lo_h(G);
-    std::vector<char> reads(G), took(G);
+    // One page at a time: its in-range K rows dequantised into kbuf, scored for every reading
+    // head of the group (sbuf, -inf where a head's range misses the key), one rescale per head
+    // and page, then its V rows dequantised into vbuf and accumulated.
+    std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(G * P_max), m(G), l(G), acc(G * d);
+    std::vector<int64_t> lo_h(G), rows(P_max), pos(P_max);
+    std::vector<char> reads(G);
+    const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t n = item / H_kv, g = item % H_kv;
@@ -207,7 +215,7 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
         lo_h[j] = std::max<int64_t>(lop[n * H + g * G + j], 0);  // free slots (position -1) are never read
         reads[j] = lo_h[j] <= hi_n;
         if (reads[j]) lo_min = std::min(lo_min, lo_h[j]);
-        m[j] = -std::numeric_limits<float>::infinity();
+        m[j] = neg_inf;
         l[j] = 0.f;
       }
       if (lo_min > hi_n) continue;  // no head of the group reads: out stays 0
@@ -215,50 +223,75 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       const float* qg = qp + (n * H + g * G) * d;
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
+        const int64_t nsc = pv.n_groups;
         const int64_t* row_pages = tab + (w * R + reqp[n]) * M;
         for (int64_t mi = 0; mi < M; ++mi) {
           const int64_t page = row_pages[mi];
           if (page < 0) continue;
           const int32_t* tp = pv.token_pos + page * pv.P;
           // Positions increase inside a page and unfilled slots are -1: the last filled slot holds
-          // the page's largest position, the first its smallest.
+          // the page's largest position, the first its smallest. A page outside [lo_min, hi] is
+          // never touched (a local head reads only the last pages).
           int64_t last = pv.P - 1;
           while (last >= 0 && tp[last] < 0) --last;
           if (last < 0 || tp[last] < lo_min || tp[0] > hi_n) continue;
+          int64_t c = 0;
           for (int64_t slot = 0; slot <= last; ++slot) {
             const int64_t p = tp[slot];
             if (p < lo_min || p > hi_n) continue;
-            const int64_t r = (page * pv.P + slot) * H_kv + g;  // (slot, kv head) row
-            const int64_t nsc = pv.n_groups;
+            rows[c] = (page * pv.P + slot) * H_kv + g;  // (slot, kv head) row
+            pos[c++] = p;
+          }
+          if (c == 0) continue;
+          bytes += c * pv.kv_bytes;  // each K row and V row once
+          for (int64_t t = 0; t < c; ++t) {
+            const int64_t r = rows[t];
             if (pv.bits == 16)
-              load_row(16, nullptr, nullptr, nullptr, pv.k_values + r * d, d, group_size, krow.data());
+              load_row(16, nullptr, nullptr, nullptr, pv.k_values + r * d, d, group_size, kbuf.data() + t * d);
             else
               load_row(pv.bits, pv.k_codes + r * pv.row_bytes, pv.k_scale + r * nsc, pv.k_zero + r * nsc, nullptr,
-                       d, group_size, krow.data());
-            bool any = false;
-            for (int64_t j = 0; j < G; ++j) {
-              took[j] = reads[j] && lo_h[j] <= p;
-              if (!took[j]) continue;
-              s[j] = dot(qg + j * d, krow.data(), d) * scale;
+                       d, group_size, kbuf.data() + t * d);
+          }
+          for (int64_t j = 0; j < G; ++j) {
+            float* sj = sbuf.data() + j * P_max;
+            float block_max = neg_inf;
+            for (int64_t t = 0; t < c; ++t) {
+              if (!reads[j] || pos[t] < lo_h[j]) {
+                sj[t] = neg_inf;
+                continue;
+              }
+              sj[t] = dot(qg + j * d, kbuf.data() + t * d, d) * scale;
+              block_max = std::max(block_max, sj[t]);
               macs += 2 * d;
-              any = true;
             }
-            bytes += pv.kv_bytes;  // the K row and (below) the V row of this slot
-            if (!any) continue;
+            if (block_max == neg_inf) continue;  // this head took no key of the page
+            const float m_new = std::max(m[j], block_max);
+            const float alpha = std::exp(m[j] - m_new);  // exp(-inf) = 0 before the first key
+            float sum = 0.f;
+            for (int64_t t = 0; t < c; ++t) {
+              sj[t] = std::exp(sj[t] - m_new);  // -inf -> 0
+              sum += sj[t];
+            }
+            l[j] = l[j] * alpha + sum;
+            if (alpha != 1.f) {
+              float* a = acc.data() + j * d;
+              for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+            }
+            m[j] = m_new;
+          }
+          for (int64_t t = 0; t < c; ++t) {
+            const int64_t r = rows[t];
+            float* vrow = vbuf.data() + t * d;
             if (pv.bits == 16)
-              load_row(16, nullptr, nullptr, nullptr, pv.v_values + r * d, d, group_size, vrow.data());
+              load_row(16, nullptr, nullptr, nullptr, pv.v_values + r * d, d, group_size, vrow);
             else
               load_row(pv.bits, pv.v_codes + r * pv.row_bytes, pv.v_scale + r * nsc, pv.v_zero + r * nsc, nullptr,
-                       d, group_size, vrow.data());
+                       d, group_size, vrow);
             for (int64_t j = 0; j < G; ++j) {
-              if (!took[j]) continue;
-              const float m_new = std::max(m[j], s[j]);
-              const float alpha = std::exp(m[j] - m_new);  // exp(-inf) = 0 on the first key
-              const float pe = std::exp(s[j] - m_new);
-              l[j] = l[j] * alpha + pe;
+              const float pe = sbuf[j * P_max + t];
+              if (!reads[j] || pos[t] < lo_h[j]) continue;
               float* a = acc.data() + j * d;
-              for (int64_t i = 0; i < d; ++i) a[i] = a[i] * alpha + pe * vrow[i];
-              m[j] = m_new;
+              for (int64_t i = 0; i < d; ++i) a[i] += pe * vrow[i];
             }
           }
         }
@@ -266,8 +299,7 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       for (int64_t j = 0; j < G; ++j) {
         if (l[j] <= 0.f) continue;
         float* o = op + (n * H + g * G + j) * d;
-        const float inv = l[j];
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] / inv;
+        for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] / l[j];
       }
     }
     macs_total += macs;
