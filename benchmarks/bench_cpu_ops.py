@@ -81,13 +81,13 @@ def main() -> None:
         sm = 1 / math.sqrt(D)
         counters = torch.zeros(2, dtype=torch.long)
         args = (tables, request, lo, hi, sm)
-        out = paged_attention(q, k_pools, v_pools, *args, counters)
+        out = paged_attention(q, (k_pools, v_pools), *args, counters)
         twin = paged_attention_torch(q, k_pools, v_pools, *args, torch.zeros(2, dtype=torch.long))
         err = float((out - twin).abs().max())
-        cpp = median_ms(lambda: paged_attention(q, k_pools, v_pools, *args, counters), a.iters)
+        cpp = median_ms(lambda: paged_attention(q, (k_pools, v_pools), *args, counters), a.iters)
         torch_ms = median_ms(lambda: paged_attention_torch(q, k_pools, v_pools, *args, torch.zeros(2, dtype=torch.long)), a.iters)
         per_call = torch.zeros(2, dtype=torch.long)
-        paged_attention(q, k_pools, v_pools, *args, per_call)
+        paged_attention(q, (k_pools, v_pools), *args, per_call)
         rows.append({
             "batch": batch, "context": a.context, "threads": torch.get_num_threads(), "portable": a.portable,
             "cpp_ms": round(cpp, 3), "torch_per_pool_ms": round(torch_ms, 3), "speedup": round(torch_ms / cpp, 2),

@@ -20,14 +20,11 @@ import math
 
 import torch
 
+from triroute_kernels import paged_attention
+
 from ..routing.modes import read_start
 from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
-
-try:
-    from triroute_kernels import paged_attention
-except ImportError:  # pragma: no cover
-    from triroute_kernels._devshim import paged_attention
 
 
 def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,9 +65,7 @@ def attend(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor
     if valid is not None:
         lo = torch.where(valid.view(N, 1), lo, t.view(N, 1) + 1)
     request = rows.repeat_interleave(n) if n > 1 else rows
-    a = cache.layers[layer].args()
-    context = paged_attention(qk[:, :H].contiguous(), a.k_data, a.k_scale, a.k_zero, a.v_data, a.v_scale, a.v_zero,
-                              a.token_pos, a.bits, a.group_size, cache.tables[layer], request, lo, t,
+    context = paged_attention(qk[:, :H].contiguous(), cache.layers[layer].lists(), cache.tables[layer], request, lo, t,
                               1.0 / math.sqrt(d), cache.executed[layer])
     return context.view(N, H * d) @ wo.view(D, H * d).T
 

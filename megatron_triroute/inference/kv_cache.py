@@ -29,14 +29,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from triroute_kernels import allocate_kv_pools, dequantize_slots
+from triroute_kernels import PoolLists, allocate_kv_pools, cache_write, dequantize_slots
 
 from ..routing.quant import kv_bits_per_token
-
-try:
-    from triroute_kernels import cache_write
-except ImportError:  # pragma: no cover
-    from triroute_kernels._devshim import cache_write
 
 GROWTH_DIVISOR = 8
 """A pool grows by what it needs plus 1/GROWTH_DIVISOR of its size."""
@@ -119,26 +114,6 @@ class PoolPages:
     """Slots filled, as of the last read of the device counts (`sync`)."""
 
 
-@dataclass(frozen=True)
-class PoolArgs:
-    """One layer's pools as the kernels take them: per pool, in `bits` order."""
-
-    k_data: list[torch.Tensor]
-    k_scale: list[torch.Tensor]
-    k_zero: list[torch.Tensor]
-    v_data: list[torch.Tensor]
-    v_scale: list[torch.Tensor]
-    v_zero: list[torch.Tensor]
-    token_pos: list[torch.Tensor]
-    bits: list[int]
-    group_size: int
-
-
-def _parts(pool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    empty = pool.token_pos.new_empty(0, dtype=torch.float16)
-    return (pool.values, empty, empty) if pool.bits >= 16 else (pool.codes, pool.scale, pool.zero)
-
-
 class LayerCache:
     """One layer's pools, one per bit-width option (in `bits` order)."""
 
@@ -149,19 +124,13 @@ class LayerCache:
         self.pools = [WidthPool(b, n_kv_heads, d_head, group_size, page_size, initial_pages, device) for b in bits]
         self.page_size = page_size
         self.bits_per_token = [kv_bits_per_token(b, n_kv_heads * d_head, group_size) for b in bits]
-        self._args: PoolArgs | None = None
-        self._args_key = None
+        self._lists: PoolLists | None = None
 
-    def args(self) -> PoolArgs:
-        """The pools' tensors for the kernels (rebuilt only after a pool grew)."""
-        key = tuple(id(p.k) for p in self.pools)
-        if key != self._args_key:
-            k = [_parts(p.k) for p in self.pools]
-            v = [_parts(p.v) for p in self.pools]
-            self._args = PoolArgs(*([list(x) for x in zip(*k)] + [list(x) for x in zip(*v)]),
-                                  [p.token_pos for p in self.pools], list(self.bits), self.group_size)
-            self._args_key = key
-        return self._args
+    def lists(self) -> PoolLists:
+        """The pools as the kernels take them (rebuilt only after a pool was reallocated)."""
+        if self._lists is None or any(a is not p.k for a, p in zip(self._lists.k_pools, self.pools)):
+            self._lists = PoolLists.of([p.k for p in self.pools], [p.v for p in self.pools])
+        return self._lists
 
 
 class PagedKVCache:
@@ -312,9 +281,7 @@ class PagedKVCache:
         slots = page * P + slot_index % P
         if valid is not None:
             option = torch.where(valid, option, -1)
-        a = self.layers[layer].args()
-        cache_write(k.float().contiguous(), v.float().contiguous(), option, slots, positions.long(), a.k_data,
-                    a.k_scale, a.k_zero, a.v_data, a.v_scale, a.v_zero, a.token_pos, a.bits, a.group_size)
+        cache_write(k.float().contiguous(), v.float().contiguous(), option, slots, positions, self.layers[layer].lists())
 
     def write(self, layer: int, rids: list[int], row: torch.Tensor, option: torch.Tensor, positions: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:

@@ -21,6 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from triroute_kernels import routed_experts
+
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
 from ..routing.cost import dense_cost, expert_width
@@ -32,11 +34,6 @@ from .attention import attend, rope_tables
 from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
-
-try:
-    from triroute_kernels import routed_experts
-except ImportError:  # pragma: no cover
-    from triroute_kernels._devshim import routed_experts
 
 NORM_EPS = 1e-5
 

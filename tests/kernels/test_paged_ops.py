@@ -199,13 +199,13 @@ def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
     assert not calls and torch.allclose(fast, slow, atol=1e-5)
     x = torch.randn(3, 2, D, generator=gen)
     pools_twin = _fresh_pools(2, 4, 2)
-    cache_write(x, -x, torch.tensor([0, 3, 1]), torch.tensor([1, 2, 7]), torch.tensor([4, 5, 6]), *pools_twin)
+    cache_write(x, -x, torch.tensor([0, 3, 1]), torch.tensor([1, 2, 7]), torch.tensor([4, 5, 6]), pools_twin)
     w = [torch.randn(6, 8, generator=gen)]
     y = torch.randn(2, 8, generator=gen)
     experts_twin = routed_experts(y, torch.tensor([[0], [-1]]), torch.ones(2, 1), w, w, [torch.randn(8, 6, generator=gen)])
     monkeypatch.undo()
     pools_cpp = _fresh_pools(2, 4, 2)
-    cache_write(x, -x, torch.tensor([0, 3, 1]), torch.tensor([1, 2, 7]), torch.tensor([4, 5, 6]), *pools_cpp)
+    cache_write(x, -x, torch.tensor([0, 3, 1]), torch.tensor([1, 2, 7]), torch.tensor([4, 5, 6]), pools_cpp)
     for a, b in zip(pools_twin[0] + pools_twin[1], pools_cpp[0] + pools_cpp[1]):
         assert all(torch.equal(ta, tb) for ta, tb in zip(a.storage_tensors() + [a.token_pos], b.storage_tensors() + [b.token_pos]))
     assert not experts_twin[1].any() and experts_twin[0].any()
