@@ -46,28 +46,33 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
     return apply_rope(x, *rope_tables(positions, x.shape[-1], base))
 
 
-def attend(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
-           mode: torch.Tensor, option: torch.Tensor, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           valid: torch.Tensor | None, cache: PagedKVCache, layer: int, rows: torch.Tensor, n: int,
-           window: int) -> torch.Tensor:
-    """h (N, D) normed inputs of B requests, n tokens each (request-major, N = B n); wq (H, d, D),
-    wk/wv (H_kv, d, D), wo (D, H, d); mode (N, H) in ATTN_MODES order; option (N,) bit option;
-    t (N,) positions; cos/sin (N, 1, d) their rotary tables; valid (N,) (None: all valid); rows (B,)
-    the requests' cache rows. Returns (N, D). Tensor ops only; room reserved beforehand."""
-    N, D = h.shape
-    H, d = wq.shape[:2]
-    n_kv = wk.shape[0]
-    qk = torch.cat([h @ wq.view(H * d, D).T, h @ wk.view(n_kv * d, D).T], -1).view(N, H + n_kv, d)
-    qk = apply_rope(qk, cos, sin)
-    v = (h @ wv.view(n_kv * d, D).T).view(N, n_kv, d)
-    cache.write_step(layer, rows, option, t, qk[:, H:], v, valid, n)
+def projection_views(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """wq (H, d, D), wk/wv (H_kv, d, D), wo (D, H, d) as the matrices `attend` multiplies by:
+    (D, H d), (D, H_kv d), (D, H_kv d), (H d, D). Views of the parameters, no copy."""
+    D = wq.shape[2]
+    return wq.reshape(-1, D).T, wk.reshape(-1, D).T, wv.reshape(-1, D).T, wo.reshape(D, -1).T
+
+
+def attend(h: torch.Tensor, w: tuple[torch.Tensor, ...], n_heads: int, mode: torch.Tensor, option: torch.Tensor,
+           t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, valid: torch.Tensor | None, cache: PagedKVCache,
+           layer: int, rows: torch.Tensor, n: int, window: int) -> torch.Tensor:
+    """h (N, D) normed inputs of B requests, n tokens each (request-major, N = B n); w the
+    `projection_views` of the layer's Q, K, V, O; mode (N, H) in ATTN_MODES order; option (N,) bit
+    option; t (N,) positions; cos/sin (N, 1, d) their rotary tables; valid (N,) (None: all valid);
+    rows (B,) the requests' cache rows. Returns (N, D). Tensor ops only; room reserved beforehand."""
+    wq, wk, wv, wo = w
+    N, H = h.shape[0], n_heads
+    d = wq.shape[1] // H
+    n_kv = wk.shape[1] // d
+    qk = apply_rope(torch.cat([h @ wq, h @ wk], -1).view(N, H + n_kv, d), cos, sin)
+    cache.write_step(layer, rows, option, t, qk[:, H:], (h @ wv).view(N, n_kv, d), valid, n)
     lo = read_start(t.view(N, 1), mode, window)  # skip: t + 1, an empty range
     if valid is not None:
         lo = torch.where(valid.view(N, 1), lo, t.view(N, 1) + 1)
     request = rows.repeat_interleave(n) if n > 1 else rows
-    context = paged_attention(qk[:, :H].contiguous(), cache.layers[layer].lists(), cache.tables[layer], request, lo, t,
-                              1.0 / math.sqrt(d), cache.executed[layer])
-    return context.view(N, H * d) @ wo.view(D, H * d).T
+    context = paged_attention(qk[:, :H].contiguous(), cache.layers[layer].lists(), cache.layer_tables[layer], request,
+                              lo, t, 1.0 / math.sqrt(d), cache.layer_executed[layer])
+    return context.view(N, H * d) @ wo
 
 
 def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,
@@ -82,8 +87,8 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     t = positions.reshape(-1)
     rows = cache.rows(rids)
     cos, sin = rope_tables(t, d)
-    out = attend(h.reshape(B * n, D), wq, wk, wv, wo, mode.reshape(B * n, -1), bit_option.reshape(-1), t, cos, sin,
-                 valid.reshape(-1), cache, layer, rows, n, window)
+    out = attend(h.reshape(B * n, D), projection_views(wq, wk, wv, wo), wq.shape[0], mode.reshape(B * n, -1),
+                 bit_option.reshape(-1), t, cos, sin, valid.reshape(-1), cache, layer, rows, n, window)
     if audit is not None:
         count_attention(audit, layer, cache, rows.repeat_interleave(n), mode.reshape(B * n, -1), bit_option.reshape(-1),
                         t, valid.reshape(-1), window, D)

@@ -152,8 +152,14 @@ class PagedKVCache:
         self._free_rows: list[int] = []
         self.tables = torch.full((n_layers, self.n_pools, 0, 1), -1, dtype=torch.long, device=self.device)
         self.counts = torch.zeros(n_layers, self.n_pools, 0, dtype=torch.long, device=self.device)
+        self.layer_tables, self.layer_counts = list(self.tables.unbind(0)), list(self.counts.unbind(0))
+        """Per layer, views of `tables` and `counts` (taken once per reallocation, not per step)."""
         self.executed = torch.zeros(n_layers, 2, dtype=torch.long, device=self.device)
         """Per layer, what the attention kernel executed: attention MACs, K/V bytes read (cumulative)."""
+        self.layer_executed = list(self.executed.unbind(0))
+        self.host_reads = 0
+        self._one = torch.ones((), dtype=torch.long, device=self.device)
+        """Reads of the device counts by the scheduler (`sync`): one per request every `page_size` decode steps."""
 
     # -- rows and pages (host, outside a step) ---------------------------------------------------
     def _resize(self, rows: int, width: int) -> None:
@@ -166,6 +172,7 @@ class PagedKVCache:
         counts[:, :, :r] = self.counts
         self._free_rows = list(range(r, rows))[::-1] + self._free_rows
         self.tables, self.counts = tables, counts
+        self.layer_tables, self.layer_counts = list(tables.unbind(0)), list(counts.unbind(0))
 
     def rows(self, rids: list[int]) -> torch.Tensor:
         """(B,) the decode-state rows of `rids`, on the cache's device."""
@@ -196,6 +203,7 @@ class PagedKVCache:
         if not rids:
             return
         counts = self.counts[:, :, self.rows(rids)].tolist()  # (L, pools, B)
+        self.host_reads += 1
         for b, rid in enumerate(rids):
             for l, entries in enumerate(self.requests[rid]):
                 for o, entry in enumerate(entries):
@@ -264,10 +272,10 @@ class PagedKVCache:
         padding (None: every token). Room for n tokens per request must be reserved in every pool."""
         P, W = self.page_size, self.n_pools
         B = rows.shape[0]
-        counts = self.counts[layer]  # (pools, R)
+        counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (pools, R), (pools, R, width)
         if n == 1 and valid is None:
             slot_index = counts[option, rows]
-            counts.index_put_((option, rows), torch.ones_like(rows), accumulate=True)
+            counts.index_put_((option, rows), self._one, accumulate=True)
             row_of_token = rows
         else:
             onehot = torch.nn.functional.one_hot(option.view(B, n), W)  # (B, n, pools)
@@ -277,7 +285,7 @@ class PagedKVCache:
             row_of_token = rows.repeat_interleave(n) if n > 1 else rows
             slot_index = counts[option, row_of_token] + before
             counts.index_add_(1, rows, onehot.sum(1).T)
-        page = self.tables[layer, option, row_of_token, slot_index // P]
+        page = tables[option, row_of_token, slot_index // P]
         slots = page * P + slot_index % P
         if valid is not None:
             option = torch.where(valid, option, -1)

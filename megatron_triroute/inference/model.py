@@ -30,7 +30,7 @@ from ..routing.factory import build_controller
 from ..routing.pricing import price_decisions
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
-from .attention import attend, rope_tables
+from .attention import attend, projection_views, rope_tables
 from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
@@ -95,9 +95,16 @@ class InferenceLayer(nn.Module):
         mode = out.attn.hard.reshape(N, -1)  # (N, H) executed read modes (eval: hard is what y encodes)
         option = out.bits.hard.reshape(N)
         h = self.attn_norm(x).view(N, D)
-        x = x + attend(h, self.wq, self.wk, self.wv, self.wo, mode, option, batch.t, batch.cos, batch.sin, batch.valid,
-                       cache, self.layer_number, batch.rows, n, self.config.router.window).view(B, n, D)
+        x = x + attend(h, self.projections(), self.config.model.n_heads, mode, option, batch.t, batch.cos, batch.sin,
+                       batch.valid, cache, self.layer_number, batch.rows, n, self.config.router.window).view(B, n, D)
         return x + self._ffn(self.ffn_norm(x), out, batch.valid)
+
+    def projections(self) -> tuple[torch.Tensor, ...]:
+        """`attention.projection_views` of this layer's Q/K/V/O, taken once per parameter storage."""
+        key = tuple((id(p), p.data_ptr()) for p in (self.wq, self.wk, self.wv, self.wo))
+        if getattr(self, "_views_key", None) != key:
+            self._views, self._views_key = projection_views(self.wq, self.wk, self.wv, self.wo), key
+        return self._views
 
     def _ffn(self, h: torch.Tensor, out: RouterOutput, valid: torch.Tensor | None) -> torch.Tensor:
         """h (..., D) -> (..., D); valid (N,) or None (every token). Each chosen expert runs once, on
@@ -194,23 +201,32 @@ class InferenceModel(nn.Module):
             self._host_prices, self._prices_key = tuple(float(p) for p in self.prices), key
         return self._host_prices
 
+    def host_tables(self) -> TokenTables:
+        """The token tables on the host (the scheduler computes psi there; copied once per change)."""
+        if self.device.type == "cpu":
+            return self.tables
+        key = tuple((t.data_ptr(), t._version) for t in (self.token_log_prob, self.token_word_start))
+        if getattr(self, "_host_tables_key", None) != key:
+            self._host_tables = TokenTables(self.token_log_prob.cpu(), self.token_word_start.cpu(), self.eod_id)
+            self._host_tables_key = key
+        return self._host_tables
+
     def prepare(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
                 rids: list[int]) -> StepBatch:
-        """Host side, before a step: psi (advancing `states`), room in the cache for the new tokens,
-        and the step's index tensors."""
+        """Host side, before a step, on host tensors: psi (advancing `states`), room in the cache for
+        the new tokens, the step's positions and rotary tables; then one copy of each to the device."""
         B, n = tokens.shape
         dev = self.device
-        tokens = tokens.to(dev)
-        start = torch.tensor([s.length for s in states], dtype=torch.long, device=dev)
-        positions = start.view(B, 1) + torch.arange(n, device=dev).view(1, n)
-        all_valid = bool((lengths == n).all())
-        valid = None if all_valid else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten().to(dev)
-        side = advance(tokens, lengths.to(dev), states, self.tables, self.config.router.max_doc_position)
+        tokens, lengths = tokens.cpu(), lengths.cpu()
+        positions = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1) + torch.arange(n).view(1, n)
+        valid = None if all(c == n for c in lengths.tolist()) else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten()
+        side = advance(tokens, lengths, states, self.host_tables(), self.config.router.max_doc_position)
         cache.reserve(rids, [n] * B)  # padding included: it takes no slot, but the room is per request
         t = positions.flatten()
         cos, sin = rope_tables(t, self.config.model.d_head)
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
-        return StepBatch(tokens, positions, valid, side, cache.rows(rids), t, cos, sin, last, self.host_prices())
+        return StepBatch(tokens.to(dev), positions.to(dev), None if valid is None else valid.to(dev), side.to(dev),
+                         cache.rows(rids), t.to(dev), cos.to(dev), sin.to(dev), last, self.host_prices())
 
     def forward_step(self, batch: StepBatch, cache: PagedKVCache, all_logits: bool = False):
         """The step itself, tensor ops only (no host read): logits (B, V) of each request's last new

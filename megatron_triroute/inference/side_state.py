@@ -51,10 +51,9 @@ def advance(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState]
     rows = torch.arange(B, device=dev)
     last = (lengths.to(dev) - 1).clamp_min(0)
     ends = torch.stack([tokens[rows, last], doc_start[rows, last], word_start[rows, last]], 1).tolist()
-    for b, s in enumerate(states):  # one transfer for the whole batch, then plain integers
-        count = int(lengths[b])
+    for s, count, end in zip(states, lengths.tolist(), ends):  # one transfer for the whole batch, then plain integers
         if count == 0:
             continue
         s.length += count
-        s.last_token, s.doc_start, s.word_start = ends[b]
+        s.last_token, s.doc_start, s.word_start = end
     return feats

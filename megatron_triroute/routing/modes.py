@@ -24,13 +24,29 @@ READING_MODES = tuple(m for m in range(N_MODES) if m != SKIP)
 """Modes that read keys (each has its own attention output in the relaxed path)."""
 
 
+_FULL_REACH = 1 << 62
+"""How far back `full` reaches: past position 0 for any sequence."""
+_REACH: dict = {}
+
+
+def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
+    """Per mode, how many keys before the query it reaches back: skip -1 (its start is past the
+    query), local `window`, full everything; one small tensor per (window, device, dtype), kept."""
+    key = (window, like.device, like.dtype)
+    if key not in _REACH:
+        reach = [0] * N_MODES
+        reach[SKIP], reach[LOCAL], reach[FULL] = -1, window, _FULL_REACH
+        _REACH[key] = torch.tensor(reach, device=like.device, dtype=like.dtype)
+    return _REACH[key]
+
+
 def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
     """First key a query at `positions` reads in `mode` (an int or a tensor broadcastable to
-    `positions`); `positions + 1` (an empty range) for skip. Keys read: [start, position]."""
+    `positions`): max(0, position - reach(mode)), so skip starts at `positions + 1` (an empty
+    range), local at max(0, t - w), full at 0. Keys read: [start, position]."""
     t = positions
     mode = torch.as_tensor(mode, device=t.device)
-    local = (t - window).clamp_min(0)
-    return torch.where(mode == FULL, torch.zeros_like(t), torch.where(mode == LOCAL, local, t + 1))
+    return (t - _reach(window, t)[mode]).clamp_min(0)
 
 
 def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
