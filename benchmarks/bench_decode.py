@@ -242,13 +242,25 @@ class RoutedRunner:
         force(model, mix, WARMUP + steps * repeats + 2, batch)
         self.cache, self.rids, self.states, self.tokens, self.widths = fill_cache(model, context, batch, mix["bits"], 7)
         self.kv_bytes_per_token = self.cache.memory()["used"] / (batch * context)
+        self.cache.host_reads = 0  # from here on: the decode steps' own
         self.ones = torch.ones(batch, dtype=torch.long)
         self.record: list[tuple[torch.Tensor, list[RouterOutput]]] = []  # (positions (B, 1), outs) per step
 
-    def step(self, audit=None) -> None:
+    def step(self, audit=None, counter=None, scheduler_counter=None) -> None:
+        """One decode step as `InferenceModel.step` runs it (prepare on the host, the device step,
+        finish); `counter` counts the device step alone, `scheduler_counter` the host parts."""
+        import contextlib
+
         positions = torch.tensor([s.length for s in self.states]).view(self.batch, 1)
-        logits, outs = self.model.step(self.tokens.view(self.batch, 1), self.ones, self.states, self.cache, self.rids,
-                                       audit)
+        host = scheduler_counter or contextlib.nullcontext()
+        with torch.no_grad():
+            with host:
+                batch = self.model.prepare(self.tokens.view(self.batch, 1), self.ones, self.states, self.cache,
+                                           self.rids, audit)
+            with counter or contextlib.nullcontext():
+                logits, outs = self.model.forward_step(batch, self.cache)
+            with host:
+                self.model.finish(batch, outs, self.cache, self.rids, audit)
         self.record.append((positions, outs))
         self.tokens = logits.argmax(-1)
 
@@ -381,8 +393,15 @@ def ffn_weight_read_ratio(steps: list[tuple[torch.Tensor, list[RouterOutput]]], 
 
 
 def count_steps(runner, weights, audit=None) -> tuple[StepCounter, StepCounter]:
-    """Two untimed steps: one as timed (audit off), one with `audit`, each under a StepCounter."""
+    """Two untimed steps: one as timed (audit off), one with `audit`, each under a StepCounter.
+    A routed runner's counters see its device step only (`InferenceModel.forward_step`); its
+    host-side scheduling (prepare, finish) is counted apart, in `runner.scheduler`."""
     plain, audited = StepCounter(weights), StepCounter(weights)
+    if isinstance(runner, RoutedRunner):
+        runner.scheduler = StepCounter()
+        runner.step(counter=plain, scheduler_counter=runner.scheduler)
+        runner.step(audit, counter=audited)
+        return plain, audited
     with plain:
         runner.step()
     with audited:
@@ -391,6 +410,9 @@ def count_steps(runner, weights, audit=None) -> tuple[StepCounter, StepCounter]:
 
 
 def counter_figures(plain: StepCounter, audited: StepCounter, n_layers: int) -> dict:
+    """Ops and syncs of the counted step; executed attention MACs from the matmul shapes (a
+    routed runner replaces them with its kernels' own counters: the counter cannot see inside
+    `foreign_ops`)."""
     return {"ops_per_layer": plain.ops / n_layers, "host_syncs_per_step": plain.host_syncs,
             "host_sync_ops": plain.syncs, "executed_attn_macs": audited.activation_macs,
             "uncounted_ops": plain.foreign_ops}
@@ -452,6 +474,10 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
         r["tokens_per_s"] = batch / r["step_s"]["median"]
         r["tokens_per_s_runs"] = [batch / s for s in times[name]]
         r |= counter_figures(plain, audited, cfg.model.n_layers)
+        r["executed_attn_macs"] = audit.total_executed("attn")  # the attention kernel's own counters
+        r["executed_bytes_read"] = audit.total_executed("bytes_read")
+        r["scheduler_ops_per_step"] = runner.scheduler.ops
+        r["scheduler_host_reads_per_step"] = runner.cache.host_reads / len(runner.record)
         r["audited_attn_macs"] = audit.total("attn")
         r["macs_per_token"] = audit_macs(audit) / audit.tokens
         parts = routed_roofline_parts(runner, audit, t)
@@ -489,7 +515,9 @@ def describe(label: str, key: str, name: str, r: dict) -> str:
         line += (f"\n    step time / Dense {r['step_time_ratio']:.2f} (per-round IQR {r['step_time_ratio_runs']['q1']:.2f}"
                  f"..{r['step_time_ratio_runs']['q3']:.2f})  limit MACs {r['limit_macs']:.2f} bytes "
                  f"{r['limit_bytes']:.2f}  kv {r['kv_bytes_ratio']:.3f}  realised FLOPs {r['realised']['flops']:.3f} "
-                 f"mem {r['realised']['mem']:.3f}  audit err {r['cost_audit_rel_err']:.1e}")
+                 f"mem {r['realised']['mem']:.3f}  audit err {r['cost_audit_rel_err']:.1e}\n    scheduler (host, "
+                 f"outside the step): {r['scheduler_ops_per_step']} ops/step, "
+                 f"{r['scheduler_host_reads_per_step']:.3f} device reads/step")
     return line
 
 
@@ -551,7 +579,7 @@ def headline(rows: dict, contexts, batches) -> dict:
     r = rows[f"ctx{ctx}_b{b1}"]["triroute"]
     out["step_time_ratio_b1"] = r["step_time_ratio"]
     for k in ("kv_bytes_ratio", "ops_per_layer", "host_syncs_per_step", "executed_over_audited_attn",
-              "kv_resident_over_used"):
+              "kv_resident_over_used", "scheduler_ops_per_step", "scheduler_host_reads_per_step"):
         out[k] = r[k]
     out["realised_fractions"] = r["realised"]
     out["cost_audit_max_rel_err"] = max(r["cost_audit_rel_err"] for row in rows.values()

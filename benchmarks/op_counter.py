@@ -2,7 +2,8 @@
 
 `StepCounter` is a `TorchDispatchMode`: every top-level aten op dispatched while it is active
 (an op a kernel calls internally is not seen) is counted, and so are the host syncs among them
-(`HOST_SYNC_OPS`, and device-to-host copies). Given the model's weights it also counts the
+(`HOST_SYNC_OPS`, device-to-host copies, and `Tensor.tolist`/`numpy`, which read values without
+dispatching an op). Given the model's weights it also counts the
 multiply-accumulates of every matmul-class op from the shapes it was called with, split into
 `weight_macs` (one operand is a weight, or a view or copy of one: projections, experts, LM head)
 and `activation_macs` (no operand is: attention scores and weighted values, whatever function
@@ -83,6 +84,25 @@ class StepCounter(TorchDispatchMode):
         self.foreign_ops: dict[str, int] = {}
         self._weight_storages = {t.untyped_storage().data_ptr() for t in weights}
         self._derived: dict[int, object] = {}  # id -> weakref of tensors derived from a weight this step
+
+    HOST_READ_METHODS = ("tolist", "numpy")
+    """Tensor methods that read values on the host without dispatching an aten op (on a GPU each is
+    a device-to-host copy): counted as syncs while the counter is active."""
+
+    def __enter__(self):
+        self._saved = {name: getattr(torch.Tensor, name) for name in self.HOST_READ_METHODS}
+        for name, method in self._saved.items():
+            def read(t, *args, _name=name, _method=method, **kwargs):
+                key = f"Tensor.{_name}"
+                self.syncs[key] = self.syncs.get(key, 0) + 1
+                return _method(t, *args, **kwargs)
+            setattr(torch.Tensor, name, read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for name, method in self._saved.items():
+            setattr(torch.Tensor, name, method)
+        return super().__exit__(*exc)
 
     @property
     def host_syncs(self) -> int:

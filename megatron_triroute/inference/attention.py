@@ -84,6 +84,8 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     B, n, D = h.shape
     d = wq.shape[1]
     cache.reserve(rids, [n] * B)
+    if audit is not None:
+        cache.executed.zero_()
     t = positions.reshape(-1)
     rows = cache.rows(rids)
     cos, sin = rope_tables(t, d)
@@ -92,4 +94,5 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     if audit is not None:
         count_attention(audit, layer, cache, rows.repeat_interleave(n), mode.reshape(B * n, -1), bit_option.reshape(-1),
                         t, valid.reshape(-1), window, D)
+        audit.take_executed(cache)
     return out.view(B, n, D)

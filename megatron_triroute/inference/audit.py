@@ -39,7 +39,6 @@ class CostAudit:
     """The dense reference (Appendix A) of the same tokens: sum over layers of 2 d (t+1) + 3 d d_f."""
     dense_kv_bytes: int = 0
     """The 16-bit cache the dense model would store for the same tokens."""
-    _seen: dict = field(default_factory=dict, repr=False)
 
     def __post_init__(self):
         if not self.layers:
@@ -57,13 +56,12 @@ class CostAudit:
         return sum(layer[name] for layer in self.executed)
 
     def take_executed(self, cache) -> None:
-        """Add what the cache's kernels counted (`cache.executed`, cumulative) since this audit last looked."""
-        now = cache.executed.tolist()
-        before = self._seen.get(id(cache), [[0, 0]] * len(now))
-        for layer, (a, b) in enumerate(zip(now, before)):
-            for name, x, y in zip(EXECUTED, a, b):
-                self.executed[layer][name] += x - y
-        self._seen[id(cache)] = now
+        """Add what the cache's kernels counted since `cache.executed` was last zeroed (the model
+        zeroes it before a step it audits), then zero it."""
+        for layer, values in enumerate(cache.executed.tolist()):
+            for name, x in zip(EXECUTED, values):
+                self.executed[layer][name] += x
+        cache.executed.zero_()
 
     @property
     def budgeted_macs(self) -> int:

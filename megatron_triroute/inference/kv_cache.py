@@ -20,8 +20,8 @@ it reads the counts back only when a request's room runs out, then gives every p
 `trim` (after a prefill, and for the host-side `write`) returns pages beyond that room.
 
 Pages come from a free list per pool, return to it (slots marked free) when a request ends and
-are reused; a pool's storage grows only when its free list runs out, by what is needed plus an
-eighth, so free storage stays a small fraction of what is held.
+are reused; a pool's storage grows only when its free list runs out, by what is needed plus a
+sixteenth, so free storage stays a small fraction of what is held.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from triroute_kernels import PoolLists, allocate_kv_pools, cache_write, dequanti
 
 from ..routing.quant import kv_bits_per_token
 
-GROWTH_DIVISOR = 8
+GROWTH_DIVISOR = 16
 """A pool grows by what it needs plus 1/GROWTH_DIVISOR of its size."""
 
 

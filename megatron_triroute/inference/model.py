@@ -212,10 +212,13 @@ class InferenceModel(nn.Module):
         return self._host_tables
 
     def prepare(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
-                rids: list[int]) -> StepBatch:
+                rids: list[int], audit: CostAudit | None = None) -> StepBatch:
         """Host side, before a step, on host tensors: psi (advancing `states`), room in the cache for
-        the new tokens, the step's positions and rotary tables; then one copy of each to the device."""
+        the new tokens, the step's positions and rotary tables; then one copy of each to the device.
+        With an audit, the kernels' executed counters start from zero for this step."""
         B, n = tokens.shape
+        if audit is not None:
+            cache.executed.zero_()
         dev = self.device
         tokens, lengths = tokens.cpu(), lengths.cpu()
         positions = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1) + torch.arange(n).view(1, n)
@@ -271,7 +274,7 @@ class InferenceModel(nn.Module):
         """Consume the next `lengths[b]` tokens of each request (tokens (B, n), right-padded).
         Returns the logits (B, V) of each request's last new token, or (B, n, V) with `all_logits`,
         and the per-layer decisions (RouterOutput list) of this step."""
-        batch = self.prepare(tokens, lengths, states, cache, rids)
+        batch = self.prepare(tokens, lengths, states, cache, rids, audit)
         logits, outs = self.forward_step(batch, cache, all_logits)
         self.finish(batch, outs, cache, rids, audit, all_logits)
         return logits, outs
