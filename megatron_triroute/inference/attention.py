@@ -83,7 +83,8 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
     positions, valid (B, n). Reserves room for the tokens, runs, then counts the audit. Returns (B, n, D)."""
     B, n, D = h.shape
     d = wq.shape[1]
-    cache.reserve(rids, [n] * B)
+    if n == 1:
+        cache.reserve(rids, [1] * B)
     if audit is not None:
         cache.executed.zero_()
     t = positions.reshape(-1)

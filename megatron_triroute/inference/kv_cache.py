@@ -147,6 +147,7 @@ class PagedKVCache:
         self.n_pools = len(bits)
         self.requests: dict[int, list[list[PoolPages]]] = {}
         self.row_of: dict[int, int] = {}
+        self._rid_of_row: dict[int, int] = {}
         self.room: dict[int, int] = {}
         """Per request: tokens every pool of every layer can still take without a new page."""
         self._free_rows: list[int] = []
@@ -184,6 +185,7 @@ class PagedKVCache:
         if not self._free_rows:
             self._resize(max(4, 2 * self.tables.shape[2]), self.tables.shape[3])
         self.row_of[rid] = self._free_rows.pop()
+        self._rid_of_row[self.row_of[rid]] = rid
         self.room[rid] = 0
         self.requests[rid] = [[PoolPages() for _ in layer.pools] for layer in self.layers]
 
@@ -193,7 +195,7 @@ class PagedKVCache:
             for pool, entry in zip(layer.pools, entries):
                 pool.release(entry.pages)
         row = self.row_of.pop(rid)
-        del self.room[rid]
+        del self.room[rid], self._rid_of_row[row]
         self.tables[:, :, row] = -1
         self.counts[:, :, row] = 0
         self._free_rows.append(row)
@@ -211,35 +213,55 @@ class PagedKVCache:
 
     def reserve(self, rids: list[int], new_tokens: list[int]) -> None:
         """Before a step: room for `new_tokens[b]` more tokens of rids[b] in every pool of every
-        layer. Reads the device counts only of requests whose room ran out."""
-        short = [(rid, n) for rid, n in zip(rids, new_tokens) if self.room[rid] < n]
-        if short:
-            self.sync([rid for rid, _ in short])
-            self._top_up([(rid, max(n, self.page_size)) for rid, n in short])
+        layer. Reads the device counts (of the whole batch, once) only when some request's room ran out."""
+        if any(self.room[rid] < n for rid, n in zip(rids, new_tokens)):
+            # One read for the whole batch, and everyone's room topped up: requests stay in step.
+            self.sync(rids)
+            self._top_up([(rid, max(n, self.page_size)) for rid, n in zip(rids, new_tokens)])
         for rid, n in zip(rids, new_tokens):
             self.room[rid] -= n
 
     def _top_up(self, wants: list[tuple[int, int]]) -> None:
         """Give each (rid, room) pages so that every pool can take `room` more tokens (counts synced)."""
-        P = self.page_size
         where, ids = [], []
         for rid, room in wants:
-            row = self.row_of[rid]
             for l, (layer, entries) in enumerate(zip(self.layers, self.requests[rid])):
                 for o, (pool, entry) in enumerate(zip(layer.pools, entries)):
-                    need = -(-(entry.count + room) // P) - len(entry.pages)
-                    if need > 0:
-                        new = pool.alloc(need)
-                        where.extend((l, o, row, len(entry.pages) + i) for i in range(need))
-                        entry.pages.extend(new)
-                        ids.extend(new)
+                    self._grow_entry(l, o, rid, pool, entry, entry.count + room, where, ids)
             self.room[rid] = room
+        self._store_pages(where, ids)
+
+    def _grow_entry(self, l: int, o: int, rid: int, pool: WidthPool, entry: PoolPages, slots: int, where: list,
+                    ids: list) -> None:
+        """Pages for `slots` filled slots in one (layer, pool, request), noted in (where, ids)."""
+        need = -(-slots // self.page_size) - len(entry.pages)
+        if need > 0:
+            new = pool.alloc(need)
+            where.extend((l, o, self.row_of[rid], len(entry.pages) + i) for i in range(need))
+            entry.pages.extend(new)
+            ids.extend(new)
+
+    def _store_pages(self, where: list, ids: list) -> None:
+        """Write newly allocated page ids into `tables` (widening it when a list outgrows it)."""
         if ids:
             width = max(c for *_, c in where) + 1
             if width > self.tables.shape[3]:
                 self._resize(self.tables.shape[2], 1 << (width - 1).bit_length())
             index = torch.tensor(where, dtype=torch.long, device=self.device).T
             self.tables.index_put_(tuple(index), torch.tensor(ids, dtype=torch.long, device=self.device))
+
+    def _fit(self, layer: int, rows: torch.Tensor, new: torch.Tensor) -> None:
+        """Prefill (several tokens per request): after a layer has chosen its widths, pages for
+        exactly the tokens each pool receives, `new` (B, pools), from one read of the device."""
+        counts = torch.stack([self.layer_counts[layer][:, rows], new.T]).tolist()  # (count | new, pools, B)
+        self.host_reads += 1
+        where, ids = [], []
+        for b, row in enumerate(rows.tolist()):
+            rid = self._rid_of_row[row]
+            for o, (pool, entry) in enumerate(zip(self.layers[layer].pools, self.requests[rid][layer])):
+                entry.count = counts[0][o][b]
+                self._grow_entry(layer, o, rid, pool, entry, entry.count + counts[1][o][b], where, ids)
+        self._store_pages(where, ids)
 
     def trim(self, rids: list[int]) -> None:
         """Sync the counts of `rids` and return each pool's pages beyond room for `page_size` more
@@ -267,9 +289,11 @@ class PagedKVCache:
                    k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor | None = None,
                    n: int = 1) -> None:
         """Append the step's tokens of B requests, n each (request-major, N = B n), to their
-        request's pool of their chosen width, with tensor ops only. rows (B,) decode-state rows;
-        option (N,) bit option; positions (N,); k, v (N, H_kv, d_h); valid (N,) bool, False for
-        padding (None: every token). Room for n tokens per request must be reserved in every pool."""
+        request's pool of their chosen width. rows (B,) decode-state rows; option (N,) bit option;
+        positions (N,); k, v (N, H_kv, d_h); valid (N,) bool, False for padding (None: every token).
+        One token per request (decode): tensor ops only, into room `reserve`d in every pool. Several
+        (prefill, or `valid` given): one read of the device per layer to take pages for exactly the
+        tokens each pool receives, so a prompt never holds room in the pools it did not choose."""
         P, W = self.page_size, self.n_pools
         B = rows.shape[0]
         counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (pools, R), (pools, R, width)
@@ -283,8 +307,11 @@ class PagedKVCache:
                 onehot = onehot * valid.view(B, n, 1)
             before = (onehot.cumsum(1) - onehot).gather(-1, option.view(B, n, 1)).flatten()  # earlier same-pool tokens
             row_of_token = rows.repeat_interleave(n) if n > 1 else rows
+            new = onehot.sum(1)  # (B, pools)
+            self._fit(layer, rows, new)
+            counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (reallocated if the prompt widened them)
             slot_index = counts[option, row_of_token] + before
-            counts.index_add_(1, rows, onehot.sum(1).T)
+            counts.index_add_(1, rows, new.T)
         page = tables[option, row_of_token, slot_index // P]
         slots = page * P + slot_index % P
         if valid is not None:
@@ -295,14 +322,12 @@ class PagedKVCache:
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Host-side write of one layer (tests, benchmarks filling a cache): row (N,) index into
         `rids` (a request's tokens in increasing position), option (N,), positions (N,); k, v
-        (N, H_kv, d_h). Reserves, writes, then trims and syncs the host counts."""
+        (N, H_kv, d_h). Writes (taking exactly the pages needed), then syncs the host counts."""
         B = len(rids)
         new = torch.bincount(row, minlength=B)
         n = int(new.max()) if row.numel() else 0
         if n == 0:
             return
-        self.sync(rids)
-        self._top_up([(rid, n) for rid in rids])
         order = torch.argsort(row, stable=True)  # request by request, each in position order
         col = torch.arange(row.numel()) - torch.repeat_interleave(new.cumsum(0) - new, new)
         scatter = row[order] * n + col  # padded (B, n) flat index of each token

@@ -224,7 +224,8 @@ class InferenceModel(nn.Module):
         positions = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1) + torch.arange(n).view(1, n)
         valid = None if all(c == n for c in lengths.tolist()) else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten()
         side = advance(tokens, lengths, states, self.host_tables(), self.config.router.max_doc_position)
-        cache.reserve(rids, [n] * B)  # padding included: it takes no slot, but the room is per request
+        if n == 1:  # decode: room in every pool, the width is chosen inside the step (a prefill takes exact pages)
+            cache.reserve(rids, [1] * B)
         t = positions.flatten()
         cos, sin = rope_tables(t, self.config.model.d_head)
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)

@@ -1,0 +1,60 @@
+"""One decode step is static: no host read, one call per layer of each kernel op, and at most
+`OPS_PER_LAYER` top-level aten ops per layer (issue target), counted by dispatching it under
+`benchmarks.op_counter.StepCounter`. The scheduler reads the device counts once per page of
+decode steps, and a request holds at most two unfilled pages per pool."""
+
+import torch
+
+from benchmarks.op_counter import StepCounter, model_weights
+from megatron_triroute.inference.side_state import SideState
+from tests.inference.test_engine import tiny_model
+
+OPS_PER_LAYER = 120
+KERNEL_OPS = ("triroute.paged_attention", "triroute.cache_write", "triroute.routed_experts")
+
+
+def _prefilled(model, prompts, page_size=4):
+    cache, states, rids = model.new_cache(page_size=page_size), [SideState() for _ in prompts], list(range(len(prompts)))
+    for r in rids:
+        cache.add_request(r)
+    n = max(map(len, prompts))
+    tokens = torch.zeros(len(prompts), n, dtype=torch.long)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = torch.tensor(p)
+    logits, _ = model.step(tokens, torch.tensor([len(p) for p in prompts]), states, cache, rids)
+    return cache, states, rids, logits.argmax(-1)
+
+
+def test_a_decode_step_has_no_host_read_and_few_ops():
+    model = tiny_model()
+    L = model.config.model.n_layers
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+    ones = torch.ones(2, dtype=torch.long)
+    for _ in range(3):
+        batch = model.prepare(last.view(2, 1), ones, states, cache, rids)
+        counter = StepCounter(model_weights(model))
+        with counter, torch.no_grad():
+            logits, outs = model.forward_step(batch, cache)
+        model.finish(batch, outs, cache, rids, None)
+        last = logits.argmax(-1)
+        assert counter.syncs == {}, counter.syncs
+        assert counter.ops / L <= OPS_PER_LAYER, counter.ops / L
+        for op in KERNEL_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
+            assert counter.foreign_ops.get(op) == L, counter.foreign_ops
+
+
+def test_the_scheduler_reads_the_device_once_per_page_of_steps_and_holds_little_slack():
+    model = tiny_model()
+    P = 4
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]], page_size=P)
+    reads = cache.host_reads
+    steps = 4 * P
+    for _ in range(steps):
+        logits, _ = model.step(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+        last = logits.argmax(-1)
+    assert cache.host_reads - reads <= steps // P  # one read (for every request at once) per P steps at most
+    cache.sync(rids)
+    for rid in rids:
+        for entries in cache.requests[rid]:
+            for e in entries:  # room for the next page of tokens, nothing more
+                assert len(e.pages) * P - e.count < 2 * P
