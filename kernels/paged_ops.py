@@ -5,9 +5,10 @@
 - `routed_experts`: the top-k SwiGLU experts of each token, grouped by expert.
 
 On CPU tensors with the C++ kernels built (`cpu_ops.cpu_ops_available()`) each is one call of
-`torch.ops.triroute.*`; otherwise the PyTorch twin below runs (composed from `torch_ops`: per pool
-`decode_attention_pool_torch` + `merge_partials`, per pool `quantize_pack_into_torch`, a loop over
-experts). The twins are the tests' second implementation; they may sync (they are the fallback).
+`torch.ops.triroute.*`. Otherwise the twins below run pool by pool: attention by the per-pool
+kernel `dispatch` chooses (Triton on CUDA, `decode_attention_pool_torch` on CPU) merged by
+`merge_partials`, the write by `dispatch.quantize_pack_into` per pool, the experts by a loop. The
+all-torch twins are the tests' second implementation; they may sync (they are the fallback).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_ops import cpu_ops_available
+from .dispatch import decode_attention_pool, quantize_pack_into
 from .pool import PagePool
 from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
 
@@ -94,10 +96,13 @@ def paged_attention(
         return torch.ops.triroute.paged_attention(
             q, *p.tensors, p.bits, p.group_size, page_tables, request, lo, hi, float(sm_scale), counters
         )
-    return paged_attention_torch(q, p.k_pools, p.v_pools, page_tables, request, lo, hi, sm_scale, counters)
+    # Elsewhere (CUDA: the per-pool Triton kernels through `dispatch`), pool by pool and merged.
+    return paged_attention_torch(q, p.k_pools, p.v_pools, page_tables, request, lo, hi, sm_scale, counters,
+                                 decode_attention_pool)
 
 
-def paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters) -> torch.Tensor:
+def paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_scale, counters,
+                          pool_attention=decode_attention_pool_torch) -> torch.Tensor:
     """The PyTorch twin: per pool `decode_attention_pool_torch`, then `merge_partials`; the
     counters from the positions the kernel reads (same definition)."""
     gs = PoolLists.of(k_pools, v_pools).group_size
@@ -111,7 +116,7 @@ def paged_attention_torch(q, k_pools, v_pools, page_tables, request, lo, hi, sm_
     nbytes = torch.zeros((), dtype=torch.long, device=q.device)
     for w, (kp, vp) in enumerate(zip(k_pools, v_pools)):
         table = page_tables[w].index_select(0, request.long())  # [N, M]
-        out, lse = decode_attention_pool_torch(q.float(), kp, vp, kp.bits, gs, table, lo_c, hi_c, sm_scale)
+        out, lse = pool_attention(q.float(), kp, vp, kp.bits, gs, table, lo_c, hi_c, sm_scale)
         outs.append(out)
         lses.append(lse)
         pos = torch.where((table >= 0).unsqueeze(-1), kp.token_pos[table.clamp_min(0)].long(), -1).flatten(1)  # [N, M*P]
@@ -141,18 +146,18 @@ def cache_write(
             k.float(), v.float(), option.long(), slots.long(), positions.long(), *p.tensors, p.bits, p.group_size
         )
         return
-    cache_write_torch(k, v, option, slots, positions, p.k_pools, p.v_pools)
+    cache_write_torch(k, v, option, slots, positions, p.k_pools, p.v_pools, quantize_pack_into)
 
 
-def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools) -> None:
+def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools, pool_write=quantize_pack_into_torch) -> None:
     """The PyTorch twin: per pool, `quantize_pack_into_torch` of the tokens that chose it."""
     for w, (kp, vp) in enumerate(zip(k_pools, v_pools)):
         sel = (option == w).nonzero().flatten()
         if sel.numel() == 0:
             continue
         at = slots.long().index_select(0, sel)
-        quantize_pack_into_torch(k.index_select(0, sel).float(), kp.bits, kp.group_size, kp, at)
-        quantize_pack_into_torch(v.index_select(0, sel).float(), vp.bits, vp.group_size, vp, at)
+        pool_write(k.index_select(0, sel).float(), kp.bits, kp.group_size, kp, at)
+        pool_write(v.index_select(0, sel).float(), vp.bits, vp.group_size, vp, at)
         kp.token_pos.view(-1)[at] = positions.index_select(0, sel).to(torch.int32)
 
 

@@ -54,7 +54,10 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
             assert r["executed_over_audited_attn"] == pytest.approx(r["executed_attn_macs"] / r["audited_attn_macs"])
             assert r["kv_resident_over_used"] == pytest.approx(r["kv_resident_bytes"] / r["kv_used_bytes"])
             assert r["kv_resident_bytes"] >= r["kv_used_bytes"] > 0
-            assert r["ops_per_layer"] > 0 and r["uncounted_ops"] == {}
+            assert r["ops_per_layer"] > 0
+            # The counter cannot see inside the kernels; their work is in their own counters.
+            assert set(r["uncounted_ops"]) <= ({"triroute.paged_attention", "triroute.cache_write",
+                                                "triroute.routed_experts"} if name != "dense" else set())
         assert dense["host_syncs_per_step"] == 0
         assert dense["executed_over_audited_attn"] == 1.0  # SDPA over exactly the t + 1 keys
         for name in bench.ROUTED:
@@ -66,7 +69,9 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
             assert r["efficiency"] == pytest.approx(r["speedup_vs_dense"] / r["limit"])
             assert r["kv_bytes_ratio"] == pytest.approx(r["kv_bytes_per_token"] / (2 * 2 * quick_d_kv(quick)))
             assert r["cost_audit_rel_err"] < 1e-9  # the audit counts exactly hard_cost's MACs
-            assert r["host_syncs_per_step"] > 0  # today's engine reads values on the host
+            if name in ("triroute", "kvquant"):  # the static decode step: no host read inside it
+                assert r["host_syncs_per_step"] == 0 and r["ops_per_layer"] <= 120
+            assert r["scheduler_ops_per_step"] > 0 and r["scheduler_host_reads_per_step"] >= 0
             assert r["executed_attn_macs"] >= r["audited_attn_macs"]  # page granularity at least
         if batch == max(quick["batches"]):  # the forced mix realises the budget (few decisions: rounding)
             assert row["triroute"]["realised"]["flops"] == pytest.approx(0.55, abs=0.03)
