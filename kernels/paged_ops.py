@@ -13,13 +13,14 @@ all-torch twins are the tests' second implementation; they may sync (they are th
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.nn.functional as F
 
-from .cpu_ops import cpu_ops_available
+from .cpu_ops import cpu_ops_available, cpu_ops_error
 from .dispatch import decode_attention_pool, quantize_pack_into
 from .pool import PagePool
 from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
@@ -67,8 +68,21 @@ def _lists(pools) -> PoolLists:
     return pools if isinstance(pools, PoolLists) else PoolLists.of(*pools)
 
 
+_WARNED: list = []
+
+
 def _use_cpp(*tensors: torch.Tensor) -> bool:
-    return all(t.device.type == "cpu" for t in tensors) and cpu_ops_available()
+    """CPU tensors and the C++ kernels built; on the CPU without them, one warning per process."""
+    if not all(t.device.type == "cpu" for t in tensors):
+        return False
+    if cpu_ops_available():
+        return True
+    if not _WARNED:
+        _WARNED.append(True)
+        warnings.warn(f"the C++ CPU decode kernels are unavailable ({cpu_ops_error()}); decoding with the slower "
+                      "PyTorch twins. Fix: install g++ and ninja (launchers/install.sh does), or unset "
+                      "TRIROUTE_NO_CPU_OPS", RuntimeWarning, stacklevel=3)
+    return False
 
 
 # --- attention ----------------------------------------------------------------------------------
