@@ -258,6 +258,6 @@ def test_fuse_cpu_adamw_leaves_other_optimizers_alone():
 
     param = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([param], lr=0.1)
-    assert not fuse_cpu_adamw(sgd) and "fused" not in sgd.param_groups[0] or not sgd.param_groups[0]["fused"]
+    assert not fuse_cpu_adamw(sgd) and not sgd.param_groups[0].get("fused")
     foreach = torch.optim.AdamW([param], lr=0.1, foreach=True)
     assert not fuse_cpu_adamw(foreach) and foreach.param_groups[0]["foreach"]
