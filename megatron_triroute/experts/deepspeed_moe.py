@@ -207,9 +207,10 @@ def _packed_experts_class() -> type:
             for i, expert in enumerate(self.deepspeed_experts):
                 rows = [per_rank[i] for per_rank in filled]  # filled slots from each source rank
                 if len(rows) == 1:
-                    parts = [expert(inputs[:, i, :rows[0]])[0]]
-                else:  # the expert's rows from every rank in one call
-                    parts = expert(torch.cat([inputs[g, i, :r] for g, r in enumerate(rows)])).split(rows)
+                    outputs.append(F.pad(expert(inputs[:, i, :rows[0]]), (0, 0, 0, capacity - rows[0])))
+                    continue
+                # the expert's rows from every rank in one call
+                parts = expert(torch.cat([inputs[g, i, :r] for g, r in enumerate(rows)])).split(rows)
                 outputs.append(torch.stack([F.pad(part, (0, 0, 0, capacity - r)) for part, r in zip(parts, rows)]))
             return torch.stack(outputs, dim=1)
 
