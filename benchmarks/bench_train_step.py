@@ -13,8 +13,10 @@ costs exactly a dense token (realised FLOPs fraction 1.0); the controller's deci
 TriRoute below that, and the realised fraction printed is the noise-free hard cost of the timed
 steps, as the step report gives it.
 
-A step is `TrainEngine.train_step` on one micro-batch: forward + backward (Megatron's schedule),
-gradient reduction, clipping, AdamW, router statistics and budget update. After `--warmup` steps
+A step is `TrainEngine.train_step` on one micro-batch, with the optimizer the trainer builds
+(`training.trainer.build_optimizer`: Megatron-Core's DDP and distributed AdamW, and the LR
+schedule): forward + backward (Megatron's schedule), gradient reduction, clipping, AdamW, router
+statistics and budget update. After `--warmup` steps
 of each model, the two models alternate step by step for `--repeats` steps each (so drift in the
 machine's load hits both alike) and the median is reported. Training runs the relaxed path (every
 head computes local and full attention, DeepSpeed dispatches with no drops), whose cost does not
@@ -63,6 +65,7 @@ from megatron_triroute.systems import system_config  # noqa: E402
 from megatron_triroute.training.engine import MicroBatch, TrainEngine  # noqa: E402
 from megatron_triroute.training.metrics import training_flops_per_token  # noqa: E402
 from megatron_triroute.training.recipes import resolve  # noqa: E402
+from megatron_triroute.training.trainer import build_optimizer  # noqa: E402
 
 
 def _micro_batch(cfg, n: int, seed: int, device: torch.device) -> MicroBatch:
@@ -73,11 +76,12 @@ def _micro_batch(cfg, n: int, seed: int, device: torch.device) -> MicroBatch:
 
 
 def _engine(cfg, groups, run, device: torch.device, bf16: bool):
+    """The trainer's step over a model of `cfg`: its data-parallel engine (Megatron-Core's DDP and
+    distributed optimizer, parallel/dp_engine.py) and LR schedule, as `training.trainer` builds them."""
     model = build_model(cfg, groups, seed=run.data.seed).to(device)
-    o = run.optim
-    optimizer = torch.optim.AdamW(model.parameters(), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                                  weight_decay=o.weight_decay)
-    return TrainEngine(model, groups, optimizer, total_steps=run.train.steps, clip_grad=o.clip_grad, bf16=bf16)
+    optimizer, grad_sync, scheduler = build_optimizer(model, run, groups)
+    return TrainEngine(model, groups, optimizer, total_steps=run.train.steps, clip_grad=run.optim.clip_grad,
+                       scheduler=scheduler, bf16=bf16, grad_sync=grad_sync)
 
 
 def _sync(device: torch.device) -> None:

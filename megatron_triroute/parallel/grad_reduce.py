@@ -94,11 +94,20 @@ def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
     """Global gradient L2 norm over every parameter once: tensor-parallel shards sum over TP,
     replicated (non-TP) dense parameters count once, experts sum over the expert-parallel group,
     and all of it sums over pipeline stages. Call after `reduce_gradients` (replicas agree)."""
-    parts = torch.zeros(3, dtype=torch.float64, device=module_device(model))
-    for p in model.parameters():
-        if p.grad is not None:
-            parts[norm_part(p)] += p.grad.detach().double().pow(2).sum()
-    return norm_from_parts(parts, groups)
+    graded = [(p, p.grad) for p in model.parameters() if p.grad is not None]
+    return norm_from_parts(norm_parts(graded, module_device(model)), groups)
+
+
+def norm_parts(graded: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
+    """This rank's sums of squares [tp-sharded, replicated, expert] (fp64, on `device`) of the
+    gradients in `graded`, (parameter, its gradient or gradient shard) pairs, each added to its
+    parameter's `norm_part`: one multi-tensor fp64 norm per part, not a chain of ops per tensor."""
+    by_part: list[list[torch.Tensor]] = [[], [], []]
+    for param, grad in graded:
+        by_part[norm_part(param)].append(grad)
+    sums = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).to(device).square().sum()
+            if grads else torch.zeros((), dtype=torch.float64, device=device) for grads in by_part]
+    return torch.stack(sums)
 
 
 def norm_part(param: torch.Tensor) -> int:
@@ -129,7 +138,11 @@ def norm_from_parts(parts: torch.Tensor, groups: ParallelGroups) -> float:
 def clip_gradients(model: nn.Module, norm: float, max_norm: float) -> None:
     """Scale every gradient so the global norm `norm` is at most `max_norm` (0 = no clipping)."""
     if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.mul_(scale)
+        scale_gradients([p.grad for p in model.parameters() if p.grad is not None], max_norm / (norm + 1e-6))
+
+
+@torch.no_grad()
+def scale_gradients(grads: list[torch.Tensor], scale: float) -> None:
+    """Multiply every tensor of `grads` by `scale` in place (one multi-tensor op per device and dtype)."""
+    if grads:
+        torch._foreach_mul_(grads, scale)

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..checkpoint.sharded import LOW_PRECISION, MOMENTS
 from .devices import collective_device, module_device
-from .grad_reduce import norm_from_parts, norm_part
+from .grad_reduce import norm_from_parts, norm_parts, scale_gradients
 from .megatron_ddp import MegatronGradSync, process_groups
 from .ownership import owned_parameters
 
@@ -107,6 +107,8 @@ class MegatronDistributedAdamW(MegatronGradSync):
         chained = get_megatron_optimizer(config, [self.ddp], config_overrides=get_standard_config_overrides(config),
                                          use_gloo_process_groups=False, pg_collection=optimizer_process_groups(groups))
         self.inner = list(chained.chained_optimizers)
+        for opt in self.inner:
+            fuse_cpu_adamw(opt.optimizer)
         self.chained = chained
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
@@ -134,10 +136,8 @@ class MegatronDistributedAdamW(MegatronGradSync):
         self.chained.prepare_grads()  # shard parameters' .grad: views of those shards (no loss scaling)
 
     def grad_norm(self) -> float:
-        parts = torch.zeros(3, dtype=torch.float64, device=module_device(self.model))
-        for _, model_param, shard in self._shards():
-            if shard.grad is not None:
-                parts[norm_part(model_param)] += shard.grad.detach().double().pow(2).sum()
+        graded = [(model_param, shard.grad) for _, model_param, shard in self._shards() if shard.grad is not None]
+        parts = norm_parts(graded, module_device(self.model))
         parts = parts.to(collective_device())  # summed where the shards live, reduced where the backend can
         dense, expert = parts.clone(), parts.clone()
         dense[2], expert[:2] = 0.0, 0.0
@@ -150,10 +150,8 @@ class MegatronDistributedAdamW(MegatronGradSync):
     @torch.no_grad()
     def clip(self, norm: float, max_norm: float) -> None:
         if max_norm > 0 and norm > max_norm:
-            scale = max_norm / (norm + 1e-6)
-            for _, _, shard in self._shards():
-                if shard.grad is not None:
-                    shard.grad.mul_(scale)
+            scale_gradients([shard.grad for _, _, shard in self._shards() if shard.grad is not None],
+                            max_norm / (norm + 1e-6))
 
     # -- optimizer --------------------------------------------------------------------------
     @torch.no_grad()
@@ -248,6 +246,28 @@ class MegatronDistributedAdamW(MegatronGradSync):
         for opt in self.inner:
             for p, shard in _main_shards(opt):
                 yield opt, p, shard
+
+
+def fuse_cpu_adamw(optimizer: torch.optim.Optimizer) -> bool:
+    """Step torch's Adam/AdamW (Megatron-Core's optimizer where neither Transformer Engine nor Apex
+    is installed) with torch's fused kernel when every parameter is a CPU tensor: one
+    `_fused_adamw_` per parameter group, with the step counts kept as tensors, where torch's CPU
+    default is a loop over the parameters (about ten ops and one host read of the step count
+    each). The update is AdamW's to rounding. Returns whether it switched; any other optimizer,
+    or any parameter on an accelerator (whose default is already torch's multi-tensor path, or
+    Transformer Engine's fused Adam), is left as it is."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if not params or any(p.device.type != "cpu" for p in params):
+        return False
+    if any(group.get("differentiable") or group.get("foreach") for group in optimizer.param_groups):
+        return False
+    for group in optimizer.param_groups:
+        group["fused"] = True
+    optimizer.defaults["fused"] = True
+    optimizer._step_supports_amp_scaling = True  # as torch's constructor sets it for fused=True
+    return True
 
 
 def optimizer_process_groups(groups: ParallelGroups):

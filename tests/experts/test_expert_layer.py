@@ -202,3 +202,46 @@ def test_sequence_parallel_with_tensor_parallel_is_refused():
     )
     with pytest.raises(ValueError, match="gather the sequence"):
         TriRouteExperts(D_MODEL, D_EXPERT, NUM_EXPERTS, groups, sequence_parallel=True)
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.5])
+def test_each_expert_runs_on_its_filled_slots_only_with_deepspeeds_values_and_gradients(capacity_factor):
+    """Skewed routes (expert 3 takes most): the packed compute gives the hand output, and the same
+    gradients (input, route weights, every expert weight) as DeepSpeed's whole-buffer compute of the
+    same layer; each expert's input has exactly its kept routes' rows."""
+    n = 10
+    layer = make_layer(top_k=2, capacity_factor=capacity_factor, seed=5)
+    index = torch.tensor([[3, 1]] * 6 + [[3, NULL_EXPERT], [0, 3], [NULL_EXPERT, NULL_EXPERT], [3, 0]])
+    torch.manual_seed(6)
+    x, weight = torch.randn(n, D_MODEL), torch.rand(n, 2)
+
+    def run(packed: bool):
+        rows = []
+        hooks = [e.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[-2])) for e in layer.experts]
+        xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
+        layer.zero_grad()
+        if packed:
+            out = layer(xs, index, ws)
+        else:  # DeepSpeed's Experts.forward over the whole (ep, E, capacity, d) buffer
+            with pytest.MonkeyPatch.context() as mp:
+                mp.setattr(type(layer.moe.experts), "forward", type(layer.moe.experts).__mro__[1].forward)
+                out = layer(xs, index, ws)
+        (out * torch.linspace(-1, 1, D_MODEL)).sum().backward()
+        for h in hooks:
+            h.remove()
+        grads = [xs.grad, ws.grad, *(p.grad.clone() for p in layer.moe.experts.parameters())]
+        return out.detach(), grads, rows
+
+    out, grads, rows = run(packed=True)
+    full_out, full_grads, full_rows = run(packed=False)
+    capacity = 9 if capacity_factor is None else 8  # no drops: expert 3's 9 routes; else ceil(1.5 * 10 * 2 / 4)
+    assert full_rows == [capacity] * NUM_EXPERTS
+    assert rows == [min(c, capacity) for c in (2, 6, 0, 9)]  # routes per expert, at most the capacity
+    kept = None
+    if capacity_factor is not None:  # expert 3's ninth route (token 7's column 1, placed last) is dropped
+        kept = torch.ones(n, 2, dtype=torch.bool)
+        kept[7, 1] = False
+    torch.testing.assert_close(out, hand_output(layer, x, index, weight, kept), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, full_out, rtol=1e-6, atol=1e-7)
+    for got, want in zip(grads, full_grads):
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)

@@ -74,8 +74,15 @@ def _check_ep2_matches_ep1(rank: int, world_size: int) -> None:
     # Skewed: every token of both ranks goes to expert 3 (owned by rank 1); nothing is dropped.
     skewed = torch.full((num_tokens, TOP_K), 3)
     skewed[:, 1] = -1
+    rows = []
+    hooks = [e.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[-2])) for e in layer.experts]
     out = layer(x, skewed, weight)
+    for hook in hooks:
+        hook.remove()
     assert int(layer.moe.exp_counts[3]) == num_tokens
+    # each expert runs on the filled slots of both ranks' buffers only: expert 3 on the 5 + 9 routes
+    # (not 2 x capacity 9), rank 0's experts on none
+    assert rows == ([0, 0] if rank == 0 else [0, 5 + 9]), rows
     torch.testing.assert_close(out, reference(x, skewed, weight), **TOL)
     assert (out.abs().sum(dim=1) > 0).all()
 

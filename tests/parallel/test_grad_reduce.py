@@ -84,3 +84,48 @@ def _check_reduce_matches_union_batch(rank, world_size):
 @pytest.mark.distributed
 def test_reduced_grads_equal_union_batch_for_ep1_and_ep2():
     run_distributed(_check_reduce_matches_union_batch, 2)
+
+
+def _graded_parameters():
+    """Six parameters of every norm part (TP-sharded, replicated, expert) with known gradients."""
+    import torch
+
+    params = []
+    for i in range(6):
+        p = torch.nn.Parameter(torch.zeros(3, i + 1))
+        p.grad = torch.arange(3.0 * (i + 1)).view(3, i + 1) - i
+        if i % 3 == 0:
+            p.tensor_model_parallel = True
+        elif i % 3 == 2:
+            p.allreduce = False
+        params.append(p)
+    return params
+
+
+def test_norm_parts_are_each_parts_sum_of_squares():
+    import torch
+
+    from megatron_triroute.parallel.grad_reduce import norm_part, norm_parts
+
+    params = _graded_parameters()
+    expected = torch.zeros(3, dtype=torch.float64)
+    for p in params:  # the per-tensor reference: fp64 sum of squares added to the parameter's part
+        expected[norm_part(p)] += (p.grad.double() ** 2).sum()
+    assert [norm_part(p) for p in params] == [0, 1, 2, 0, 1, 2]
+    got = norm_parts([(p, p.grad) for p in params], torch.device("cpu"))
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, expected, rtol=1e-15, atol=0)
+    alone = norm_parts([(params[1], params[1].grad)], torch.device("cpu"))  # one replicated tensor
+    torch.testing.assert_close(alone, torch.tensor([0.0, 1.0, 0.0], dtype=torch.float64) * (params[1].grad.double() ** 2).sum())
+
+
+def test_scale_gradients_scales_every_tensor():
+    import torch
+
+    from megatron_triroute.parallel.grad_reduce import scale_gradients
+
+    params = _graded_parameters()
+    before = [p.grad.clone() for p in params]
+    scale_gradients([p.grad for p in params], 0.25)
+    for p, b in zip(params, before):
+        torch.testing.assert_close(p.grad, b * 0.25, rtol=0, atol=0)

@@ -213,3 +213,51 @@ def test_bf16_parameters_reduce_in_bf16_and_step_fp32_masters(tmp_path):
     `master_parameters`, what checkpoints store); a checkpoint written from them loads them back
     exactly into a fresh engine (`load_model` with the optimizer: the `train.init_from` path)."""
     run_distributed(_bf16_engine_matches_hand_reference, 2, str(tmp_path / "ckpt"), timeout=240)
+
+
+def _adamw_pair():
+    """Two torch AdamW over equal parameters (two groups, decay on matrices only)."""
+    torch.manual_seed(0)
+    shapes = [(5, 7), (7,), (3, 5), (3,)]
+    values = [torch.randn(s) for s in shapes]
+    pair = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(v.clone()) for v in values]
+        pair.append((params, torch.optim.AdamW([{"params": params[0::2], "weight_decay": WD},
+                                                {"params": params[1::2], "weight_decay": 0.0}], lr=LR, eps=EPS)))
+    return pair
+
+
+def test_cpu_adamw_is_fused_and_steps_as_torchs_adamw():
+    from megatron_triroute.parallel.megatron_distopt import fuse_cpu_adamw
+    from tests.benchmarks import load_benchmark
+
+    (plain_params, plain), (fused_params, fused) = _adamw_pair()
+    assert fuse_cpu_adamw(fused)
+    assert all(g["fused"] for g in fused.param_groups) and not any(g["fused"] for g in plain.param_groups)
+    counter = load_benchmark("op_counter").StepCounter()
+    for step in range(STEPS):
+        for params in (plain_params, fused_params):
+            for i, p in enumerate(params):
+                p.grad = torch.randn(p.shape, generator=torch.Generator().manual_seed(10 * step + i))
+        plain.step()
+        if step == STEPS - 1:
+            with counter:
+                fused.step()
+        else:
+            fused.step()
+    for a, b in zip(plain_params, fused_params):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert any(not torch.equal(a, v) for a, v in zip(plain_params, _adamw_pair()[0][0]))  # they moved
+    # one fused kernel per group, no host read of a step count (torch's CPU default: one per tensor)
+    assert counter.host_syncs == 0 and counter.ops <= 6, (counter.ops, counter.syncs)
+
+
+def test_fuse_cpu_adamw_leaves_other_optimizers_alone():
+    from megatron_triroute.parallel.megatron_distopt import fuse_cpu_adamw
+
+    param = torch.nn.Parameter(torch.zeros(2))
+    sgd = torch.optim.SGD([param], lr=0.1)
+    assert not fuse_cpu_adamw(sgd) and not sgd.param_groups[0].get("fused")
+    foreach = torch.optim.AdamW([param], lr=0.1, foreach=True)
+    assert not fuse_cpu_adamw(foreach) and foreach.param_groups[0]["foreach"]
