@@ -19,8 +19,8 @@ REPO = Path(__file__).resolve().parents[1]
 SCANNED = ("megatron_triroute", "kernels", "benchmarks", "data_prep")
 WIDTHS_HOME = "kernels/quant.py"
 MODES_HOME = "megatron_triroute/routing/modes.py"
-HOMES = {"SUPPORTED_BITS": WIDTHS_HOME, **{n: MODES_HOME for n in
-         ("ATTN_MODES", "N_MODES", "SKIP", "LOCAL", "FULL", "READING_MODES")}}
+HOMES = {"SUPPORTED_BITS": WIDTHS_HOME, "NULL_EXPERT": "megatron_triroute/routing/gating.py",
+         **{n: MODES_HOME for n in ("ATTN_MODES", "N_MODES", "SKIP", "LOCAL", "FULL", "READING_MODES")}}
 SHAPE_CALLS = {"zeros", "ones", "empty", "full", "randn", "rand", "view", "reshape", "expand", "unflatten",
                "new_zeros", "new_ones", "new_empty"}
 KNOWN_ELSEWHERE: set[tuple[str, str]] = set()

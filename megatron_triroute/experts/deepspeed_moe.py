@@ -52,11 +52,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
+from megatron_triroute.routing.gating import NULL_EXPERT
 
 if TYPE_CHECKING:
     from megatron_triroute.parallel.groups import ParallelGroups
-
-NULL_EXPERT = -1
 
 
 class PrecomputedGate(nn.Module):
