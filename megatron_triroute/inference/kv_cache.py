@@ -11,17 +11,19 @@ every cached K/V dequantises bit-identically to `routing.quant.fake_quantize` of
 
 Decode state on the device. Per layer, `tables[l]` (pools, rows, width) holds each request's page
 ids (-1 past its pages; width bucketed to a power of two) and `counts[l]` (pools, rows) its filled
-slots, one row per request. A step writes and advances them with tensor ops only (`write_step`):
-no host read, whatever width each token takes. Because the width is decided inside the step, the
-scheduler keeps room for the next tokens in EVERY pool, outside the step (`reserve`, vLLM-style):
-it reads the counts back only when a request's room runs out, then gives every pool room for
-`page_size` more tokens (or the step's tokens, if more), so decode reads the device once every
-`page_size` steps, and a request holds at most about two unfilled pages per pool.
-`trim` (after a prefill, and for the host-side `write`) returns pages beyond that room.
+slots, one row per request. A decode step (one token per request) writes and advances them with
+tensor ops only (`write_step`): no host read, whatever width each token takes. Because the width
+is decided inside the step, the scheduler keeps room for the next token in EVERY pool, outside the
+step (`reserve`, vLLM-style): when some request's room runs out it reads the batch's counts once and
+gives every pool of every request room for `page_size` more tokens, so decode reads the device once
+every `page_size` steps and a request holds at most about two unfilled pages per pool. A prefill
+(several tokens per request) takes pages for exactly the tokens each pool receives, once the layer
+has chosen its widths (`_fit`: one device read per layer); `trim` afterwards returns any page
+beyond room for `page_size` more tokens and sets each request's room.
 
 Pages come from a free list per pool, return to it (slots marked free) when a request ends and
 are reused; a pool's storage grows only when its free list runs out, by what is needed plus a
-sixteenth, so free storage stays a small fraction of what is held.
+thirty-second, so free storage stays a small fraction of what is held.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from triroute_kernels import PoolLists, allocate_kv_pools, cache_write, dequanti
 
 from ..routing.quant import kv_bits_per_token
 
-GROWTH_DIVISOR = 16
+GROWTH_DIVISOR = 32
 """A pool grows by what it needs plus 1/GROWTH_DIVISOR of its size."""
 
 
