@@ -21,6 +21,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -58,6 +59,27 @@ inline void load_row(int bits, const uint8_t* codes, const Half* scale, const Ha
     default:
       for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(values[i]);
   }
+}
+
+// exp(x) for x <= 0 (the online softmax's arguments), vectorisable and branch-free: Cody-Waite
+// range reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (relative error ~1e-7),
+// then the power of two put in the exponent bits; x below -87 (and -inf) gives exactly 0.
+inline float exp_nonpositive(float x) {
+  const float xc = x < -87.f ? -87.f : x;
+  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
+  float r = xc - n * 0.693359375f;
+  r = r + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  float scale;
+  std::memcpy(&scale, &bits, sizeof(scale));
+  return x < -87.f ? 0.f : p * scale;
 }
 
 inline float dot(const float* a, const float* b, int64_t d) {
@@ -266,12 +288,10 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
             }
             if (block_max == neg_inf) continue;  // this head took no key of the page
             const float m_new = std::max(m[j], block_max);
-            const float alpha = std::exp(m[j] - m_new);  // exp(-inf) = 0 before the first key
+            const float alpha = exp_nonpositive(m[j] - m_new);  // exp(-inf) = 0 before the first key
             float sum = 0.f;
-            for (int64_t t = 0; t < c; ++t) {
-              sj[t] = std::exp(sj[t] - m_new);  // -inf -> 0
-              sum += sj[t];
-            }
+            for (int64_t t = 0; t < c; ++t) sj[t] = exp_nonpositive(sj[t] - m_new);  // -inf -> 0
+            for (int64_t t = 0; t < c; ++t) sum += sj[t];
             l[j] = l[j] * alpha + sum;
             if (alpha != 1.f) {
               float* a = acc.data() + j * d;
