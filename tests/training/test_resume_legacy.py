@@ -24,8 +24,10 @@ def _setup(seed, legacy: bool):
     run = get_recipe("tiny")
     run.optim.weight_decay, run.optim.lr = 0.0, 1e-2
     if legacy:
+        # torch's fused AdamW: the arithmetic the run's engine steps with on the CPU
+        # (parallel/megatron_distopt.fuse_cpu_adamw), so the resumed step can be compared bit for bit.
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(run.optim.beta1, run.optim.beta2),
-                                      eps=run.optim.eps, weight_decay=0.0)
+                                      eps=run.optim.eps, weight_decay=0.0, fused=True)
         grad_sync = None  # the flat all-reduce
     else:
         optimizer, grad_sync = build_dp_engine(model, run, groups)
