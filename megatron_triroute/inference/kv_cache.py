@@ -161,8 +161,9 @@ class PagedKVCache:
         """Per layer, what the attention kernel executed: attention MACs, K/V bytes read (cumulative)."""
         self.layer_executed = list(self.executed.unbind(0))
         self.host_reads = 0
+        """Reads of the device counts by the scheduler (`sync`, `_fit`): in decode, one for the whole
+        batch every `page_size` steps; in a prefill, one per layer."""
         self._one = torch.ones((), dtype=torch.long, device=self.device)
-        """Reads of the device counts by the scheduler (`sync`): one per request every `page_size` decode steps."""
 
     # -- rows and pages (host, outside a step) ---------------------------------------------------
     def _resize(self, rows: int, width: int) -> None:
