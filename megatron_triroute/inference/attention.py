@@ -11,7 +11,7 @@ are read whole either way). Prefill and decode take the same path: a prompt's to
 with their own positions.
 
 `attend` is the step's part (no host read). `routed_attention` wraps it for one layer called on
-its own (tests, tools): it reserves the cache's room before and audits after.
+its own (tests, tools): the cache's `before_step` / `after_step` around it, then the audit.
 """
 
 from __future__ import annotations
@@ -80,18 +80,17 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
                      cache: PagedKVCache, layer: int, rids: list[int], window: int,
                      audit: CostAudit | None) -> torch.Tensor:
     """One layer's `attend` on its own: h (B, n, D) normed input; mode (B, n, H); bit_option,
-    positions, valid (B, n). Reserves room for the tokens, runs, then counts the audit. Returns (B, n, D)."""
+    positions, valid (B, n). The cache's `before_step` and `after_step` around it, as a model step
+    has them, then the audit. Returns (B, n, D)."""
     B, n, D = h.shape
     d = wq.shape[1]
-    if n == 1:
-        cache.reserve(rids, [1] * B)
-    if audit is not None:
-        cache.executed.zero_()
+    cache.before_step(rids, n, audit is not None)
     t = positions.reshape(-1)
     rows = cache.rows(rids)
     cos, sin = rope_tables(t, d)
     out = attend(h.reshape(B * n, D), projection_views(wq, wk, wv, wo), wq.shape[0], mode.reshape(B * n, -1),
                  bit_option.reshape(-1), t, cos, sin, valid.reshape(-1), cache, layer, rows, n, window)
+    cache.after_step(rids, n)
     if audit is not None:
         count_attention(audit, layer, cache, rows.repeat_interleave(n), mode.reshape(B * n, -1), bit_option.reshape(-1),
                         t, valid.reshape(-1), window, D)

@@ -214,6 +214,21 @@ class PagedKVCache:
                 for o, entry in enumerate(entries):
                     entry.count = counts[l][o][b]
 
+    def before_step(self, rids: list[int], n: int, audited: bool) -> None:
+        """Host side, before a step of n tokens per request: a decode step (n = 1) gets room in every
+        pool (a prefill takes exact pages inside the step); an audited step starts the kernels'
+        executed counters from zero."""
+        if n == 1:
+            self.reserve(rids, [1] * len(rids))
+        if audited:
+            self.executed.zero_()
+
+    def after_step(self, rids: list[int], n: int) -> None:
+        """Host side, after a step of n tokens per request: a prefill returns the pages beyond room
+        for the next page of tokens and sets each request's room (`trim`)."""
+        if n > 1:
+            self.trim(rids)
+
     def reserve(self, rids: list[int], new_tokens: list[int]) -> None:
         """Before a step: room for `new_tokens[b]` more tokens of rids[b] in every pool of every
         layer. Reads the device counts (of the whole batch, once) only when some request's room ran out."""

@@ -124,12 +124,12 @@ class InferenceLayer(nn.Module):
     def audit_step(self, audit: CostAudit, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> None:
         """This layer's audited counters of a finished step, from its decisions."""
         N = batch.t.numel()
-        valid = batch.valid if batch.valid is not None else torch.ones(N, dtype=torch.bool, device=batch.t.device)
+        valid = batch.valid_mask()
         tokens = int(valid.sum())
         audit.add(self.layer_number, "controller", tokens * self.controller_macs)
         rows = batch.rows.repeat_interleave(N // batch.rows.numel())
-        count_attention(audit, self.layer_number, cache, rows, out.attn.hard.reshape(N, -1), out.bits.hard.reshape(N), batch.t, valid, self.config.router.window,
-                        self.config.model.d_model)
+        count_attention(audit, self.layer_number, cache, rows, out.attn.hard.reshape(N, -1), out.bits.hard.reshape(N),
+                        batch.t, valid, self.config.router.window, self.config.model.d_model)
         if out.experts is None:
             routes = tokens
         else:
@@ -159,6 +159,10 @@ class StepBatch:
     last: torch.Tensor | None
     """(B,) column of each request's last new token (None: n = 1)."""
     prices: tuple[float, float]
+
+    def valid_mask(self) -> torch.Tensor:
+        """(N,) bool: `valid`, or every token when it is None (for the audit, after the step)."""
+        return self.valid if self.valid is not None else torch.ones_like(self.t, dtype=torch.bool)
 
 
 class InferenceModel(nn.Module):
@@ -217,15 +221,12 @@ class InferenceModel(nn.Module):
         the new tokens, the step's positions and rotary tables; then one copy of each to the device.
         With an audit, the kernels' executed counters start from zero for this step."""
         B, n = tokens.shape
-        if audit is not None:
-            cache.executed.zero_()
+        cache.before_step(rids, n, audit is not None)
         dev = self.device
         tokens, lengths = tokens.cpu(), lengths.cpu()
         positions = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1) + torch.arange(n).view(1, n)
         valid = None if all(c == n for c in lengths.tolist()) else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten()
         side = advance(tokens, lengths, states, self.host_tables(), self.config.router.max_doc_position)
-        if n == 1:  # decode: room in every pool, the width is chosen inside the step (a prefill takes exact pages)
-            cache.reserve(rids, [1] * B)
         t = positions.flatten()
         cos, sin = rope_tables(t, self.config.model.d_head)
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
@@ -254,15 +255,14 @@ class InferenceModel(nn.Module):
         """Host side, after a step: a prefill returns the pages its tokens did not fill; the audit
         counts the step from its decisions and the kernels' counters."""
         B, n = batch.tokens.shape
-        if n > 1:
-            cache.trim(rids)
+        cache.after_step(rids, n)
         if audit is None:
             return
         m = self.config.model
         for layer, out in zip(self.layers, outs):
             layer.audit_step(audit, out, batch, cache)
         audit.take_executed(cache)
-        valid = batch.valid if batch.valid is not None else torch.ones_like(batch.t, dtype=torch.bool)
+        valid = batch.valid_mask()
         count = int(valid.sum())
         audit.tokens += count
         audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
