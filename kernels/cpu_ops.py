@@ -54,15 +54,22 @@ def build_directory(flags: list[str]) -> Path:
 
 def _build() -> None:
     if os.environ.get("TRIROUTE_NO_CPU_OPS"):
-        raise RuntimeError("TRIROUTE_NO_CPU_OPS is set (the PyTorch twins serve)")
+        raise RuntimeError("TRIROUTE_NO_CPU_OPS is set. Fix: unset it to build the C++ kernels")
     if not hasattr(torch.ops.triroute, "paged_attention"):
+        if not SOURCE.is_file():  # e.g. an exported model's code, which ships the Python modules only
+            raise RuntimeError(f"the C++ source {SOURCE.name} is not beside this module ({SOURCE.parent}). Fix: "
+                               "serve from an installed megatron-triroute to use the C++ kernels")
         native = not os.environ.get("TRIROUTE_CPU_OPS_PORTABLE")
         try:
-            _load(CFLAGS + NATIVE_CFLAGS if native else CFLAGS)
-        except Exception:
-            if not native:
-                raise
-            _load(CFLAGS)
+            try:
+                _load(CFLAGS + NATIVE_CFLAGS if native else CFLAGS)
+            except Exception:
+                if not native:
+                    raise
+                _load(CFLAGS)
+        except Exception as e:
+            raise RuntimeError(f"{type(e).__name__}: {e}. Fix: install g++ and ninja (launchers/install.sh "
+                               "does)") from e
     _register_fakes()
 
 

@@ -79,9 +79,8 @@ def _use_cpp(*tensors: torch.Tensor) -> bool:
         return True
     if not _WARNED:
         _WARNED.append(True)
-        warnings.warn(f"the C++ CPU decode kernels are unavailable ({cpu_ops_error()}); decoding with the slower "
-                      "PyTorch twins. Fix: install g++ and ninja (launchers/install.sh does), or unset "
-                      "TRIROUTE_NO_CPU_OPS", RuntimeWarning, stacklevel=3)
+        warnings.warn(f"the C++ CPU decode kernels are unavailable, decoding with the slower PyTorch twins: "
+                      f"{cpu_ops_error()}", RuntimeWarning, stacklevel=3)
     return False
 
 

@@ -3,6 +3,7 @@ PyTorch twins and the cache's number format; the fallback when the kernels are u
 
 import dataclasses
 import math
+import types
 
 import pytest
 import torch
@@ -23,7 +24,11 @@ from triroute_kernels.paged_ops import (
 )
 from triroute_kernels.quant import pack_codes, quantize_groups
 
-pytestmark = pytest.mark.skipif(not cpu_ops_available(), reason=f"C++ kernels unavailable: {cpu_ops.cpu_ops_error()}")
+
+
+def test_the_cpp_kernels_build_here():
+    """The install provides g++ and ninja: a failed build is a failure here, not a skip."""
+    assert cpu_ops_available(), cpu_ops.cpu_ops_error()
 
 WIDTHS = (2, 4, 8, 16)
 D, GS = 16, 8
@@ -214,6 +219,12 @@ def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
     monkeypatch.setattr(cpu_ops, "_state", {})
     monkeypatch.setenv("TRIROUTE_NO_CPU_OPS", "1")
     assert cpu_ops.cpu_ops_available() is False and "TRIROUTE_NO_CPU_OPS" in cpu_ops.cpu_ops_error()
+    # a module without its C++ source beside it (an exported model's code) says so
+    monkeypatch.setattr(cpu_ops, "_state", {})
+    monkeypatch.delenv("TRIROUTE_NO_CPU_OPS")
+    monkeypatch.setattr(cpu_ops, "SOURCE", cpu_ops.SOURCE.parent / "missing.cpp")
+    monkeypatch.setattr(cpu_ops, "torch", types.SimpleNamespace(ops=types.SimpleNamespace(triroute=object())))
+    assert cpu_ops.cpu_ops_available() is False and "missing.cpp is not beside this module" in cpu_ops.cpu_ops_error()
 
 
 def test_opcheck_schemas_fakes_and_mutations():
