@@ -5,9 +5,10 @@
 - `routed_experts`: the top-k SwiGLU experts of each token, grouped by expert.
 
 On CPU tensors with the C++ kernels built (`cpu_ops.cpu_ops_available()`) each is one call of
-`torch.ops.triroute.*`. Otherwise the twins below run pool by pool: attention by the per-pool
-kernel `dispatch` chooses (Triton on CUDA, `decode_attention_pool_torch` on CPU) merged by
-`merge_partials`, the write by `dispatch.quantize_pack_into` per pool, the experts by a loop. The
+`torch.ops.triroute.*`. On CUDA attention is one Triton launch over every pool
+(`triton_paged`). Otherwise the twins below run pool by pool: attention by the per-pool kernel
+`dispatch` chooses merged by `merge_partials`, the write by `dispatch.quantize_pack_into` per
+pool, the experts by a loop. The
 all-torch twins are the tests' second implementation; they may sync (they are the fallback).
 """
 
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error
-from .dispatch import decode_attention_pool, quantize_pack_into
+from .dispatch import choose_backend, decode_attention_pool, quantize_pack_into
 from .pool import PagePool
 from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
 
@@ -109,7 +110,11 @@ def paged_attention(
         return torch.ops.triroute.paged_attention(
             q, *p.tensors, p.bits, p.group_size, page_tables, request, lo, hi, float(sm_scale), counters
         )
-    # Elsewhere (CUDA: the per-pool Triton kernels through `dispatch`), pool by pool and merged.
+    if choose_backend(q.device) == "triton":  # CUDA: every pool in one Triton launch
+        from .triton_paged import paged_attention_triton
+
+        return paged_attention_triton(q, p, page_tables, request, lo, hi, sm_scale, counters)
+    # Elsewhere, pool by pool (the per-pool kernel `dispatch` chooses) and merged.
     return paged_attention_torch(q, p.k_pools, p.v_pools, page_tables, request, lo, hi, sm_scale, counters,
                                  decode_attention_pool)
 

@@ -109,3 +109,52 @@ def test_default_splits_fill_the_device_but_keep_pages_per_split():
     assert default_splits(rows=1, max_pages=512) == 128  # 4 pages per split at most 512 programs
     assert default_splits(rows=8 * 12, max_pages=512) == 5
     assert default_splits(rows=4096, max_pages=512) == 1
+
+
+# --- the all-pools paged attention (triton_paged) -----------------------------------------------
+from tests.kernels.scenario import mixed_pools  # noqa: E402
+from triroute_kernels import PoolLists  # noqa: E402
+from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
+from triroute_kernels.triton_paged import paged_attention_triton  # noqa: E402
+
+
+@pytest.mark.parametrize("H_kv,H,splits", [(1, 3, 1), (2, 4, 2), (4, 4, 3)])
+def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters(H_kv, H, splits):
+    """Mixed widths in one batch, GQA groups of 1-3 heads (3: a padded group), full, local and
+    skipped heads within one group, decode and prefill rows, split-K; output to 1e-5 and the
+    executed counters equal to the twin's."""
+    gen = torch.Generator().manual_seed(10 * H_kv + H + splits)
+    lengths = [37, 9, 1, 20]
+    stores, tables = mixed_pools(lengths, H_kv, P, gen, (2, 4, 8, 16), D, GS)
+    request = torch.tensor([0, 1, 2, 3, 0, 0], dtype=torch.long)
+    hi = torch.tensor([36, 8, 0, 19, 5, 30], dtype=torch.long)
+    N = len(request)
+    modes = torch.randint(0, 3, (N, H), generator=gen)
+    lo = torch.where(modes == 0, 0, (hi.view(N, 1) - 6).clamp_min(0))
+    lo = torch.where(modes == 2, hi.view(N, 1) + 1, lo)
+    lo[0, 0], lo[1, H - 1] = 0, hi[1] + 1
+    q = torch.randn(N, H, D, generator=gen)
+    pools = PoolLists.of([s.k_pool for s in stores], [s.v_pool for s in stores])
+    got_c, want_c = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, num_splits=splits)
+    want = paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, 0.3, want_c)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got_c, want_c) and got_c[0] > 0
+    assert not got[lo > hi.view(N, 1)].any()
+
+
+def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group():
+    """NaN payload in the pages wholly before the group's earliest start must not reach the output."""
+    gen = torch.Generator().manual_seed(4)
+    st = fill_pools(quantize_pack_into_torch, 4, [list(range(50))], 1, D, GS, P, gen)
+    tables = st.page_table.long().unsqueeze(0)
+    for pool in (st.k_pool, st.v_pool):
+        pool.scale[tables[0, 0, :10]] = float("nan")  # positions 0..39
+    pools = PoolLists.of([st.k_pool], [st.v_pool])
+    q = torch.randn(1, 2, D, generator=gen)
+    lo, hi = torch.tensor([[44, 40]]), torch.tensor([49])
+    c = torch.zeros(2, dtype=torch.long)
+    got = paged_attention_triton(q, pools, tables, torch.tensor([0]), lo, hi, 0.25, c)
+    want = naive_attention(q, [st], GS, lo, hi, 0.25)[0]
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert c.tolist()[0] == 2 * D * (6 + 10)

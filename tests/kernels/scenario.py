@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_triroute.routing.quant import fake_quantize
-from triroute_kernels import allocate_kv_pools
+from triroute_kernels import allocate_kv_pools, quantize_pack_into_torch
 
 
 @dataclass
@@ -56,6 +56,21 @@ def fill_pools(
             k_pool.token_pos.view(-1)[slots] = torch.tensor(pos, dtype=torch.int32)
         tokens.append((torch.tensor(pos, dtype=torch.long), k, v))
     return Stored(bits, k_pool, v_pool, table, tokens)
+
+
+def mixed_pools(lengths: list[int], H_kv: int, P: int, gen: torch.Generator, widths, d: int, g: int):
+    """Each request's positions 0..L-1 scattered over one pool per width in `widths` (in increasing
+    order within each pool); returns the per-pool stores and page_tables [W, R, M] int64."""
+    owner = [torch.randint(0, len(widths), (n,), generator=gen) for n in lengths]
+    stores = [
+        fill_pools(quantize_pack_into_torch, b, [(o == w).nonzero().flatten().tolist() for o in owner], H_kv, d, g, P, gen)
+        for w, b in enumerate(widths)
+    ]
+    M = max(s.page_table.shape[1] for s in stores)
+    tables = torch.full((len(widths), len(lengths), M), -1, dtype=torch.long)
+    for w, s in enumerate(stores):
+        tables[w, :, : s.page_table.shape[1]] = s.page_table.long()
+    return stores, tables
 
 
 def naive_attention(q, stores: list[Stored], g: int, lo, hi, sm_scale):

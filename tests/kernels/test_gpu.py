@@ -68,3 +68,37 @@ def test_gpu_write_bit_exact_and_attention_matches_torch(bits):
     fin = torch.isfinite(r_lse)
     assert torch.allclose(lse[fin], r_lse[fin], atol=1e-4, rtol=1e-4)
     assert (lse[:, 1] == -math.inf).all()
+
+
+def test_paged_attention_on_cuda_is_one_triton_launch_equal_to_the_cpu_op():
+    """The engine's attention op on CUDA (all pools in one Triton launch) against the same op on the
+    CPU (the C++ kernel, or its twin) over the same mixed-width pools: output and counters."""
+    pytest.importorskip("triton")
+    import dataclasses
+
+    from tests.kernels.scenario import mixed_pools
+    from triroute_kernels import PoolLists, paged_attention
+
+    gen = torch.Generator().manual_seed(3)
+    H_kv, G, d, g, P = 3, 4, 64, 32, 16
+    lengths = [1, 16, 17, 700, 2100, 64]
+    stores, tables = mixed_pools(lengths, H_kv, P, gen, (2, 4, 8, 16), d, g)
+    N, H = len(lengths), H_kv * G
+    hi = torch.tensor(lengths) - 1
+    modes = torch.randint(0, 3, (N, H), generator=gen)
+    lo = torch.where(modes == 0, 0, (hi.view(N, 1) - 128).clamp_min(0))
+    lo = torch.where(modes == 2, hi.view(N, 1) + 1, lo)
+    q = torch.randn(N, H, d, generator=gen)
+    request = torch.arange(N)
+
+    def on(dev):
+        def move(pool):
+            return dataclasses.replace(pool, **{f.name: getattr(pool, f.name).to(dev) for f in dataclasses.fields(pool)
+                                                if isinstance(getattr(pool, f.name), torch.Tensor)})
+        return PoolLists.of([move(s.k_pool) for s in stores], [move(s.v_pool) for s in stores])
+
+    c_cpu, c_gpu = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long, device="cuda")
+    want = paged_attention(q, on("cpu"), tables, request, lo, hi, d**-0.5, c_cpu)
+    got = paged_attention(q.cuda(), on("cuda"), tables.cuda(), request.cuda(), lo.cuda(), hi.cuda(), d**-0.5, c_gpu)
+    assert torch.allclose(got.cpu(), want, atol=1e-4, rtol=1e-4), (got.cpu() - want).abs().max()
+    assert torch.equal(c_gpu.cpu(), c_cpu)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import triroute_kernels.paged_ops as paged_ops
-from tests.kernels.scenario import fill_pools, naive_attention
+from tests.kernels.scenario import fill_pools, mixed_pools, naive_attention
 from tests.oracles import hard_experts, pack_kv, swiglu
 from triroute_kernels import allocate_kv_pools, cpu_ops_available, quantize_pack_into_torch
 from triroute_kernels import cpu_ops
@@ -35,18 +35,7 @@ D, GS = 16, 8
 
 
 def _mixed_pools(lengths, H_kv, P, gen):
-    """Each request's positions 0..L-1 scattered over four pools of widths 2/4/8/16 (in increasing
-    order within each pool); returns the per-pool stores and page_tables [W, R, M] int64."""
-    owner = [torch.randint(0, len(WIDTHS), (n,), generator=gen) for n in lengths]
-    stores = [
-        fill_pools(quantize_pack_into_torch, b, [(o == w).nonzero().flatten().tolist() for o in owner], H_kv, D, GS, P, gen)
-        for w, b in enumerate(WIDTHS)
-    ]
-    M = max(s.page_table.shape[1] for s in stores)
-    tables = torch.full((len(WIDTHS), len(lengths), M), -1, dtype=torch.long)
-    for w, s in enumerate(stores):
-        tables[w, :, : s.page_table.shape[1]] = s.page_table.long()
-    return stores, tables
+    return mixed_pools(lengths, H_kv, P, gen, WIDTHS, D, GS)
 
 
 def _rows_reference(q, stores, request, lo, hi, sm):

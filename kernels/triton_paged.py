@@ -1,0 +1,175 @@
+"""Triton `paged_attention`: one launch over every precision pool, one online softmax.
+
+The GPU form of `paged_ops.paged_attention` (same arguments, same counters). A program owns one
+(query row, KV head, split): it loads the KV head's G query heads once, walks the split's share of
+the row's pages in every pool, PAGES_PER_BLOCK table entries per iteration (the pools' widths are compile-time constants, so each pool's unpack
+is specialised), dequantises each page's K and V rows once for all G heads, and carries one
+(max, sum, accumulator) per head across pools. Pages whose slots all lie outside every head's
+range [lo, hi] are not read past their positions. Splits of the page list (split-K, so a small
+batch still fills the GPU) are merged by log-sum-exp. Executed attention MACs and K/V bytes are
+added to `counters` by the programs themselves (atomics), with the twin's definition: 2 d per
+(query head, key scored); a (slot, KV head) row's K+V bytes once per group that reads it.
+
+Layout constraints as `triton_ops.check_triton_layout` (powers of two), at most MAX_POOLS pools.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .triton_ops import _load_kv, check_triton_layout
+from .torch_ops import merge_partials
+
+MAX_POOLS = 4
+PAGES_PER_BLOCK = 4
+"""Page-table entries one loop iteration reads together (PAGES_PER_BLOCK * page_size slots)."""
+PROGRAMS_PER_SM = 8
+"""Split-K aims for this many (row, KV head, split) programs per multiprocessor."""
+
+
+def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: int) -> int:
+    """Splits of the page list so that rows * splits fills the device, each split keeping at
+    least two blocks of pages."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    want = -(-PROGRAMS_PER_SM * sms // max(1, rows))
+    return max(1, min(want, max_pages // (2 * pages_per_block)))
+
+
+@triton.jit
+def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+               data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
+               H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               PB: tl.constexpr):
+    d_idx = tl.arange(0, D)
+    j = tl.arange(0, PB * P)  # the slots of PB consecutive table entries, read as one block
+    for i in range(first, last, PB):
+        entry = i + j // P
+        page = tl.load(table_ptr + entry, mask=entry < last, other=-1).to(tl.int64)
+        slot = page * P + j % P
+        tp = tl.load(pos_ptr + slot, mask=page >= 0, other=-1)
+        in_hi = (tp >= 0) & (tp <= hi)
+        any_head = in_hi & (tp >= lo_min)  # the slots some head of the group reads
+        n_any = tl.sum(any_head.to(tl.int32), axis=0)
+        if n_any > 0:
+            valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, PB * P]
+            k = _load_kv(data_k, scale_k, zero_k, data_k, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
+            s = tl.where(valid, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
+            alpha = tl.exp(m_i - m_use)
+            p = tl.exp(s - m_use[:, None])
+            v = _load_kv(data_v, scale_v, zero_v, data_v, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+            m_i = m_new
+            macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
+            nbytes += n_any.to(tl.int64) * row_bytes
+    return m_i, l_i, acc, macs, nbytes
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, lo_ptr, hi_ptr, request_ptr, table_ptr, out_ptr, lse_ptr, counters_ptr,
+    R, M, pages_per_split, sm_scale,
+    dk0, sk0, zk0, dv0, sv0, zv0, pos0, rb0,
+    dk1, sk1, zk1, dv1, sv1, zv1, pos1, rb1,
+    dk2, sk2, zk2, dv2, sv2, zv2, pos2, rb2,
+    dk3, sk3, zk3, dv3, sv3, zv3, pos3, rb3,
+    H_Q: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
+    GROUP: tl.constexpr, NPOOLS: tl.constexpr, PB: tl.constexpr,
+    BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr, BITS3: tl.constexpr,
+):
+    n = tl.program_id(0)
+    hkv = tl.program_id(1)
+    split = tl.program_id(2)
+    N = tl.num_programs(0)
+    g_idx = tl.arange(0, GP)
+    d_idx = tl.arange(0, D)
+    head = hkv * G + g_idx
+    real = g_idx < G
+    hi = tl.load(hi_ptr + n)
+    lo_h = tl.load(lo_ptr + n * H_Q + head, mask=real, other=0)
+    lo_h = tl.where(real, tl.maximum(lo_h, 0), hi + 1)  # padding heads read nothing
+    lo_min = tl.min(lo_h, axis=0)
+    q = tl.load(q_ptr + (n * H_Q + head[:, None]) * D + d_idx[None, :], mask=real[:, None], other=0.0).to(tl.float32)
+    r = tl.load(request_ptr + n).to(tl.int64)
+    first = split * pages_per_split
+    last = tl.minimum(first + pages_per_split, M)
+    last = tl.where(lo_min <= hi, last, first)  # a group whose heads all skip reads nothing
+    m_i = tl.full([GP], float("-inf"), tl.float32)
+    l_i = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, D], tl.float32)
+    macs = tl.sum(tl.zeros([GP], tl.int64), axis=0)
+    nbytes = tl.sum(tl.zeros([GP], tl.int64), axis=0)
+    row = table_ptr + r * M
+    pool_stride = R * M
+    if NPOOLS > 0:
+        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+                                                 dk0, sk0, zk0, dv0, sv0, zv0, pos0, row, first, last, rb0, hkv,
+                                                 H_KV, D, P, BITS0, GROUP, PB)
+    if NPOOLS > 1:
+        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+                                                 dk1, sk1, zk1, dv1, sv1, zv1, pos1, row + pool_stride, first, last,
+                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB)
+    if NPOOLS > 2:
+        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+                                                 dk2, sk2, zk2, dv2, sv2, zv2, pos2, row + 2 * pool_stride, first,
+                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB)
+    if NPOOLS > 3:
+        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+                                                 dk3, sk3, zk3, dv3, sv3, zv3, pos3, row + 3 * pool_stride, first,
+                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB)
+    read = l_i > 0.0
+    den = tl.where(read, l_i, 1.0)
+    at = (split * N + n) * H_Q + head
+    tl.store(out_ptr + at[:, None] * D + d_idx[None, :], tl.where(read[:, None], acc / den[:, None], 0.0),
+             mask=real[:, None])
+    tl.store(lse_ptr + at, tl.where(read, m_i + tl.log(den), float("-inf")), mask=real)
+    tl.atomic_add(counters_ptr, macs)
+    tl.atomic_add(counters_ptr + 1, nbytes)
+
+
+def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
+                           pages_per_block=PAGES_PER_BLOCK, num_warps=4):
+    """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
+    `num_splits`, `pages_per_block` and `num_warps` are tuning knobs (defaults: module constants)."""
+    N, H, d = q.shape
+    kp0 = pools.k_pools[0]
+    H_kv, P, W = kp0.num_kv_heads, kp0.page_size, len(pools.bits)
+    if W > MAX_POOLS:
+        raise ValueError(f"the Triton paged attention reads at most {MAX_POOLS} pools, got {W}")
+    for b in pools.bits:
+        check_triton_layout(b, d, pools.group_size, P)
+    if H % H_kv:
+        raise ValueError(f"{H} query heads do not share {H_kv} KV heads evenly")
+    G = H // H_kv
+    _, R, M = page_tables.shape
+    dev = q.device
+    splits = num_splits or _splits(N * H_kv, M, dev, pages_per_block)
+    per_split = max(1, -(-M // splits))
+    splits = max(1, -(-M // per_split))
+    out = torch.empty(splits, N, H, d, dtype=torch.float32, device=dev)
+    lse = torch.empty(splits, N, H, dtype=torch.float32, device=dev)
+    if N == 0:
+        return out.sum(0)
+    k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos = pools.tensors
+    args = []
+    for w in range(MAX_POOLS):
+        i = min(w, W - 1)  # unused slots repeat the last pool (never read: NPOOLS)
+        row_bytes = (pools.k_pools[i].bytes_per_slot() + pools.v_pools[i].bytes_per_slot()) // H_kv
+        args += [k_data[i], k_scale[i], k_zero[i], v_data[i], v_scale[i], v_zero[i], token_pos[i], row_bytes]
+    bits = list(pools.bits) + [pools.bits[-1]] * (MAX_POOLS - W)
+    _paged_attention_kernel[(N, H_kv, splits)](
+        q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
+        page_tables.long().contiguous(), out, lse, counters,
+        R, M, per_split, float(sm_scale), *args,
+        H_Q=H, H_KV=H_kv, G=G, GP=triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
+        PB=pages_per_block, num_warps=num_warps,
+        BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], BITS3=bits[3],
+    )
+    if splits == 1:
+        return out[0]
+    return merge_partials(list(out.unbind(0)), list(lse.unbind(0)))[0]
