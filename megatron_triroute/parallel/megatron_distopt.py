@@ -108,7 +108,7 @@ class MegatronDistributedAdamW(MegatronGradSync):
                                          use_gloo_process_groups=False, pg_collection=optimizer_process_groups(groups))
         self.inner = list(chained.chained_optimizers)
         for opt in self.inner:
-            fuse_cpu_adamw(opt.optimizer)
+            fuse_adamw(opt.optimizer)
         self.chained = chained
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
@@ -248,18 +248,20 @@ class MegatronDistributedAdamW(MegatronGradSync):
                 yield opt, p, shard
 
 
-def fuse_cpu_adamw(optimizer: torch.optim.Optimizer) -> bool:
+def fuse_adamw(optimizer: torch.optim.Optimizer) -> bool:
     """Step torch's Adam/AdamW (Megatron-Core's optimizer where neither Transformer Engine nor Apex
-    is installed) with torch's fused kernel when every parameter is a CPU tensor: one
-    `_fused_adamw_` per parameter group, with the step counts kept as tensors, where torch's CPU
-    default is a loop over the parameters (about ten ops and one host read of the step count
-    each). The update is AdamW's to rounding. Returns whether it switched; any other optimizer,
-    or any parameter on an accelerator (whose default is already torch's multi-tensor path, or
-    Transformer Engine's fused Adam), is left as it is."""
+    is installed) with torch's fused kernel when every parameter is on the CPU or every one on a CUDA
+    device: one `_fused_adamw_` per parameter group, with the step counts kept as tensors. torch's
+    defaults are a loop over the parameters on the CPU (about ten ops and one host read of the step
+    count each) and the multi-tensor path on CUDA (a dozen launches per group and a host read of
+    each step count). The update is AdamW's to rounding. Returns whether it switched; any other
+    optimizer, a differentiable or explicitly multi-tensor one, or parameters on other devices are
+    left as they are."""
     if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
         return False
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if not params or any(p.device.type != "cpu" for p in params):
+    kinds = {p.device.type for p in params}
+    if not params or len(kinds) != 1 or kinds.pop() not in ("cpu", "cuda"):
         return False
     if any(group.get("differentiable") or group.get("foreach") for group in optimizer.param_groups):
         return False

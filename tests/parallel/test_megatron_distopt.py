@@ -229,11 +229,11 @@ def _adamw_pair():
 
 
 def test_cpu_adamw_is_fused_and_steps_as_torchs_adamw():
-    from megatron_triroute.parallel.megatron_distopt import fuse_cpu_adamw
+    from megatron_triroute.parallel.megatron_distopt import fuse_adamw
     from tests.benchmarks import load_benchmark
 
     (plain_params, plain), (fused_params, fused) = _adamw_pair()
-    assert fuse_cpu_adamw(fused)
+    assert fuse_adamw(fused)
     assert all(g["fused"] for g in fused.param_groups) and not any(g["fused"] for g in plain.param_groups)
     counter = load_benchmark("op_counter").StepCounter()
     for step in range(STEPS):
@@ -253,11 +253,11 @@ def test_cpu_adamw_is_fused_and_steps_as_torchs_adamw():
     assert counter.host_syncs == 0 and counter.ops <= 6, (counter.ops, counter.syncs)
 
 
-def test_fuse_cpu_adamw_leaves_other_optimizers_alone():
-    from megatron_triroute.parallel.megatron_distopt import fuse_cpu_adamw
+def test_fuse_adamw_leaves_other_optimizers_alone():
+    from megatron_triroute.parallel.megatron_distopt import fuse_adamw
 
     param = torch.nn.Parameter(torch.zeros(2))
     sgd = torch.optim.SGD([param], lr=0.1)
-    assert not fuse_cpu_adamw(sgd) and not sgd.param_groups[0].get("fused")
+    assert not fuse_adamw(sgd) and not sgd.param_groups[0].get("fused")
     foreach = torch.optim.AdamW([param], lr=0.1, foreach=True)
-    assert not fuse_cpu_adamw(foreach) and foreach.param_groups[0]["foreach"]
+    assert not fuse_adamw(foreach) and foreach.param_groups[0]["foreach"]

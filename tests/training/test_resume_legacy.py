@@ -25,7 +25,7 @@ def _setup(seed, legacy: bool):
     run.optim.weight_decay, run.optim.lr = 0.0, 1e-2
     if legacy:
         # torch's fused AdamW: the arithmetic the run's engine steps with on the CPU
-        # (parallel/megatron_distopt.fuse_cpu_adamw), so the resumed step can be compared bit for bit.
+        # (parallel/megatron_distopt.fuse_adamw), so the resumed step can be compared bit for bit.
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(run.optim.beta1, run.optim.beta2),
                                       eps=run.optim.eps, weight_decay=0.0, fused=True)
         grad_sync = None  # the flat all-reduce
