@@ -9,7 +9,9 @@ proportions `--bits-mix`, scattered over shuffled pages, against `scaled_dot_pro
 (native GQA) over a contiguous 16-bit cache [B, H_kv, T, d] (float16 on a GPU, float32 on a CPU:
 the CPU has no fast half-precision SDPA). `--local` is the fraction of query heads in local-window
 mode (the rest full). `--per-pool` also times the per-pool kernels merged by log-sum-exp (what
-the op ran on CUDA before the all-pools Triton kernel).
+the op ran on CUDA before the all-pools Triton kernel); `--variants` the Triton kernel at other
+settings of its knobs; `--graph` times CUDA-graph replays of `--inner` calls (the device's time
+without the host's launch cost, as a CUDA-graphed engine would see it).
 
 Per cell: median and interquartile range of each call's time (the two interleaved, `--repeats`
 rounds of `--inner` calls; CUDA synchronised around each round), the K/V bytes each reads (the
@@ -111,8 +113,30 @@ def copy_bandwidth(dev: torch.device) -> float:
     return 2 * src.nbytes / best
 
 
+def _eager(fn, inner: int):
+    def run():
+        for _ in range(inner):
+            fn()
+    return run
+
+
+def _graphed(fn, inner: int):
+    """`inner` calls of fn captured in one CUDA graph (host launch cost removed): its replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(inner):
+            fn()
+    return graph.replay
+
+
 def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev: torch.device, bw: float,
-         per_pool_too: bool = False, variants=()) -> dict:
+         per_pool_too: bool = False, variants=(), graph: bool = False) -> dict:
     m, r = shape.model, shape.router
     H, H_kv, d = m.n_heads, m.n_kv_heads, m.d_head
     group = r.group_size_for(m)
@@ -140,14 +164,13 @@ def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev
                                      torch.zeros(2, dtype=torch.long, device=dev), decode_attention_pool)
 
     contenders = {"paged": paged, "dense": dense} | ({"per_pool": per_pool} if per_pool_too else {})
-    if variants:  # tuning knobs of the Triton kernel: pages per block x warps
+    if variants:  # tuning knobs of the Triton kernel (paged_attention_triton's keyword arguments)
         from triroute_kernels.triton_paged import paged_attention_triton
 
-        for pb, nw in variants:
-            contenders[f"triton_pb{pb}_w{nw}"] = (
-                lambda pb=pb, nw=nw: paged_attention_triton(q, pools, tables, request, lo, hi, sm,
-                                                            torch.zeros(2, dtype=torch.long, device=dev),
-                                                            pages_per_block=pb, num_warps=nw))
+        for spec in variants:
+            contenders["triton_" + "_".join(f"{k}{v}" for k, v in spec.items())] = (
+                lambda spec=spec: paged_attention_triton(q, pools, tables, request, lo, hi, sm,
+                                                         torch.zeros(2, dtype=torch.long, device=dev), **spec))
 
     counters = torch.zeros(2, dtype=torch.long, device=dev)
     got = paged_attention(q, pools, tables, request, lo, hi, sm, counters)
@@ -158,12 +181,12 @@ def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev
     times = {name: [] for name in contenders}
     for fn in contenders.values():  # warm-up (compiles the Triton kernels)
         fn()
+    runs = {name: _graphed(fn, inner) if graph else _eager(fn, inner) for name, fn in contenders.items()}
     for _ in range(repeats):
-        for name, fn in contenders.items():
+        for name, run in runs.items():
             sync(dev)
             start = time.perf_counter()
-            for _ in range(inner):
-                fn()
+            run()
             sync(dev)
             times[name].append((time.perf_counter() - start) / inner)
     out = {"batch": B, "context": T, "local_fraction": local,
@@ -183,6 +206,15 @@ def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev
     return out
 
 
+def _spec(text: str) -> dict:
+    """'pages_per_block=2,num_warps=8,dot=0,precision=ieee' -> keyword arguments."""
+    out = {}
+    for item in text.split(","):
+        key, value = item.split("=")
+        out[key] = value if key == "precision" else int(value)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -194,8 +226,10 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--inner", type=int, default=10)
     p.add_argument("--per-pool", action="store_true", help="also time the per-pool kernels merged by log-sum-exp")
-    p.add_argument("--variants", type=lambda v: tuple(int(x) for x in v.split("x")), nargs="*", default=[],
-                   help="also time the Triton kernel at PAGESxWARPS settings, e.g. 1x4 2x4 4x8 (CUDA)")
+    p.add_argument("--variants", type=_spec, nargs="*", default=[],
+                   help="also time the Triton kernel at these settings of paged_attention_triton's knobs, each "
+                        "as key=value,.. e.g. pages_per_block=2,num_warps=8,dot=0 (CUDA)")
+    p.add_argument("--graph", action="store_true", help="time CUDA-graph replays (no host launch cost)")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
     dev = torch.device(a.device)
@@ -204,7 +238,8 @@ def main() -> None:
     rows = []
     for T in a.contexts:
         for B in a.batches:
-            row = cell(shape, B, T, a.bits_mix, a.local, a.repeats, a.inner, dev, bw, a.per_pool, a.variants)
+            row = cell(shape, B, T, a.bits_mix, a.local, a.repeats, a.inner, dev, bw, a.per_pool, a.variants,
+                       a.graph)
             rows.append(row)
             pg, dn = row["paged"], row["dense"]
             print(f"B={B:3d} T={T:5d}  paged {pg['s']['median'] * 1e6:9.1f} us [{pg['s']['q1'] * 1e6:.1f}-"
@@ -215,7 +250,7 @@ def main() -> None:
                   + (f"  per-pool ÷ paged {row['per_pool_over_paged_time']:.2f}" if a.per_pool else "")
                   + "".join(f"  {k} {v['s']['median'] * 1e6:.1f} us" for k, v in row.items() if k.startswith("triton_")),
                   file=sys.stderr, flush=True)
-    result = {"device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
+    result = {"graph": a.graph, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "copy_bw_gb_s": bw / 1e9, "bits_mix": a.bits_mix, "cells": rows}
     if a.json:
         print(json.dumps(result))

@@ -27,22 +27,57 @@ PAGES_PER_BLOCK = 4
 """Page-table entries one loop iteration reads together (PAGES_PER_BLOCK * page_size slots)."""
 PROGRAMS_PER_SM = 8
 """Split-K aims for this many (row, KV head, split) programs per multiprocessor."""
+DOT = True
+"""Scores and the weighted sum of values as `tl.dot` over the group's query heads (padded to 16
+rows), in PRECISION; False: broadcast products reduced per head."""
+PRECISION = "tf32x3"
+"""tl.dot's input precision: tf32x3 keeps float32 accuracy on the tensor cores."""
+SKIP = False
+"""Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
 
 
 def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: int) -> int:
     """Splits of the page list so that rows * splits fills the device, each split keeping at
-    least two blocks of pages."""
+    least one block of pages."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
     want = -(-PROGRAMS_PER_SM * sms // max(1, rows))
-    return max(1, min(want, max_pages // (2 * pages_per_block)))
+    return max(1, min(want, max_pages // pages_per_block))
+
+
+@triton.jit
+def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, n_any, slot,
+           data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
+           H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+           DOT: tl.constexpr, PREC: tl.constexpr):
+    """One block of slots into the group's online softmax (state: max, sum, accumulator per head)."""
+    d_idx = tl.arange(0, D)
+    valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, S]
+    k = _load_kv(data_k, scale_k, zero_k, data_k, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+    if DOT:
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
+    else:
+        s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
+    s = tl.where(valid, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    v = _load_kv(data_v, scale_v, zero_v, data_v, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if DOT:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
+    else:
+        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+    macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
+    nbytes += n_any.to(tl.int64) * row_bytes
+    return m_new, l_i, acc, macs, nbytes
 
 
 @triton.jit
 def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
                H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               PB: tl.constexpr):
-    d_idx = tl.arange(0, D)
+               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr):
     j = tl.arange(0, PB * P)  # the slots of PB consecutive table entries, read as one block
     for i in range(first, last, PB):
         entry = i + j // P
@@ -52,21 +87,15 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
         in_hi = (tp >= 0) & (tp <= hi)
         any_head = in_hi & (tp >= lo_min)  # the slots some head of the group reads
         n_any = tl.sum(any_head.to(tl.int32), axis=0)
-        if n_any > 0:
-            valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, PB * P]
-            k = _load_kv(data_k, scale_k, zero_k, data_k, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
-            s = tl.sum(q[:, None, :] * k[None, :, :], axis=2) * sm_scale
-            s = tl.where(valid, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
-            alpha = tl.exp(m_i - m_use)
-            p = tl.exp(s - m_use[:, None])
-            v = _load_kv(data_v, scale_v, zero_v, data_v, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
-            m_i = m_new
-            macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
-            nbytes += n_any.to(tl.int64) * row_bytes
+        if SKIP:  # a block no head reads is skipped past its positions
+            if n_any > 0:
+                m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
+                                                     any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
+                                                     scale_v, zero_v, row_bytes, hkv, H_KV, D, BITS, GROUP, DOT, PREC)
+        else:  # masked loads: the bytes of a block no head reads are not fetched either
+            m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
+                                                 any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
+                                                 scale_v, zero_v, row_bytes, hkv, H_KV, D, BITS, GROUP, DOT, PREC)
     return m_i, l_i, acc, macs, nbytes
 
 
@@ -79,7 +108,8 @@ def _paged_attention_kernel(
     dk2, sk2, zk2, dv2, sv2, zv2, pos2, rb2,
     dk3, sk3, zk3, dv3, sv3, zv3, pos3, rb3,
     H_Q: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-    GROUP: tl.constexpr, NPOOLS: tl.constexpr, PB: tl.constexpr,
+    GROUP: tl.constexpr, NPOOLS: tl.constexpr, PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr,
+    PREC: tl.constexpr,
     BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr, BITS3: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -109,19 +139,19 @@ def _paged_attention_kernel(
     if NPOOLS > 0:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk0, sk0, zk0, dv0, sv0, zv0, pos0, row, first, last, rb0, hkv,
-                                                 H_KV, D, P, BITS0, GROUP, PB)
+                                                 H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC)
     if NPOOLS > 1:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk1, sk1, zk1, dv1, sv1, zv1, pos1, row + pool_stride, first, last,
-                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB)
+                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC)
     if NPOOLS > 2:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk2, sk2, zk2, dv2, sv2, zv2, pos2, row + 2 * pool_stride, first,
-                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB)
+                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC)
     if NPOOLS > 3:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk3, sk3, zk3, dv3, sv3, zv3, pos3, row + 3 * pool_stride, first,
-                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB)
+                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC)
     read = l_i > 0.0
     den = tl.where(read, l_i, 1.0)
     at = (split * N + n) * H_Q + head
@@ -133,9 +163,10 @@ def _paged_attention_kernel(
 
 
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
-                           pages_per_block=PAGES_PER_BLOCK, num_warps=4):
+                           pages_per_block=PAGES_PER_BLOCK, num_warps=4, num_stages=None, dot=DOT, skip=SKIP,
+                           precision=PRECISION):
     """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
-    `num_splits`, `pages_per_block` and `num_warps` are tuning knobs (defaults: module constants)."""
+    The keyword arguments are tuning knobs (defaults: the module constants)."""
     N, H, d = q.shape
     kp0 = pools.k_pools[0]
     H_kv, P, W = kp0.num_kv_heads, kp0.page_size, len(pools.bits)
@@ -166,8 +197,9 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
         q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
         page_tables.long().contiguous(), out, lse, counters,
         R, M, per_split, float(sm_scale), *args,
-        H_Q=H, H_KV=H_kv, G=G, GP=triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
-        PB=pages_per_block, num_warps=num_warps,
+        H_Q=H, H_KV=H_kv, G=G, GP=max(16, triton.next_power_of_2(G)) if dot else triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
+        PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
         BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], BITS3=bits[3],
     )
     if splits == 1:
