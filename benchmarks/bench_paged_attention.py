@@ -163,6 +163,7 @@ def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev
         return paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, sm,
                                      torch.zeros(2, dtype=torch.long, device=dev), decode_attention_pool)
 
+    per_pool_too = per_pool_too and not graph  # its per-pool kernels check their inputs on the host
     contenders = {"paged": paged, "dense": dense} | ({"per_pool": per_pool} if per_pool_too else {})
     if variants:  # tuning knobs of the Triton kernel (paged_attention_triton's keyword arguments)
         from triroute_kernels.triton_paged import paged_attention_triton
@@ -247,7 +248,7 @@ def main() -> None:
                   f"{dn['s']['median'] * 1e6:9.1f} us {dn['gb_s']:7.1f} GB/s ({dn['of_copy_bw']:.2f})  "
                   f"time ratio {row['paged_over_dense_time']:.2f}  bytes ratio {row['paged_over_dense_bytes']:.3f}  "
                   f"|paged - twin| {row['max_abs_diff_vs_torch_twin']:.1e}"
-                  + (f"  per-pool ÷ paged {row['per_pool_over_paged_time']:.2f}" if a.per_pool else "")
+                  + (f"  per-pool ÷ paged {row['per_pool_over_paged_time']:.2f}" if "per_pool" in row else "")
                   + "".join(f"  {k} {v['s']['median'] * 1e6:.1f} us" for k, v in row.items() if k.startswith("triton_")),
                   file=sys.stderr, flush=True)
     result = {"graph": a.graph, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

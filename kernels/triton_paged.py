@@ -34,6 +34,9 @@ PRECISION = "tf32x3"
 """tl.dot's input precision: tf32x3 keeps float32 accuracy on the tensor cores."""
 SKIP = False
 """Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
+PACKED = True
+"""Unpack each row's code bytes in registers, one scale and zero per group (False: per-channel gathers)."""
+"""Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
 
 
 def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: int) -> int:
@@ -45,14 +48,40 @@ def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: in
 
 
 @triton.jit
+def _load_rows(data, scale, zero, slot, hkv, valid,
+               S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               PACKED: tl.constexpr):
+    """Dequantised [S, D] float32 of KV head `hkv` at the slots `slot` (rows not `valid` read 0).
+    PACKED: each row's code bytes and its per-group scale and zero are loaded once and unpacked
+    in registers; else every channel gathers its own byte, scale and zero (`triton_ops._load_kv`)."""
+    d_idx = tl.arange(0, D)
+    if BITS == 16 or not PACKED:
+        return _load_kv(data, scale, zero, data, slot, hkv, d_idx, valid, H_KV, D, BITS, GROUP)
+    PER: tl.constexpr = 8 // BITS
+    NB: tl.constexpr = D * BITS // 8
+    NG: tl.constexpr = D // GROUP
+    row = slot * H_KV + hkv  # [S]
+    m = valid[:, None]
+    byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)  # [S, NB]
+    shift = tl.arange(0, PER) * BITS
+    code = (byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [S, NB, PER]: channel byte * PER + j
+    code = tl.reshape(code, (S, D))
+    g_idx = tl.arange(0, NG)
+    sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)  # [S, NG]
+    zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (S, NG, GROUP)), (S, D))
+    zp = tl.reshape(tl.broadcast_to(zp[:, :, None], (S, NG, GROUP)), (S, D))
+    return code.to(tl.float32) * sc + zp
+
+
+@triton.jit
 def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, n_any, slot,
            data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
-           H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-           DOT: tl.constexpr, PREC: tl.constexpr):
+           S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+           DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
     """One block of slots into the group's online softmax (state: max, sum, accumulator per head)."""
-    d_idx = tl.arange(0, D)
     valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, S]
-    k = _load_kv(data_k, scale_k, zero_k, data_k, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+    k = _load_rows(data_k, scale_k, zero_k, slot, hkv, any_head, S, H_KV, D, BITS, GROUP, PACKED)
     if DOT:
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
     else:
@@ -62,7 +91,7 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(s - m_use[:, None])
-    v = _load_kv(data_v, scale_v, zero_v, data_v, slot, hkv, d_idx, any_head, H_KV, D, BITS, GROUP)
+    v = _load_rows(data_v, scale_v, zero_v, slot, hkv, any_head, S, H_KV, D, BITS, GROUP, PACKED)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
@@ -77,7 +106,7 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
 def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
                H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr):
+               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
     j = tl.arange(0, PB * P)  # the slots of PB consecutive table entries, read as one block
     for i in range(first, last, PB):
         entry = i + j // P
@@ -91,11 +120,13 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
             if n_any > 0:
                 m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
                                                      any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                     scale_v, zero_v, row_bytes, hkv, H_KV, D, BITS, GROUP, DOT, PREC)
+                                                     scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP, DOT, PREC,
+                                                     PACKED)
         else:  # masked loads: the bytes of a block no head reads are not fetched either
             m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
                                                  any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                 scale_v, zero_v, row_bytes, hkv, H_KV, D, BITS, GROUP, DOT, PREC)
+                                                 scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP, DOT, PREC,
+                                                     PACKED)
     return m_i, l_i, acc, macs, nbytes
 
 
@@ -109,7 +140,7 @@ def _paged_attention_kernel(
     dk3, sk3, zk3, dv3, sv3, zv3, pos3, rb3,
     H_Q: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     GROUP: tl.constexpr, NPOOLS: tl.constexpr, PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr,
-    PREC: tl.constexpr,
+    PREC: tl.constexpr, PACKED: tl.constexpr,
     BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr, BITS3: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -139,19 +170,23 @@ def _paged_attention_kernel(
     if NPOOLS > 0:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk0, sk0, zk0, dv0, sv0, zv0, pos0, row, first, last, rb0, hkv,
-                                                 H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC)
+                                                 H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC,
+                                                 PACKED)
     if NPOOLS > 1:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk1, sk1, zk1, dv1, sv1, zv1, pos1, row + pool_stride, first, last,
-                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC)
+                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC,
+                                                 PACKED)
     if NPOOLS > 2:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk2, sk2, zk2, dv2, sv2, zv2, pos2, row + 2 * pool_stride, first,
-                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC)
+                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC,
+                                                 PACKED)
     if NPOOLS > 3:
         m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                                                  dk3, sk3, zk3, dv3, sv3, zv3, pos3, row + 3 * pool_stride, first,
-                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC)
+                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC,
+                                                 PACKED)
     read = l_i > 0.0
     den = tl.where(read, l_i, 1.0)
     at = (split * N + n) * H_Q + head
@@ -164,7 +199,7 @@ def _paged_attention_kernel(
 
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
                            pages_per_block=PAGES_PER_BLOCK, num_warps=4, num_stages=None, dot=DOT, skip=SKIP,
-                           precision=PRECISION):
+                           precision=PRECISION, packed=PACKED):
     """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
     The keyword arguments are tuning knobs (defaults: the module constants)."""
     N, H, d = q.shape
@@ -198,7 +233,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
         page_tables.long().contiguous(), out, lse, counters,
         R, M, per_split, float(sm_scale), *args,
         H_Q=H, H_KV=H_kv, G=G, GP=max(16, triton.next_power_of_2(G)) if dot else triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
-        PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, num_warps=num_warps,
+        PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, PACKED=packed, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], BITS3=bits[3],
     )
