@@ -56,22 +56,24 @@ def _load_rows(data, scale, zero, slot, hkv, valid,
     in registers; else every channel gathers its own byte, scale and zero (`triton_ops._load_kv`)."""
     d_idx = tl.arange(0, D)
     if BITS == 16 or not PACKED:
-        return _load_kv(data, scale, zero, data, slot, hkv, d_idx, valid, H_KV, D, BITS, GROUP)
-    PER: tl.constexpr = 8 // BITS
-    NB: tl.constexpr = D * BITS // 8
-    NG: tl.constexpr = D // GROUP
-    row = slot * H_KV + hkv  # [S]
-    m = valid[:, None]
-    byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)  # [S, NB]
-    shift = tl.arange(0, PER) * BITS
-    code = (byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [S, NB, PER]: channel byte * PER + j
-    code = tl.reshape(code, (S, D))
-    g_idx = tl.arange(0, NG)
-    sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)  # [S, NG]
-    zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
-    sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (S, NG, GROUP)), (S, D))
-    zp = tl.reshape(tl.broadcast_to(zp[:, :, None], (S, NG, GROUP)), (S, D))
-    return code.to(tl.float32) * sc + zp
+        out = _load_kv(data, scale, zero, data, slot, hkv, d_idx, valid, H_KV, D, BITS, GROUP)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D * BITS // 8
+        NG: tl.constexpr = D // GROUP
+        row = slot * H_KV + hkv  # [S]
+        m = valid[:, None]
+        byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)
+        shift = tl.arange(0, PER) * BITS
+        code = (byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [S, NB, PER]: channel byte*PER+j
+        code = tl.reshape(code, (S, D))
+        g_idx = tl.arange(0, NG)
+        sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)  # [S, NG]
+        zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+        sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (S, NG, GROUP)), (S, D))
+        zp = tl.reshape(tl.broadcast_to(zp[:, :, None], (S, NG, GROUP)), (S, D))
+        out = code.to(tl.float32) * sc + zp
+    return out
 
 
 @triton.jit
