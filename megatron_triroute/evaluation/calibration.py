@@ -87,6 +87,27 @@ def curve_loaded(loaded: Loaded, page_size: int = 16):
     return curve
 
 
+def serve_curve(loaded: Loaded, targets: list[tuple[float | None, float | None]], warn: Callable[[str], None],
+                page_size: int = 16):
+    """Before serving requests with `targets` ((FLOPs, memory) pairs, None: the model's own): the
+    price curve (None when no request has a target), each target checked against it
+    (serve_budget.InfeasibleTargetError names the reachable range). Says through `warn` when the
+    curve must first be sampled because the checkpoint carries none."""
+    from ..inference.serve_budget import PRICE_GRID
+
+    if all(t is None for pair in targets for t in pair):
+        return None
+    if (loaded.prices or {}).get("curve") is None and is_priced(loaded.model.config):
+        warn(f"the checkpoint carries no price curve: sampling it on the run's training batches before step "
+             f"{loaded.step} ({len(PRICE_GRID)} evaluations of the calibration batches)")
+    curve = curve_loaded(loaded, page_size)
+    for pair in targets:
+        for r, target in enumerate(pair):
+            if target is not None:
+                curve.check(r, target)
+    return curve
+
+
 def calibrate_loaded(loaded: Loaded, page_size: int = 16) -> dict:
     """Calibrate the loaded checkpoint's prices on the run's training batches before its step;
     updates `loaded.prices` (the record) and returns calibrate_prices' record."""

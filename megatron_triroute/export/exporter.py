@@ -73,9 +73,12 @@ def is_dense(config: TriRouteConfig) -> bool:
 
 
 def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: int = 5 * 10**9,
-           data: Path | None = None, native: bool = True, calibrate: bool = False) -> Path:
+           data: Path | None = None, native: bool = True, calibrate: bool = False, price_curve: bool = False) -> Path:
     """Write the Hugging Face directory `output` (refused if it exists); returns it. `calibrate`:
-    calibrate the deployed prices first (evaluation/calibration.py) and export those."""
+    calibrate the deployed prices first (evaluation/calibration.py) and export those.
+    `price_curve`: put the price curve (inference/serve_budget.py) in the prices record, sampled on
+    the run's training batches when the checkpoint carries none, for the modeling code's
+    per-request `target_flops`/`target_mem`."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     output = Path(output)
@@ -84,7 +87,7 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     source = read_export_source(checkpoint, data)
     config, eod = source.config, source.eod
     check_complete(config, source.state)
-    state, prices = _served_prices(source, data, calibrate)
+    state, prices = _served_prices(source, data, calibrate, price_curve)
     tree = dict(source.tree, training_step=source.step)
     log.info("complete: %d tensors (%d layers%s)", len(state), config.model.n_layers,
              f", {config.router.num_experts} experts each" if config.router.expert_routing else "")
@@ -113,22 +116,27 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     return output
 
 
-def _served_prices(source: ExportSource, data: Path | None, calibrate: bool) -> tuple[dict, dict]:
+def _served_prices(source: ExportSource, data: Path | None, calibrate: bool,
+                   price_curve: bool = False) -> tuple[dict, dict]:
     """(state, prices record) to export: the checkpoint's, or with `calibrate` freshly calibrated
-    ones (the same step loaded a second time, as the evaluation tools load it); an export of
-    uncalibrated prices is warned about."""
+    ones (the same step loaded a second time, as the evaluation tools load it), with `price_curve`
+    the price curve in the record; an export of uncalibrated prices is warned about."""
     from ..inference.prices import is_priced, price_warning
 
     config, state, prices = source.config, source.state, source.prices
-    if calibrate and is_priced(config):
-        from ..evaluation.calibration import calibrate_loaded
+    wanted = [flag for flag, on in (("--calibrate", calibrate), ("--price-curve", price_curve)) if on]
+    if wanted and is_priced(config) and (calibrate or (prices or {}).get("curve") is None):
+        from ..evaluation.calibration import calibrate_loaded, curve_loaded
         from ..evaluation.loading import EvaluationSetupError, load_for_evaluation
 
         try:
             loaded = load_for_evaluation(source.path, data)
-            calibrate_loaded(loaded)
+            if calibrate:
+                calibrate_loaded(loaded)
+            if price_curve:
+                curve_loaded(loaded)
         except (EvaluationSetupError, FileNotFoundError) as error:
-            raise ExportError(f"--calibrate: {error} Nothing was written.") from error
+            raise ExportError(f"{' '.join(wanted)}: {error} Nothing was written.") from error
         state, prices = dict(state, prices=loaded.model.prices.clone()), loaded.prices
     message = price_warning(config, prices, source.step, "pass --calibrate")
     if message is not None:

@@ -90,12 +90,16 @@ class CostAudit:
             for i, x in enumerate(row):
                 total[i] += x
 
+    def request_totals(self, rid: int, since: list[float] | None = None) -> list[float]:
+        """Request `rid`'s [budgeted MACs, dense MACs, KV bits, dense KV bits] over its tokens since
+        the snapshot `since` (a copy of `requests[rid]`; None: all of them)."""
+        now = self.requests.get(rid, [0.0] * 4)
+        return [a - b for a, b in zip(now, since or [0.0] * 4)]
+
     def request_fractions(self, rid: int, since: list[float] | None = None) -> tuple[float, float]:
         """Request `rid`'s realised (FLOPs, memory) fractions as `realised_flops`/`realised_mem`
-        define them, over its tokens since the snapshot `since` (a copy of `requests[rid]`; None:
-        all of them)."""
-        now = self.requests.get(rid, [0.0] * 4)
-        d = [a - b for a, b in zip(now, since or [0.0] * 4)]
+        define them, over its tokens since `since` (request_totals)."""
+        d = self.request_totals(rid, since)
         return (d[0] / d[1] if d[1] else 0.0, d[2] / d[3] if d[3] else 0.0)
 
     def summary(self) -> dict:

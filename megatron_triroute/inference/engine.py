@@ -140,7 +140,7 @@ class InferenceEngine:
             if not r.prefilled:
                 r.prompt_cost = list(self.audit.requests[r.rid])
             elif r.budget is not None:
-                r.budget.update(self.realised(r.rid))
+                r.budget.update(self.audit.request_totals(r.rid, r.prompt_cost))
             r.prefilled = True
             token = sample(row, self.sampling, self._generators[r.rid])
             r.generated.append(token)
