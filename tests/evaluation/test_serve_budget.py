@@ -2,12 +2,21 @@
 training batches, held-out prompts served at several budgets in one batch land within 0.02 of
 their targets over 64 generated tokens, and the command lines (generate with a JSONL prompts file,
 evaluate, the lm-eval model) pass the targets through and refuse an infeasible one with exit
-status 2 naming the reachable range."""
+status 2 naming the reachable range; the Hugging Face export, with the curve in its config,
+generates the engine's tokens at the same per-row targets and realises the same fractions."""
 
 import json
+import os
+import sys
+import tempfile
 
 import pytest
 import torch
+
+if "transformers" not in sys.modules:  # keep remote code and caches out of the home directory
+    _HF = tempfile.mkdtemp(prefix="hf_home_")
+    os.environ.update(HF_HOME=_HF, HF_MODULES_CACHE=os.path.join(_HF, "modules"))
+os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
 from megatron_triroute.evaluation import calibration
 from megatron_triroute.evaluation.loading import load_for_evaluation
@@ -104,3 +113,40 @@ def test_evaluate_and_the_lm_eval_model_serve_at_the_targets(served, trained_run
     lm.generate_until([Instance("generate_until", {}, ("The history of", {"until": ["\n"], "max_gen_toks": 4}), 0)],
                       disable_tqdm=True)
     assert added == [target]
+
+
+def test_the_hf_export_serves_each_row_at_its_targets_as_the_engine_does(served, trained_run, tmp_path, monkeypatch):
+    pytest.importorskip("transformers")
+    from transformers import AutoModelForCausalLM
+
+    from megatron_triroute.export.exporter import export
+    from megatron_triroute.inference.engine import InferenceEngine
+
+    loaded, curve, prompts = served
+
+    def known_curve(target, *args, **kwargs):
+        target.prices = dict(target.prices, curve=curve.to_dict())
+        return curve
+
+    monkeypatch.setattr(calibration, "curve_loaded", known_curve)
+    out = export(trained_run / "checkpoints", tmp_path / "hf", price_curve=True)
+    assert json.loads((out / "config.json").read_text())["prices"]["curve"] == curve.to_dict()
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
+    targets = [(_inside(curve, 0, 0.25), _inside(curve, 1, 0.75)), (_inside(curve, 0, 0.75), None)]
+    n = 24
+    eod = hf.config.eod_token_id
+    result = hf.generate(torch.tensor(prompts[:2]), max_new_tokens=n, do_sample=False, return_dict_in_generate=True,
+                         target_flops=[t[0] for t in targets], target_mem=[t[1] for t in targets])
+    sequences = hf.realised_cost(result.past_key_values)["sequences"]
+    engine = InferenceEngine(loaded.model, price_curve=curve)
+    done = engine.run(prompts[:2], n, eod, targets)
+    compared = 0
+    for b, r in enumerate(done):
+        new = result.sequences[b, len(prompts[b]):].tolist()
+        assert new[: len(r.generated)] == r.generated, b
+        if len(r.generated) == n:  # a row that stopped early is fed padding by generate afterwards
+            assert sequences[b] == pytest.approx(engine.realised(r.rid), abs=1e-12), b
+            compared += 1
+    assert compared
+    with pytest.raises(ValueError, match="is infeasible"):
+        hf.generate(torch.tensor(prompts[:1]), max_new_tokens=2, target_flops=curve.reachable(0)[0] - 0.05)
