@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_BUDGETS = ("0.35,0.25", "0.45,0.3", "0.5,0.35", "0.55,0.4", "0.65,0.5", "0.8,0.7", "1,1")
+DEFAULT_BUDGETS = ("0.35,0.25", "0.45,0.25", "0.5,0.3", "0.55,0.4", "0.65,0.5", "0.8,0.7", "0.9,0.85", "1,1")
 
 
 def parse_args(argv=None):

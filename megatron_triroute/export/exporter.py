@@ -169,6 +169,7 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         (directory / name).write_text(source)
     tensors = {HF_PREFIX + k: v for k, v in state.items()}
     write_weights(directory, tensors, max_shard_size, engine_cast(config, dtype))
+    (directory / "README.md").write_text(model_card(config, prices))
     m = config.model
     return {
         "architectures": ["TriRouteForCausalLM"],
@@ -187,6 +188,38 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         "training_step": tree["training_step"],
         "prices": prices,
     }
+
+
+def model_card(config: TriRouteConfig, prices: dict | None) -> str:
+    """The export's README.md: how to load it and, for a budgeted TriRoute model, how to serve it at
+    other budgets (inference/serve_budget.py)."""
+    b = config.budget
+    lines = ["# TriRoute model (exported by megatron_triroute)", "",
+             "```python",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
+             "tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)",
+             "out = model.generate(**tok(\"The history of\", return_tensors=\"pt\"), max_new_tokens=32,",
+             "                     return_dict_in_generate=True)",
+             "model.realised_cost(out.past_key_values)  # realised FLOPs / KV-memory fractions of dense",
+             "```", ""]
+    if config.router.kind == "triroute" and b.enabled:
+        lines += ["## Budget", "",
+                  f"Trained and calibrated for FLOPs {b.flops_target} and KV memory {b.mem_target} of the dense "
+                  "model (attention reads + experts; KV bytes against a 16-bit cache).", ""]
+        curve = (prices or {}).get("curve")
+        if curve is None:
+            lines += ["This export carries no price curve, so it serves only that budget (re-export with "
+                      "`--price-curve` to serve others).", ""]
+        else:
+            flops, mem = (f"{min(curve[k]):.3f} to {max(curve[k]):.3f}" for k in ("flops", "mem"))
+            lines += ["Any other budget, per sequence, without retraining: `model.generate(..., target_flops=F, "
+                      "target_mem=M)` (a number, or a list with one per row; None keeps the model's own). Each "
+                      "row's prices come from the price curve in `config.prices[\"curve\"]` and are corrected "
+                      "from the row's running realised cost; `realised_cost(cache)[\"sequences\"]` gives each "
+                      "row's realised fractions over its generated tokens.",
+                      f"Reachable: FLOPs {flops}, KV memory {mem}; a target below that range raises ValueError.", ""]
+    return "\n".join(lines)
 
 
 def write_json(path: Path, obj) -> None:

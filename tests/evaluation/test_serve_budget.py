@@ -131,6 +131,8 @@ def test_the_hf_export_serves_each_row_at_its_targets_as_the_engine_does(served,
     monkeypatch.setattr(calibration, "curve_loaded", known_curve)
     out = export(trained_run / "checkpoints", tmp_path / "hf", price_curve=True)
     assert json.loads((out / "config.json").read_text())["prices"]["curve"] == curve.to_dict()
+    card = (out / "README.md").read_text()
+    assert "target_flops=F" in card and f"FLOPs {curve.reachable(0)[0]:.3f} to {curve.reachable(0)[1]:.3f}" in card
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True)
     targets = [(_inside(curve, 0, 0.25), _inside(curve, 1, 0.75)), (_inside(curve, 0, 0.75), None)]
     n = 24
