@@ -71,16 +71,19 @@ def _serve(model, prompts, targets, steps):
 
 def test_a_batch_mixing_budgets_equals_each_request_served_alone():
     model = tiny_model()
-    targets = [(0.35, 0.3), (None, 0.9), (0.8, None)]
-    engine, rids, widths = _serve(model, PROMPTS, targets, 12)
-    alone = [_serve(model, [p], [t], 12) for p, t in zip(PROMPTS, targets)]
+    model.prices.copy_(torch.tensor([0.2, -0.3], dtype=torch.float64))  # the model's own, calibrated prices
+    # The last request keeps the model's own budget: alone it is priced by the (2,) path, in the
+    # batch by its row of the model's prices.
+    targets = [(0.35, 0.3), (None, 0.9), (0.8, None), (None, None)]
+    engine, rids, widths = _serve(model, PROMPTS + [PROMPTS[0]], targets, 12)
+    alone = [_serve(model, [p], [t], 12) for p, t in zip(PROMPTS + [PROMPTS[0]], targets)]
     for i, (e, (r,), (w,)) in enumerate(alone):
         assert engine.requests[rids[i]].generated == e.requests[r].generated, i
         assert engine.realised(rids[i]) == e.realised(r), i
         assert widths[i] == w, i  # per layer, the slots each KV width's pool holds for the request
     realised = [engine.realised(r) for r in rids]
     assert realised[0][1] < realised[1][1]  # the budgets differ, and so do the widths chosen
-    assert len({tuple(map(tuple, w)) for w in widths}) == 3
+    assert len({tuple(map(tuple, w)) for w in widths}) == 4
     # The per-request costs add up to the engine's own audit.
     audit = engine.audit
     totals = [sum(audit.requests[r][i] for r in rids) for i in range(4)]
