@@ -1,7 +1,7 @@
 """Perplexity of a training checkpoint on the held-out set and every tail bucket, on the hard path.
 
     python -m megatron_triroute.evaluate --checkpoint RUN/checkpoints [--data DIR] [--json]
-        [--eval-batches N] [--data-parallel N] [--page-size N] [--calibrate]
+        [--eval-batches N] [--data-parallel N] [--page-size N] [--calibrate] [--target-flops F] [--target-mem M]
 
 Scores the sets the trainer evaluates (the held-out micro-batches and each tail bucket's windows,
 `training/data.py`) with the inference engine: noise-free priced decisions, only the selected
@@ -11,6 +11,12 @@ a dense 16-bit cache) from the engine's cost audit. `--eval-batches` scores more
 held-out micro-batches and bucket windows than the run's `train.eval_batches`; `--data-parallel`
 replaces the data-parallel size the checkpoint was written with (the trainer rounds the count up
 to a multiple of it). Progress (rate, ETA) goes to stderr; `--json` prints one object on stdout.
+
+`--target-flops F` / `--target-mem M` score the model served at that budget (fractions of the
+dense cost; either left out keeps the model's own): the prices the checkpoint's price curve gives
+the targets (inference/serve_budget.py; the curve is sampled first on the run's training batches
+when the checkpoint has none) price every scored sequence, and the realised fractions show how
+close they land. A target the routing cannot reach exits with status 2 naming the reachable range.
 
 A checkpoint written mid-run holds uncalibrated prices (the run calibrates them at its end) and
 serves the plain argmax policy, which the budget does not hold: a budgeted TriRoute checkpoint's
@@ -40,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
                    "batches before the checkpoint's step first (what the run does at its end)")
+    p.add_argument("--target-flops", type=float, help="score at this FLOPs fraction of dense (default: the model's own)")
+    p.add_argument("--target-mem", type=float, help="score at this KV-memory fraction of dense (default: the model's own)")
     args = p.parse_args(argv)
     for name in ("eval_batches", "data_parallel"):
         value = getattr(args, name)
@@ -49,8 +57,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _main(argv=None) -> int:
+    import torch
+
     args = parse_args(argv)
-    from .evaluation.calibration import serve_prices
+    from .evaluation.calibration import serve_curve, serve_prices
     from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
     from .evaluation.progress import Progress
@@ -59,17 +69,31 @@ def _main(argv=None) -> int:
     loaded = load_for_evaluation(args.checkpoint, args.data)
     calibration = serve_prices(loaded, args.calibrate, "pass --calibrate",
                                lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
+    targets = (args.target_flops, args.target_mem)
+    curve = serve_curve(loaded, [targets], lambda message: print(f"note: {message}", file=sys.stderr), args.page_size)
+    if curve is not None:
+        from .inference.serve_budget import RequestBudget
+
+        served = RequestBudget(curve, targets, loaded.model.host_prices(), control=False).prices
+        loaded.model.prices.copy_(torch.tensor(served, dtype=torch.float64))
     sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
     progress = Progress(total_tokens(sets))
     results = evaluate_sets(loaded.model, sets, args.page_size, progress)
     if args.json:
         print(json.dumps({"checkpoint": str(loaded.step_path), "step": loaded.step,
                           "sets": {r.name: r.to_dict() for r in results}, "metrics": flat_metrics(results),
-                          "prices": loaded.prices, "calibration": calibration}))
+                          "prices": loaded.prices, "calibration": calibration,
+                          "targets": {"flops": targets[0], "mem": targets[1],
+                                      "served_prices": loaded.model.prices.tolist()} if curve is not None else None}))
         return 0
     unpriced = is_priced(loaded.model.config) and not loaded.prices["calibrated"]
     decisions = "plain argmax: prices not calibrated" if unpriced else "noise-free priced decisions"
     print(f"checkpoint {loaded.step_path} (step {loaded.step}), hard path ({decisions})")
+    if curve is not None:
+        own = "the model's own"
+        print(f"served at FLOPs target {own if targets[0] is None else targets[0]}, KV-memory target "
+              f"{own if targets[1] is None else targets[1]} (prices {[round(p, 4) for p in loaded.model.prices.tolist()]}"
+              " from the price curve)")
     print(f"{'set':<14} {'scored tokens':>13} {'perplexity':>11} {'realised FLOPs':>15} {'realised KV mem':>16}")
     for r in results:
         name = "held-out" if r.name == "valid" else r.name

@@ -2,7 +2,7 @@
 
     python -m megatron_triroute.generate --checkpoint RUN/checkpoints --prompt "Once upon a time" \
         [--prompts-file F] [--max-new-tokens N] [--temperature T] [--top-p P] [--seed S] [--json] [--data DIR] \
-        [--calibrate]
+        [--calibrate] [--target-flops F] [--target-mem M]
 
 The tokenizer and token tables come from the run's recorded data directory (`data.path` in the
 checkpoint's config). Prints each prompt's continuation, the decode throughput, and the realised
@@ -10,6 +10,15 @@ FLOPs and KV-memory fractions of what was generated (executed attention-read and
 the dense model's on the same tokens; KV bytes written over a dense 16-bit cache's). `--json`
 prints one object: text, token_ids (a string and a list for one prompt, lists of them for several),
 tokens_per_s, realised_flops, realised_mem.
+
+A budget per request: `--target-flops F` / `--target-mem M` (fractions of the dense cost) serve
+every prompt at that budget, and a `--prompts-file` ending in `.jsonl` holds one JSON object per
+line, {"prompt": TEXT, "target_flops": F, "target_mem": M} (targets optional, defaulting to the
+flags, then to the model's own). The engine meets them by per-request prices from the
+checkpoint's price curve (inference/serve_budget.py; sampled first on the run's training batches
+when the checkpoint has none, as `--calibrate` does); a target the routing cannot reach exits with
+status 2 naming the reachable range. With targets, `--json` adds `requests`: per request its
+targets and realised fractions over its generated tokens.
 
 A budgeted TriRoute checkpoint written mid-run holds uncalibrated prices (the run calibrates them at
 its end): generate says so on stderr, and `--calibrate` calibrates them first as the trainer does,
@@ -31,7 +40,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m megatron_triroute.generate", description=__doc__.split("\n")[0])
     p.add_argument("--checkpoint", required=True, help="a run's checkpoint root (RUN/checkpoints) or one step_* directory")
     p.add_argument("--prompt", action="append", default=[], help="prompt text (repeatable)")
-    p.add_argument("--prompts-file", type=Path, help="one prompt per line")
+    p.add_argument("--prompts-file", type=Path, help="one prompt per line; a .jsonl file: one JSON object per line "
+                   "with prompt and optional target_flops, target_mem")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -42,9 +52,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
                    "batches before the checkpoint's step first (what the run does at its end)")
+    p.add_argument("--target-flops", type=float, help="serve at this FLOPs fraction of dense (default: the model's own)")
+    p.add_argument("--target-mem", type=float, help="serve at this KV-memory fraction of dense (default: the model's own)")
     args = p.parse_args(argv)
+    args.targets = [(args.target_flops, args.target_mem)] * len(args.prompt)
     if args.prompts_file is not None:
-        args.prompt += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        lines = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
+        if args.prompts_file.suffix == ".jsonl":
+            for i, line in enumerate(lines, 1):
+                prompt, targets = _request(line, f"{args.prompts_file}:{i}", (args.target_flops, args.target_mem))
+                args.prompt.append(prompt)
+                args.targets.append(targets)
+        else:
+            args.prompt += lines
+            args.targets += [(args.target_flops, args.target_mem)] * len(lines)
     if not args.prompt:
         p.error("give --prompt TEXT or --prompts-file FILE")
     if args.max_new_tokens < 1:
@@ -52,10 +73,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def _request(line: str, where: str, default: tuple) -> tuple[str, tuple]:
+    """One JSONL request: its prompt and (target_flops, target_mem), the flags' where absent."""
+    from .input_errors import InputError
+
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{where}: not a JSON object ({error}). Fix: one object per line, "
+                         '{"prompt": "...", "target_flops": 0.5, "target_mem": 0.4}') from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise InputError(f'{where}: needs a "prompt" string. Fix: {{"prompt": "...", "target_flops": 0.5}}')
+    unknown = set(obj) - {"prompt", "target_flops", "target_mem"}
+    if unknown:
+        raise InputError(f"{where}: unknown field(s) {sorted(unknown)}; the fields are prompt, target_flops, target_mem")
+    targets = []
+    for name, fallback in zip(("target_flops", "target_mem"), default):
+        value = obj.get(name, fallback)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputError(f"{where}: {name}={value!r} must be a number (a fraction of the dense cost)")
+        targets.append(None if value is None else float(value))
+    return obj["prompt"], tuple(targets)
+
+
 def _main(argv=None) -> int:
     args = parse_args(argv)
 
-    from .evaluation.calibration import serve_prices
+    from .evaluation.calibration import serve_curve, serve_prices
     from .evaluation.loading import load_for_evaluation
     from .inference.engine import InferenceEngine, SamplingConfig
     from .vocab import decode_generated
@@ -63,12 +107,15 @@ def _main(argv=None) -> int:
     loaded = load_for_evaluation(args.checkpoint, args.data)
     serve_prices(loaded, args.calibrate, "pass --calibrate",
                  lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
+    curve = serve_curve(loaded, args.targets, lambda message: print(f"note: {message}", file=sys.stderr),
+                        args.page_size)
     model, sp, eod = loaded.model, loaded.processor, loaded.eod
 
-    engine = InferenceEngine(model, SamplingConfig(args.temperature, args.top_p, args.seed), args.page_size)
+    engine = InferenceEngine(model, SamplingConfig(args.temperature, args.top_p, args.seed), args.page_size,
+                             price_curve=curve)
     prompts = [sp.encode(text) or [eod] for text in args.prompt]
     start = time.perf_counter()
-    done = engine.run(prompts, args.max_new_tokens, stop_token=eod)
+    done = engine.run(prompts, args.max_new_tokens, stop_token=eod, targets=args.targets)
     seconds = time.perf_counter() - start
     n_new = sum(len(r.generated) for r in done)
     ids = [[t for t in r.generated if t != eod] for r in done]
@@ -80,6 +127,10 @@ def _main(argv=None) -> int:
         "realised_flops": engine.audit.realised_flops(),
         "realised_mem": engine.audit.realised_mem(),
     }
+    if curve is not None:
+        result["requests"] = [{"target_flops": t[0], "target_mem": t[1], "realised_flops": f, "realised_mem": m,
+                               "new_tokens": len(r.generated)}
+                              for r, t, (f, m) in zip(done, args.targets, (engine.realised(r.rid) for r in done))]
     if args.json:
         print(json.dumps(result))
         return 0
@@ -90,6 +141,11 @@ def _main(argv=None) -> int:
     print(f"realised FLOPs {result['realised_flops']:.3f} of dense (attention reads + experts; projections "
           f"{audit.projection_macs / max(1, audit.budgeted_macs):.2f}x that, reported apart)")
     print(f"realised KV memory {result['realised_mem']:.3f} of a dense 16-bit cache")
+    for i, req in enumerate(result.get("requests", [])):
+        own = "the model's own"
+        print(f"request {i}: target FLOPs {own if req['target_flops'] is None else req['target_flops']}, "
+              f"KV memory {own if req['target_mem'] is None else req['target_mem']}; realised over its "
+              f"{req['new_tokens']} generated tokens {req['realised_flops']:.3f}, {req['realised_mem']:.3f}")
     return 0
 
 

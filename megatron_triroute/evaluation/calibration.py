@@ -8,6 +8,10 @@ batches trained last before the checkpoint's step, `training.data.calibration_ba
 multipliers the checkpoint saved telling active constraints apart and the realised cost measured
 by the inference engine's cost audit (`perplexity.evaluate_sets`), then leaves the prices on the
 model.
+
+The price curve of a served checkpoint (inference/serve_budget.py: realised fractions against
+prices, what per-request targets are met by) is sampled the same way, on the same batches, with
+the checkpoint's prices left as they are (`curve_loaded`).
 """
 
 from __future__ import annotations
@@ -33,14 +37,75 @@ def calibrate_model(model, dual: dict, batches: list, page_size: int = 16) -> di
     for name, value in dual.items():
         getattr(budget, name).copy_(value)
 
+    calibration = calibrate_prices(budget, _realised_at(model, batches, page_size), movable_resources(config.router))
+    model.prices.copy_(torch.tensor(calibration["prices"], dtype=torch.float64))
+    return calibration
+
+
+def _realised_at(model, batches: list, page_size: int) -> Callable[[list[float]], list[float]]:
+    """calibrate_prices' callback: leaves `prices` on the model and measures the realised
+    (FLOPs, memory) fractions of its noise-free policy on `batches` with the engine's cost audit."""
     def realised_at(prices: list[float]) -> list[float]:
         model.prices.copy_(torch.tensor(prices, dtype=torch.float64))
         result = evaluate_sets(model, {"calibration": batches}, page_size)[0]
         return [result.realised_flops, result.realised_mem]
 
-    calibration = calibrate_prices(budget, realised_at, movable_resources(config.router))
-    model.prices.copy_(torch.tensor(calibration["prices"], dtype=torch.float64))
-    return calibration
+    return realised_at
+
+
+def curve_model(model, batches: list, page_size: int = 16):
+    """The price curve (serve_budget.PriceCurve) of `model` (an `InferenceModel`) on `batches`;
+    the model's prices are restored after."""
+    from ..inference.serve_budget import sample_curve
+
+    kept = model.prices.clone()
+    try:
+        return sample_curve(_realised_at(model, batches, page_size))
+    finally:
+        model.prices.copy_(kept)
+
+
+def curve_loaded(loaded: Loaded, page_size: int = 16):
+    """The loaded checkpoint's price curve: its prices record's `curve` when it carries one, else
+    sampled on the run's training batches before its step (as `calibrate_loaded` calibrates), and
+    kept in the record."""
+    from ..inference.serve_budget import PriceCurve
+    from ..training import data as data_mod
+
+    if (loaded.prices or {}).get("curve") is not None:
+        return PriceCurve.from_dict(loaded.prices["curve"])
+    if not is_priced(loaded.model.config):
+        raise EvaluationSetupError("targets need a TriRoute model with a budget (its routing is what prices move). "
+                                   "Fix: serve without --target-flops/--target-mem.")
+    if loaded.step == 0:
+        raise EvaluationSetupError(f"{loaded.step_path} is at step 0: no trained batch to sample the price curve on. "
+                                   "Fix: serve a checkpoint of a later step.")
+    with run_datasets(loaded) as (run, dp, train, _):
+        batches = data_mod.calibration_batches(train, run, loaded.step, dp)
+    curve = curve_model(loaded.model, batches, page_size)
+    loaded.prices = dict(loaded.prices or {}, curve=curve.to_dict())
+    return curve
+
+
+def serve_curve(loaded: Loaded, targets: list[tuple[float | None, float | None]], warn: Callable[[str], None],
+                page_size: int = 16):
+    """Before serving requests with `targets` ((FLOPs, memory) pairs, None: the model's own): the
+    price curve (None when no request has a target), each target checked against it
+    (serve_budget.InfeasibleTargetError names the reachable range). Says through `warn` when the
+    curve must first be sampled because the checkpoint carries none."""
+    from ..inference.serve_budget import PRICE_GRID
+
+    if all(t is None for pair in targets for t in pair):
+        return None
+    if (loaded.prices or {}).get("curve") is None and is_priced(loaded.model.config):
+        warn(f"the checkpoint carries no price curve: sampling it on the run's training batches before step "
+             f"{loaded.step} ({len(PRICE_GRID)} evaluations of the calibration batches)")
+    curve = curve_loaded(loaded, page_size)
+    for pair in targets:
+        for r, target in enumerate(pair):
+            if target is not None:
+                curve.check(r, target)
+    return curve
 
 
 def calibrate_loaded(loaded: Loaded, page_size: int = 16) -> dict:

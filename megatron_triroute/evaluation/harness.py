@@ -13,7 +13,11 @@ data_prep output when its recorded data.path does not resolve), `max_length` (de
 model's training sequence length), `max_gen_toks` (256), `page_size` (16), `calibrate` (false: true
 calibrates the deployed prices first, as the run does at its end, on its training batches before
 the checkpoint's step; a budgeted checkpoint written mid-run is otherwise served with prices 0, the
-plain argmax policy, with a warning). `batch_size` is the harness's own option.
+plain argmax policy, with a warning), `target_flops`, `target_mem` (default: the model's own budget:
+serve at these fractions of the dense cost; scoring prices every sequence with the prices the
+price curve gives them, `generate_until` meets them per request with the engine's per-request
+control, inference/serve_budget.py; a target the routing cannot reach is refused naming the
+reachable range). `batch_size` is the harness's own option.
 
 Scoring runs every (context + continuation) through the engine with noise-free priced decisions,
 only the selected computation (`scoring.score_batch`); the end-of-document token is the prefix of
@@ -28,17 +32,27 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
 from ..vocab import decode_generated
-from .calibration import serve_prices
+from .calibration import serve_curve, serve_prices
 from .loading import EvaluationSetupError, load_for_evaluation
 from .scoring import score_batch
 
 log = logging.getLogger("lm_eval.models.triroute")
+
+
+def _fraction(name: str, value) -> float:
+    """A target model_arg (text from the command line, or a number)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise EvaluationSetupError(f"{name}={value!r}: must be a number (a fraction of the dense cost)") from None
 
 LAST_COST: dict | None = None
 """The cost report of the most recently used `triroute` model (what the CLI wrapper prints)."""
@@ -63,12 +77,13 @@ def cost_dict(audit: CostAudit) -> dict:
 class TriRouteLM(TemplateLM):
     def __init__(self, checkpoint: str, data: str | None = None, batch_size: int | str | None = 1,
                  max_length: int | None = None, max_gen_toks: int = 256, page_size: int = 16, device: str | None = None,
-                 max_batch_size: int | None = None, calibrate: bool | str = False, **unused):
+                 max_batch_size: int | None = None, calibrate: bool | str = False,
+                 target_flops: float | str | None = None, target_mem: float | str | None = None, **unused):
         super().__init__()
         if unused:
             raise EvaluationSetupError(f"unknown model_args {sorted(unused)} for model 'triroute'. Fix: use "
                                        "checkpoint=DIR and optionally data=DIR, max_length=N, max_gen_toks=N, "
-                                       "page_size=N, calibrate=true.")
+                                       "page_size=N, calibrate=true, target_flops=F, target_mem=M.")
         if device not in (None, "cpu"):
             log.warning("the triroute engine runs on the CPU; device=%s ignored", device)
         if isinstance(batch_size, str) and batch_size.startswith("auto"):
@@ -82,6 +97,14 @@ class TriRouteLM(TemplateLM):
             calibrate = calibrate.lower() == "true"
         loaded = load_for_evaluation(checkpoint, data)
         serve_prices(loaded, bool(calibrate), "pass calibrate=true in model_args", log.warning, int(page_size))
+        self.targets = tuple(None if t in (None, "") else _fraction(name, t)
+                             for name, t in (("target_flops", target_flops), ("target_mem", target_mem)))
+        self.curve = serve_curve(loaded, [self.targets], log.warning, int(page_size))
+        if self.curve is not None:
+            from ..inference.serve_budget import RequestBudget
+
+            served = RequestBudget(self.curve, self.targets, loaded.model.host_prices(), control=False).prices
+            loaded.model.prices.copy_(torch.tensor(served, dtype=torch.float64))
         self.prices = loaded.prices
         self.checkpoint = str(loaded.step_path)
         self.step = loaded.step
@@ -191,8 +214,8 @@ class TriRouteLM(TemplateLM):
         bar = tqdm(total=len(jobs), disable=disable_tqdm, desc="triroute generating", unit="req")
         for start in range(0, len(jobs), self.batch_size):
             chunk = list(range(start, min(start + self.batch_size, len(jobs))))
-            engine = InferenceEngine(self.model, page_size=self.page_size)
-            rids = {engine.add(jobs[i][0], jobs[i][1], stop_token=self._eod): i for i in chunk}
+            engine = InferenceEngine(self.model, page_size=self.page_size, price_curve=self.curve)
+            rids = {engine.add(jobs[i][0], jobs[i][1], self._eod, *self.targets): i for i in chunk}
             while engine.running:
                 engine.step()
                 for rid, i in rids.items():
@@ -242,7 +265,8 @@ class TriRouteLM(TemplateLM):
 
     def get_model_info(self) -> dict:
         return {"triroute_checkpoint": self.checkpoint, "triroute_step": self.step,
-                "triroute_prices": self.prices, "triroute_cost": self.cost_report()}
+                "triroute_prices": self.prices, "triroute_cost": self.cost_report(),
+                "triroute_targets": {"flops": self.targets[0], "mem": self.targets[1]}}
 
 
 __all__ = ["TriRouteLM", "merge_audit"]

@@ -1,7 +1,7 @@
 """Export a training checkpoint to a Hugging Face directory, or import one back.
 
     python -m megatron_triroute.export --checkpoint RUN/checkpoints --output HF_DIR \
-        [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--data DATA_DIR] [--no-native] [--calibrate]
+        [--dtype fp32|bf16|fp16] [--max-shard-size 5GB] [--data DATA_DIR] [--no-native] [--calibrate] [--price-curve]
     python -m megatron_triroute.export --import HF_DIR --output CKPT_DIR
 
 A checkpoint written at any tensor/pipeline/expert layout is read whole in this process. Before
@@ -11,7 +11,9 @@ export as native LlamaForCausalLM (no remote code) unless --no-native. config.js
 prices record (inference/prices.py): whether the deployed prices were calibrated. A budgeted
 TriRoute checkpoint written mid-run has uncalibrated prices (the run calibrates them at its end):
 the export warns, and `--calibrate` calibrates them first, as the trainer does, on the training
-batches trained last before the checkpoint's step, and exports those.
+batches trained last before the checkpoint's step, and exports those. `--price-curve` adds the
+price curve (inference/serve_budget.py) to the record, so the exported model serves per-request
+budgets: `generate(..., target_flops=F, target_mem=M)`.
 """
 
 from __future__ import annotations
@@ -50,6 +52,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-native", action="store_true", help="export Dense as TriRoute remote code, not Llama")
     p.add_argument("--calibrate", action="store_true", help="calibrate the deployed prices on the run's training "
                    "batches before the checkpoint's step first and export those (loads the model twice)")
+    p.add_argument("--price-curve", action="store_true", help="put the price curve in config.json (sampled on the "
+                   "run's training batches when the checkpoint has none): generate(target_flops=, target_mem=)")
     return p.parse_args(argv)
 
 
@@ -72,7 +76,7 @@ def main(argv=None) -> int:
         from .exporter import export
 
         path = export(args.checkpoint, args.output, args.dtype, parse_size(args.max_shard_size), args.data,
-                      native=not args.no_native, calibrate=args.calibrate)
+                      native=not args.no_native, calibrate=args.calibrate, price_curve=args.price_curve)
     print(path)
     return 0
 

@@ -73,9 +73,12 @@ def is_dense(config: TriRouteConfig) -> bool:
 
 
 def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: int = 5 * 10**9,
-           data: Path | None = None, native: bool = True, calibrate: bool = False) -> Path:
+           data: Path | None = None, native: bool = True, calibrate: bool = False, price_curve: bool = False) -> Path:
     """Write the Hugging Face directory `output` (refused if it exists); returns it. `calibrate`:
-    calibrate the deployed prices first (evaluation/calibration.py) and export those."""
+    calibrate the deployed prices first (evaluation/calibration.py) and export those.
+    `price_curve`: put the price curve (inference/serve_budget.py) in the prices record, sampled on
+    the run's training batches when the checkpoint carries none, for the modeling code's
+    per-request `target_flops`/`target_mem`."""
     if dtype not in DTYPES:
         raise ExportError(f"--dtype {dtype!r}: choose one of {sorted(DTYPES)}")
     output = Path(output)
@@ -84,7 +87,7 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     source = read_export_source(checkpoint, data)
     config, eod = source.config, source.eod
     check_complete(config, source.state)
-    state, prices = _served_prices(source, data, calibrate)
+    state, prices = _served_prices(source, data, calibrate, price_curve)
     tree = dict(source.tree, training_step=source.step)
     log.info("complete: %d tensors (%d layers%s)", len(state), config.model.n_layers,
              f", {config.router.num_experts} experts each" if config.router.expert_routing else "")
@@ -113,22 +116,27 @@ def export(checkpoint: Path, output: Path, dtype: str = "fp32", max_shard_size: 
     return output
 
 
-def _served_prices(source: ExportSource, data: Path | None, calibrate: bool) -> tuple[dict, dict]:
+def _served_prices(source: ExportSource, data: Path | None, calibrate: bool,
+                   price_curve: bool = False) -> tuple[dict, dict]:
     """(state, prices record) to export: the checkpoint's, or with `calibrate` freshly calibrated
-    ones (the same step loaded a second time, as the evaluation tools load it); an export of
-    uncalibrated prices is warned about."""
+    ones (the same step loaded a second time, as the evaluation tools load it), with `price_curve`
+    the price curve in the record; an export of uncalibrated prices is warned about."""
     from ..inference.prices import is_priced, price_warning
 
     config, state, prices = source.config, source.state, source.prices
-    if calibrate and is_priced(config):
-        from ..evaluation.calibration import calibrate_loaded
+    wanted = [flag for flag, on in (("--calibrate", calibrate), ("--price-curve", price_curve)) if on]
+    if wanted and is_priced(config) and (calibrate or (prices or {}).get("curve") is None):
+        from ..evaluation.calibration import calibrate_loaded, curve_loaded
         from ..evaluation.loading import EvaluationSetupError, load_for_evaluation
 
         try:
             loaded = load_for_evaluation(source.path, data)
-            calibrate_loaded(loaded)
+            if calibrate:
+                calibrate_loaded(loaded)
+            if price_curve:
+                curve_loaded(loaded)
         except (EvaluationSetupError, FileNotFoundError) as error:
-            raise ExportError(f"--calibrate: {error} Nothing was written.") from error
+            raise ExportError(f"{' '.join(wanted)}: {error} Nothing was written.") from error
         state, prices = dict(state, prices=loaded.model.prices.clone()), loaded.prices
     message = price_warning(config, prices, source.step, "pass --calibrate")
     if message is not None:
@@ -161,6 +169,7 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         (directory / name).write_text(source)
     tensors = {HF_PREFIX + k: v for k, v in state.items()}
     write_weights(directory, tensors, max_shard_size, engine_cast(config, dtype))
+    (directory / "README.md").write_text(model_card(config, prices))
     m = config.model
     return {
         "architectures": ["TriRouteForCausalLM"],
@@ -179,6 +188,38 @@ def write_triroute(directory: Path, tree: dict, config: TriRouteConfig, state: d
         "training_step": tree["training_step"],
         "prices": prices,
     }
+
+
+def model_card(config: TriRouteConfig, prices: dict | None) -> str:
+    """The export's README.md: how to load it and, for a budgeted TriRoute model, how to serve it at
+    other budgets (inference/serve_budget.py)."""
+    b = config.budget
+    lines = ["# TriRoute model (exported by megatron_triroute)", "",
+             "```python",
+             "from transformers import AutoModelForCausalLM, AutoTokenizer",
+             "model = AutoModelForCausalLM.from_pretrained(DIR, trust_remote_code=True)",
+             "tok = AutoTokenizer.from_pretrained(DIR, trust_remote_code=True)",
+             "out = model.generate(**tok(\"The history of\", return_tensors=\"pt\"), max_new_tokens=32,",
+             "                     return_dict_in_generate=True)",
+             "model.realised_cost(out.past_key_values)  # realised FLOPs / KV-memory fractions of dense",
+             "```", ""]
+    if config.router.kind == "triroute" and b.enabled:
+        lines += ["## Budget", "",
+                  f"Trained and calibrated for FLOPs {b.flops_target} and KV memory {b.mem_target} of the dense "
+                  "model (attention reads + experts; KV bytes against a 16-bit cache).", ""]
+        curve = (prices or {}).get("curve")
+        if curve is None:
+            lines += ["This export carries no price curve, so it serves only that budget (re-export with "
+                      "`--price-curve` to serve others).", ""]
+        else:
+            flops, mem = (f"{min(curve[k]):.3f} to {max(curve[k]):.3f}" for k in ("flops", "mem"))
+            lines += ["Any other budget, per sequence, without retraining: `model.generate(..., target_flops=F, "
+                      "target_mem=M)` (a number, or a list with one per row; None keeps the model's own). Each "
+                      "row's prices come from the price curve in `config.prices[\"curve\"]` and are corrected "
+                      "from the row's running realised cost; `realised_cost(cache)[\"sequences\"]` gives each "
+                      "row's realised fractions over its generated tokens.",
+                      f"Reachable: FLOPs {flops}, KV memory {mem}; a target below that range raises ValueError.", ""]
+    return "\n".join(lines)
 
 
 def write_json(path: Path, obj) -> None:

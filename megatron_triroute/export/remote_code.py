@@ -23,6 +23,9 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent  # megatron_triroute/
 ROOT_FILE = PACKAGE / "inference" / "model.py"
+EXTRA_ROOTS = (PACKAGE / "inference" / "serve_budget.py",)
+"""Shipped beside the model's closure: the per-request budget (targets to prices) the modeling
+code's `target_flops`/`target_mem` use."""
 ALLOWED_TOP_LEVEL = {"torch", "__future__"}
 TEMPLATES = Path(__file__).resolve().parent / "hf_code"
 TEMPLATE_FILES = ("configuration_triroute.py", "modeling_triroute.py", "tokenization_triroute.py")
@@ -165,6 +168,8 @@ def remote_code_files(roots: dict[str, tuple[Path, str]] | None = None, root_fil
     """file name -> source of everything `modeling_triroute.py` needs, plus the templates."""
     graph = _Graph(roots or project_roots())
     modules = graph.closure(root_file)
+    if root_file == ROOT_FILE:
+        modules += [p for extra in EXTRA_ROOTS for p in graph.closure(extra) if p not in modules]
     files = {graph.flat_name(p) + ".py": graph.rewrite(p, set(modules)) for p in modules}
     for name in TEMPLATE_FILES:
         files[name] = (TEMPLATES / name).read_text()

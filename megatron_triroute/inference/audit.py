@@ -39,6 +39,9 @@ class CostAudit:
     """The dense reference (Appendix A) of the same tokens: sum over layers of 2 d (t+1) + 3 d d_f."""
     dense_kv_bytes: int = 0
     """The 16-bit cache the dense model would store for the same tokens."""
+    requests: dict[int, list[float]] = field(default_factory=dict)
+    """Per request id, over every token it processed: [budgeted MACs, dense MACs, KV bits written,
+    dense KV bits] (`request_fractions`)."""
 
     def __post_init__(self):
         if not self.layers:
@@ -79,6 +82,25 @@ class CostAudit:
     def realised_mem(self) -> float:
         """KV bytes written over the dense 16-bit cache's on the same tokens."""
         return self.total("bytes_written") / self.dense_kv_bytes if self.dense_kv_bytes else 0.0
+
+    def add_requests(self, rids: list[int], costs: list[list[float]]) -> None:
+        """Add one step's per-request costs (rows of [budgeted MACs, dense MACs, KV bits, dense KV bits])."""
+        for rid, row in zip(rids, costs):
+            total = self.requests.setdefault(rid, [0.0, 0.0, 0.0, 0.0])
+            for i, x in enumerate(row):
+                total[i] += x
+
+    def request_totals(self, rid: int, since: list[float] | None = None) -> list[float]:
+        """Request `rid`'s [budgeted MACs, dense MACs, KV bits, dense KV bits] over its tokens since
+        the snapshot `since` (a copy of `requests[rid]`; None: all of them)."""
+        now = self.requests.get(rid, [0.0] * 4)
+        return [a - b for a, b in zip(now, since or [0.0] * 4)]
+
+    def request_fractions(self, rid: int, since: list[float] | None = None) -> tuple[float, float]:
+        """Request `rid`'s realised (FLOPs, memory) fractions as `realised_flops`/`realised_mem`
+        define them, over its tokens since `since` (request_totals)."""
+        d = self.request_totals(rid, since)
+        return (d[0] / d[1] if d[1] else 0.0, d[2] / d[3] if d[3] else 0.0)
 
     def summary(self) -> dict:
         return {name: self.total(name) for name in COUNTERS} | {

@@ -5,6 +5,11 @@ decodes one token for every running request (one batch). A request ends after
 `max_new_tokens` tokens or at its stop token, and its cache pages go back to the free lists.
 Sampling is greedy (temperature 0), or temperature with optional top-p, from a per-request
 generator seeded with `seed + request id`, so a request's text does not depend on its batch.
+
+A request may carry its own budget, (FLOPs, KV-memory) targets met by its own prices
+(serve_budget.py, from the engine's price curve): a batch then prices each request by its row, and
+each request's KV pages keep the widths its prices chose. `realised(rid)` is a request's realised
+fractions over its generated tokens.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import torch
 
 from .audit import CostAudit
 from .model import InferenceModel
+from .serve_budget import PriceCurve, RequestBudget
 from .side_state import SideState
 
 
@@ -60,12 +66,19 @@ class Request:
     """Logits each generated token was sampled from (kept when the engine records them)."""
     prefilled: bool = False
     done: bool = False
+    budget: RequestBudget | None = None
+    """Its own targets and prices (None: the model's prices)."""
+    prompt_cost: list[float] | None = None
+    """The audit's per-request totals after its prefill (what its generated tokens are counted from)."""
 
 
 class InferenceEngine:
     def __init__(self, model: InferenceModel, sampling: SamplingConfig | None = None, page_size: int = 16,
-                 record_logits: bool = False):
+                 record_logits: bool = False, price_curve: PriceCurve | None = None, control: bool = True):
         self.model = model
+        self.price_curve = price_curve
+        """Realised fractions against prices (serve_budget.py): needed by requests with targets."""
+        self.control = control
         self.sampling = (sampling or SamplingConfig()).validate()
         self.cache = model.new_cache(page_size)
         self.audit = CostAudit(model.config.model.n_layers)
@@ -74,15 +87,26 @@ class InferenceEngine:
         self._generators: dict[int, torch.Generator] = {}
         self._next_id = 0
 
-    def add(self, prompt: list[int], max_new_tokens: int, stop_token: int | None = None) -> int:
+    def add(self, prompt: list[int], max_new_tokens: int, stop_token: int | None = None,
+            target_flops: float | None = None, target_mem: float | None = None) -> int:
+        """A request; `target_flops`/`target_mem`: its own budget (None: the model's own), a
+        ValueError when the routing cannot reach it."""
         if not prompt:
             raise ValueError("empty prompt: a request needs at least one token")
         V = self.model.config.model.vocab_size
         if min(prompt) < 0 or max(prompt) >= V:
             raise ValueError(f"prompt token ids must be in [0, {V}); got {min(prompt)}..{max(prompt)}")
+        budget = None
+        if target_flops is not None or target_mem is not None:
+            if self.model.config.router.kind != "triroute":
+                raise ValueError("targets need a TriRoute model: its routing is what the prices move")
+            if self.price_curve is None:
+                raise ValueError("targets need the model's price curve. Fix: give the engine price_curve= "
+                                 "(evaluation/calibration.py: curve_loaded)")
+            budget = RequestBudget(self.price_curve, (target_flops, target_mem), self.model.host_prices(), self.control)
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = Request(rid, list(prompt), max_new_tokens, stop_token)
+        self.requests[rid] = Request(rid, list(prompt), max_new_tokens, stop_token, budget=budget)
         self.cache.add_request(rid)
         self._generators[rid] = torch.Generator().manual_seed(self.sampling.seed + rid)
         return rid
@@ -106,9 +130,17 @@ class InferenceEngine:
             self._forward(decoding, tokens, torch.ones(len(decoding), dtype=torch.long))
 
     def _forward(self, batch: list[Request], tokens: torch.Tensor, lengths: torch.Tensor) -> None:
+        prices = None
+        if any(r.budget is not None for r in batch):
+            prices = torch.tensor([r.budget.prices if r.budget is not None else self.model.host_prices() for r in batch],
+                                  dtype=torch.float64)
         logits, _ = self.model.step(tokens, lengths, [r.state for r in batch], self.cache, [r.rid for r in batch],
-                                    self.audit)
+                                    self.audit, prices=prices)
         for r, row in zip(batch, logits.cpu()):  # one transfer per step
+            if not r.prefilled:
+                r.prompt_cost = list(self.audit.requests[r.rid])
+            elif r.budget is not None:
+                r.budget.update(self.audit.request_totals(r.rid, r.prompt_cost))
             r.prefilled = True
             token = sample(row, self.sampling, self._generators[r.rid])
             r.generated.append(token)
@@ -117,15 +149,23 @@ class InferenceEngine:
             if len(r.generated) >= r.max_new_tokens or token == r.stop_token:
                 self.finish(r.rid)
 
+    def realised(self, rid: int) -> tuple[float, float]:
+        """Request `rid`'s realised (FLOPs, memory) fractions over its generated tokens (the ones it
+        fed back; (0, 0) before any)."""
+        return self.audit.request_fractions(rid, self.requests[rid].prompt_cost)
+
     def finish(self, rid: int) -> None:
         r = self.requests[rid]
         if not r.done:
             r.done = True
             self.cache.free_request(rid)
 
-    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_token: int | None = None) -> list[Request]:
-        """Serve `prompts` together until every request ends."""
-        ids = [self.add(p, max_new_tokens, stop_token) for p in prompts]
+    def run(self, prompts: list[list[int]], max_new_tokens: int, stop_token: int | None = None,
+            targets: list[tuple[float | None, float | None]] | None = None) -> list[Request]:
+        """Serve `prompts` together until every request ends; `targets`: each one's (FLOPs, memory)
+        targets (None entries: the model's own)."""
+        targets = targets or [(None, None)] * len(prompts)
+        ids = [self.add(p, max_new_tokens, stop_token, *t) for p, t in zip(prompts, targets, strict=True)]
         while self.running:
             self.step()
         return [self.requests[i] for i in ids]

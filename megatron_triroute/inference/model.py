@@ -25,9 +25,9 @@ from triroute_kernels import routed_experts
 
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
-from ..routing.cost import dense_cost, expert_width
+from ..routing.cost import dense_cost, expert_width, hard_cost
 from ..routing.factory import build_controller
-from ..routing.pricing import price_decisions
+from ..routing.pricing import PriceShifts, price_decisions, price_shifts
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
 from .attention import attend, projection_views, rope_tables
@@ -74,12 +74,17 @@ class InferenceLayer(nn.Module):
         self.controller_macs = sum(mod.weight.numel() for mod in self.controller.modules() if isinstance(mod, nn.Linear))
 
     def decide(self, x: torch.Tensor, side: torch.Tensor, leader: RouterOutput | None, positions: torch.Tensor,
-               prices: tuple[float, float]) -> RouterOutput:
+               prices: tuple[float, float] | PriceShifts) -> RouterOutput:
         """Noise-free (priced) decisions of this layer for x (B, n, D), psi (B, n, F); `leader`: the
         layer group's attention decision a follower reuses (RoutingState.leader_output); prices
-        the host copy of the model's (mu_flops, mu_mem)."""
+        the host copy of the model's (mu_flops, mu_mem), or the shifts of each request's own (a
+        budget per request, inference/serve_budget.py)."""
         out = self.controller(x, side, None, 1.0, leader)
-        if self.config.router.kind != "triroute" or not any(prices):
+        if self.config.router.kind != "triroute":
+            return out
+        if isinstance(prices, PriceShifts):
+            return price_decisions(out, prices, positions, self.config.model, self.config.router)
+        if not any(prices):
             return out
         # Pricing is per token (its cost depends on its position only): the batch is priced as
         # one row of B n tokens.
@@ -158,7 +163,9 @@ class StepBatch:
     """(N, 1, d) rotary tables at `t`, shared by every layer."""
     last: torch.Tensor | None
     """(B,) column of each request's last new token (None: n = 1)."""
-    prices: tuple[float, float]
+    prices: tuple[float, float] | PriceShifts
+    """The model's (mu_flops, mu_mem) for every request (host floats), or on the device the shifts
+    of each request's own (computed on the host once for every layer)."""
 
     def valid_mask(self) -> torch.Tensor:
         """(N,) bool: `valid`, or every token when it is None (for the audit, after the step)."""
@@ -216,10 +223,11 @@ class InferenceModel(nn.Module):
         return self._host_tables
 
     def prepare(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
-                rids: list[int], audit: CostAudit | None = None) -> StepBatch:
+                rids: list[int], audit: CostAudit | None = None, prices: torch.Tensor | None = None) -> StepBatch:
         """Host side, before a step, on host tensors: psi (advancing `states`), room in the cache for
         the new tokens, the step's positions and rotary tables; then one copy of each to the device.
-        With an audit, the kernels' executed counters start from zero for this step."""
+        With an audit, the kernels' executed counters start from zero for this step. `prices`: (B, 2)
+        each request's own (None: the model's for all)."""
         B, n = tokens.shape
         cache.before_step(rids, n, audit is not None)
         dev = self.device
@@ -231,7 +239,13 @@ class InferenceModel(nn.Module):
         cos, sin = rope_tables(t, self.config.model.d_head)
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
         return StepBatch(tokens.to(dev), positions.to(dev), None if valid is None else valid.to(dev), side.to(dev),
-                         cache.rows(rids), t.to(dev), cos.to(dev), sin.to(dev), last, self.host_prices())
+                         cache.rows(rids), t.to(dev), cos.to(dev), sin.to(dev), last,
+                         self.host_prices() if prices is None else self._shifts(prices, positions).to(dev))
+
+    def _shifts(self, prices: torch.Tensor, positions: torch.Tensor) -> PriceShifts:
+        """The step's per-request price shifts (host): prices (B, 2), positions (B, n)."""
+        attn_heads = max(1, max(layer.controller.attn_heads for layer in self.layers))
+        return price_shifts(prices, positions, self.config.model, self.config.router, attn_heads)
 
     def forward_step(self, batch: StepBatch, cache: PagedKVCache, all_logits: bool = False):
         """The step itself, tensor ops only (no host read): logits (B, V) of each request's last new
@@ -268,14 +282,32 @@ class InferenceModel(nn.Module):
         audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
         audit.dense_macs += float(dense_cost(batch.t[valid], m).flops.sum()) * m.n_layers
         audit.dense_kv_bytes += count * m.n_layers * 2 * m.d_kv * 2
+        audit.add_requests(rids, self._row_costs(batch, outs))
+
+    def _row_costs(self, batch: StepBatch, outs: list[RouterOutput]) -> list[list[float]]:
+        """Per request of a finished step, over its valid tokens and all layers: [budgeted MACs,
+        dense MACs, KV bits written, dense KV bits] (routing.cost's hard accounting)."""
+        m, r = self.config.model, self.config.router
+        B, n = batch.tokens.shape
+        valid = batch.valid_mask().view(B, n).double()
+        total = torch.zeros(B, 2, dtype=torch.float64, device=valid.device)
+        for out in outs:
+            cost = hard_cost(out.attn.hard, None if out.experts is None else out.experts.index, out.bits.hard,
+                             batch.positions, m, r)
+            total += torch.stack([((cost.attn_key_macs + cost.expert_macs) * valid).sum(1), (cost.kv_bits * valid).sum(1)], -1)
+        dense = dense_cost(batch.positions, m)
+        per_layer = torch.stack([(dense.flops * valid).sum(1), (dense.mem * valid).sum(1)], -1) * m.n_layers
+        return torch.stack([total[:, 0], per_layer[:, 0], total[:, 1], per_layer[:, 1]], -1).tolist()
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideState], cache: PagedKVCache,
-             rids: list[int], audit: CostAudit | None = None, all_logits: bool = False):
+             rids: list[int], audit: CostAudit | None = None, all_logits: bool = False,
+             prices: torch.Tensor | None = None):
         """Consume the next `lengths[b]` tokens of each request (tokens (B, n), right-padded).
         Returns the logits (B, V) of each request's last new token, or (B, n, V) with `all_logits`,
-        and the per-layer decisions (RouterOutput list) of this step."""
-        batch = self.prepare(tokens, lengths, states, cache, rids, audit)
+        and the per-layer decisions (RouterOutput list) of this step. `prices`: (B, 2) each
+        request's own (mu_flops, mu_mem); None: the model's for all."""
+        batch = self.prepare(tokens, lengths, states, cache, rids, audit, prices)
         logits, outs = self.forward_step(batch, cache, all_logits)
         self.finish(batch, outs, cache, rids, audit, all_logits)
         return logits, outs

@@ -6,7 +6,9 @@ Every checkpoint's meta (`training/run_state.save_run`) and every export's confi
                "step": int | None,        # the checkpoint step they were calibrated at
                "feasible": [bool, bool] | None,  # per resource (FLOPs, memory): the target was met;
                                           # None when not calibrated
-               "prices": [mu_flops, mu_mem]}
+               "prices": [mu_flops, mu_mem],
+               "curve": {...}}            # optional: the price curve (serve_budget.PriceCurve.to_dict),
+                                          # what per-request targets are met by; sampled at load when absent
 
 A run calibrates its prices once, at its normal end, so its mid-run checkpoints (periodic and
 requeue saves) hold prices 0: they serve the plain argmax policy, which the budget does not hold.

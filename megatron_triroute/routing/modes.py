@@ -45,8 +45,9 @@ def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
     `positions`): max(0, position - reach(mode)), so skip starts at `positions + 1` (an empty
     range), local at max(0, t - w), full at 0. Keys read: [start, position]."""
     t = positions
-    mode = torch.as_tensor(mode, device=t.device)
-    return (t - _reach(window, t)[mode]).clamp_min(0)
+    reach = _reach(window, t)
+    # An int mode selects without reading the device (a 0-d tensor index would: serving steps stay sync-free).
+    return (t - (reach[mode] if isinstance(mode, int) else reach[torch.as_tensor(mode, device=t.device)])).clamp_min(0)
 
 
 def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -29,6 +29,7 @@ zero leave every decision as the plain argmax; training always runs with zero pr
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
@@ -43,8 +44,9 @@ from .gumbel import one_hot
 def option_cost_fractions(positions: torch.Tensor, model: ModelConfig, router: RouterConfig, attn_heads: int):
     """Per-token option costs as fractions of the dense cost of the token's layer.
 
-    Returns (attn (T, N_MODES): one attention head's share per mode, expert (T,): one real expert,
-    bits (|bits|,)). positions: (T,) 0-based. `attn_heads` heads share the query heads evenly.
+    Returns (attn (..., N_MODES): one attention head's share per mode, expert (...): one real
+    expert, bits (|bits|,)). positions: (...) 0-based, e.g. (T,) or (B, T). `attn_heads` heads share
+    the query heads evenly.
     """
     dense = dense_cost(positions, model)
     heads_per_decision = model.n_heads / attn_heads
@@ -64,13 +66,23 @@ def _priced_axis(d: AxisDecision, shift: torch.Tensor, n_heads: int) -> AxisDeci
     return AxisDecision(y, y, hard, logits=d.logits)
 
 
-def price_decisions(out: RouterOutput, prices: torch.Tensor, positions: torch.Tensor,
+def price_decisions(out: RouterOutput, prices, positions: torch.Tensor,
                     model: ModelConfig, router: RouterConfig) -> RouterOutput:
     """Noise-free decisions of `out` re-taken as the argmax of the priced logits (module doc).
 
-    prices: (2,) [mu_flops, mu_mem]. Axes without logits (fixed, or a layer-group follower that
-    reuses its leader's decision) are left as they are. Only for the noise-free (eval) path.
+    prices: (2,) [mu_flops, mu_mem] for every token (a tensor or a pair of floats); or a (B, 2)
+    tensor, one row per request (row b of `out`), broadcast over its tokens, positions then (T,)
+    shared or (B, T) each request's own; or the `PriceShifts` of such rows, computed once for a
+    step's layers (`price_shifts`). The per-row path reads nothing back to the host (a serving
+    step stays free of syncs) and prices every axis, zero rows included. Axes without logits
+    (fixed, or a layer-group follower that reuses its leader's decision) are left as they are.
+    Only for the noise-free (eval) path.
     """
+    if isinstance(prices, PriceShifts):
+        return _price_rows(out, prices, model, router)
+    if torch.is_tensor(prices) and prices.dim() == 2:
+        attn_heads = out.attn.logits.shape[2] if out.attn.logits is not None else 1
+        return _price_rows(out, price_shifts(prices, positions, model, router, attn_heads), model, router)
     mu_flops, mu_mem = (float(p) for p in prices)
     if mu_flops == 0.0 and mu_mem == 0.0:
         return out
@@ -83,12 +95,60 @@ def price_decisions(out: RouterOutput, prices: torch.Tensor, positions: torch.Te
     if bits.logits is not None and mu_mem != 0.0:
         bits = _priced_axis(bits, mu_mem * c_bits, model.n_heads)
     if experts is not None and out.expert_logits is not None and mu_flops != 0.0:
-        z = out.expert_logits.double()
-        shift = (mu_flops * c_expert).view(1, T, 1).expand(*z.shape[:2], z.shape[-1]).clone()
-        if router.null_expert:
-            shift[..., 0] = 0.0  # the null expert costs nothing
-        routes = top_k_gating(z - shift, router.top_k, router.null_expert)
-        chosen = experts.probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
-        weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(experts.weight.dtype)
-        experts = dataclasses.replace(routes, probs=experts.probs, weight=weight)
+        experts = _priced_experts(out, (mu_flops * c_expert).view(1, T, 1), router)
+    return dataclasses.replace(out, attn=attn, bits=bits, experts=experts)
+
+
+@dataclass
+class PriceShifts:
+    """Per-row prices times option costs, what the priced argmax subtracts from the logits."""
+
+    attn: torch.Tensor
+    """(B, T, 1, N_MODES) mu_flops c_attn: one attention decision's modes."""
+    expert: torch.Tensor
+    """(B, T, 1) mu_flops c_expert: one real expert."""
+    bits: torch.Tensor
+    """(B, 1, |bits|) mu_mem c_bits."""
+
+    def to(self, device) -> "PriceShifts":
+        return PriceShifts(self.attn.to(device), self.expert.to(device), self.bits.to(device))
+
+
+def price_shifts(prices: torch.Tensor, positions: torch.Tensor, model: ModelConfig, router: RouterConfig,
+                 attn_heads: int) -> PriceShifts:
+    """The shifts of (B, 2) per-row prices at positions (T,) shared or (B, T); `attn_heads`: the
+    attention decisions per token (the controller's H_a)."""
+    B = prices.shape[0]
+    T = positions.shape[-1]
+    pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
+    c_attn, c_expert, c_bits = option_cost_fractions(pos, model, router, attn_heads)  # (B, T, M), (B, T), (|b|,)
+    mu = prices.to(torch.float64)
+    mu_flops, mu_mem = mu[:, 0].view(B, 1), mu[:, 1].view(B, 1)
+    return PriceShifts((mu_flops.unsqueeze(-1) * c_attn).unsqueeze(2), (mu_flops * c_expert).unsqueeze(-1),
+                       mu_mem.unsqueeze(-1) * c_bits)
+
+
+def _priced_experts(out: RouterOutput, shift: torch.Tensor, router: RouterConfig):
+    """The experts re-chosen as TopK of the logits less `shift` ((B|1, T, 1): one real expert's
+    price), with the unpriced renormalised probabilities of the selected set as gates."""
+    z = out.expert_logits.double()
+    shift = shift.expand(*z.shape[:2], z.shape[-1]).clone()
+    if router.null_expert:
+        shift[..., 0] = 0.0  # the null expert costs nothing
+    routes = top_k_gating(z - shift, router.top_k, router.null_expert)
+    chosen = out.experts.probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
+    weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(out.experts.weight.dtype)
+    return dataclasses.replace(routes, probs=out.experts.probs, weight=weight)
+
+
+def _price_rows(out: RouterOutput, shifts: PriceShifts, model: ModelConfig, router: RouterConfig) -> RouterOutput:
+    """price_decisions with one (mu_flops, mu_mem) row per request, as its shifts."""
+    attn, bits, experts = out.attn, out.bits, out.experts
+    n_heads = model.n_heads
+    if attn.logits is not None:
+        attn = _priced_axis(attn, shifts.attn, n_heads)
+    if bits.logits is not None:
+        bits = _priced_axis(bits, shifts.bits, n_heads)
+    if experts is not None and out.expert_logits is not None:
+        experts = _priced_experts(out, shifts.expert, router)
     return dataclasses.replace(out, attn=attn, bits=bits, experts=experts)

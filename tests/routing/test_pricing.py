@@ -76,3 +76,28 @@ def test_flops_price_prefers_cheaper_modes_and_the_null_expert_with_unpriced_gat
     assert (after <= before).all() and (after < before).any()
     assert (priced.experts.index == -1).any()  # the null expert entered some token's top-2
     assert dense_cost(pos, cfg.model).flops.shape == after.shape[1:]
+
+
+def test_one_price_row_per_request_equals_each_request_priced_alone():
+    """(B, 2) prices with per-request positions against the (2,) path row by row, and the shifts
+    computed once for several layers give the same decisions."""
+    from megatron_triroute.routing.pricing import price_shifts
+
+    cfg = small_config()
+    torch.manual_seed(3)
+    B, T = 3, 4
+    out = output(torch.randn(B, T, 2, 3), torch.randn(B, T, 4), torch.randn(B, T, 5))
+    prices = torch.tensor([[0.0, 0.0], [2.5, -0.3], [-1.0, 4.0]], dtype=torch.float64)
+    positions = torch.tensor([[0, 1, 2, 3], [5, 6, 7, 8], [2, 3, 4, 5]])
+    rows = price_decisions(out, prices, positions, cfg.model, cfg.router)
+    shifted = price_decisions(out, price_shifts(prices, positions, cfg.model, cfg.router, 2), positions, cfg.model,
+                              cfg.router)
+    for b in range(B):
+        one = output(out.attn.logits[b:b + 1], out.bits.logits[b:b + 1], out.expert_logits[b:b + 1])
+        alone = price_decisions(one, prices[b], positions[b], cfg.model, cfg.router)
+        for got in (rows, shifted):
+            assert torch.equal(got.attn.hard[b], alone.attn.hard[0]), b
+            assert torch.equal(got.bits.hard[b], alone.bits.hard[0]), b
+            assert torch.equal(got.experts.index[b], alone.experts.index[0]), b
+            assert torch.allclose(got.experts.weight[b], alone.experts.weight[0], atol=1e-7), b
+    assert not torch.equal(rows.bits.hard[2], out.bits.hard[2])  # a row's price moved its decisions

@@ -3,7 +3,8 @@
 `triroute` holds the whole `TriRouteConfig` tree the checkpoint was trained with (model shape,
 router: bits, window, KV group size, experts, top-k, null expert, router width, ...; budget:
 prices come with the weights). The usual Hugging Face fields are derived from it. `prices` is the
-checkpoint's prices record: {"calibrated", "step", "feasible", "prices"}; calibrated false means
+checkpoint's prices record: {"calibrated", "step", "feasible", "prices"[, "curve"]} (the curve, exported
+with --price-curve, serves per-row targets: generate(target_flops=, target_mem=)); calibrated false means
 the weights carry prices 0, the plain argmax policy, which the budget does not hold (a checkpoint
 exported mid-run without --calibrate).
 """

@@ -8,6 +8,12 @@ its chosen bit-width, and per sequence the routing state the side features need 
 document start for the EOD reset, word start, last token). Every row of a batch is one sequence;
 padding (left or right) is removed before the engine sees it, so a padded row computes what it
 computes alone. The engine computes in float32 under `torch.no_grad` (inference only).
+
+A budget per sequence: `generate(..., target_flops=F, target_mem=M)` (fractions of the dense cost,
+a number for every row or a list with one per row, None: the model's own) serves each sequence at
+its targets with the engine's per-request prices and control (tr_inference_serve_budget.py) from
+the price curve in `config.prices["curve"]` (export with --price-curve); `realised_cost(cache)
+["sequences"]` is each sequence's realised (FLOPs, memory) over its generated tokens.
 """
 
 import torch
@@ -19,6 +25,7 @@ from .configuration_triroute import TriRouteConfig
 from .tr_config import TriRouteConfig as EngineConfig
 from .tr_inference_audit import CostAudit
 from .tr_inference_model import InferenceModel
+from .tr_inference_serve_budget import PriceCurve, RequestBudget
 from .tr_inference_side_state import SideState
 from .tr_routing_side_features import TokenTables
 
@@ -39,6 +46,10 @@ class TriRouteCache(Cache):
         """What the engine executed for these sequences (realised FLOPs and KV memory)."""
         self.seen = 0
         """Columns of the (padded) input consumed so far."""
+        self.budgets = None
+        """Per sequence its RequestBudget (None: every sequence at the model's prices)."""
+        self.prompt_cost = None
+        """The audit's per-sequence totals after the first forward (the prompt)."""
 
     def __len__(self):
         return len(self.paged.layers)
@@ -95,14 +106,33 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
         return TriRouteCache(self.model, batch_size, self.config.page_size)
 
     def prepare_inputs_for_generation(self, input_ids, past_key_values=None, attention_mask=None, use_cache=True,
-                                      **kwargs):
+                                      target_flops=None, target_mem=None, **kwargs):
         if isinstance(past_key_values, TriRouteCache) and past_key_values.seen:
             input_ids = input_ids[:, past_key_values.seen:]
         return {"input_ids": input_ids, "attention_mask": attention_mask, "past_key_values": past_key_values,
-                "use_cache": use_cache}
+                "use_cache": use_cache, "target_flops": target_flops, "target_mem": target_mem}
+
+    def budgets(self, batch_size: int, target_flops=None, target_mem=None):
+        """Per row its RequestBudget for the targets (a number or one per row; None: the model's own),
+        or None when no row has one. A target the routing cannot reach raises ValueError."""
+        def rows(target):
+            values = list(target) if isinstance(target, (list, tuple)) else [target] * batch_size
+            if len(values) != batch_size:
+                raise ValueError(f"{len(values)} targets for {batch_size} sequences: give one number, or one per row")
+            return [None if v is None else float(v) for v in values]
+
+        flops, mem = rows(target_flops), rows(target_mem)
+        if all(v is None for v in flops + mem):
+            return None
+        curve = (self.config.prices or {}).get("curve")
+        if curve is None:
+            raise ValueError("this export carries no price curve, so it serves only its own budget. Fix: export "
+                             "with python -m megatron_triroute.export ... --price-curve")
+        curve, own = PriceCurve.from_dict(curve), self.model.host_prices()
+        return [None if f is None and m is None else RequestBudget(curve, (f, m), own) for f, m in zip(flops, mem)]
 
     def forward(self, input_ids=None, attention_mask=None, past_key_values=None, use_cache=None, labels=None,
-                return_dict=None, **kwargs):
+                return_dict=None, target_flops=None, target_mem=None, **kwargs):
         if input_ids is None:
             raise ValueError("TriRouteForCausalLM needs input_ids (the controller's side features read the token ids).")
         if self.model.lm_head.weight.dtype != torch.float32:
@@ -112,6 +142,7 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
         cache = past_key_values if isinstance(past_key_values, TriRouteCache) else None
         if cache is None:
             cache = self.new_cache(B)
+            cache.budgets = self.budgets(B, target_flops, target_mem)
         elif len(cache.states) != B:
             raise ValueError(f"the cache holds {len(cache.states)} sequences, the input {B}")
         mask = torch.ones(B, n, dtype=torch.bool) if attention_mask is None else attention_mask[:, -n:].bool()
@@ -121,8 +152,18 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
         lengths = mask.sum(1)
         packed = torch.gather(input_ids, 1, order)
         packed = torch.where(torch.arange(n).view(1, n) < lengths.view(B, 1), packed, torch.zeros_like(packed))
+        prices = None
+        if cache.budgets is not None:
+            own = list(self.model.host_prices())
+            prices = torch.tensor([own if b is None else b.prices for b in cache.budgets], dtype=torch.float64)
         logits_packed, _ = self.model.step(packed, lengths, cache.states, cache.paged, cache.rids, cache.audit,
-                                           all_logits=True)
+                                           all_logits=True, prices=prices)
+        if cache.prompt_cost is None:
+            cache.prompt_cost = [list(cache.audit.requests[rid]) for rid in cache.rids]
+        elif cache.budgets is not None:
+            for rid, budget in zip(cache.rids, cache.budgets):
+                if budget is not None:
+                    budget.update(cache.audit.request_totals(rid, cache.prompt_cost[rid]))
         V = logits_packed.shape[-1]
         logits = torch.zeros_like(logits_packed).scatter_(1, order.unsqueeze(-1).expand(B, n, V), logits_packed)
         logits = logits.masked_fill(~mask.unsqueeze(-1), 0.0)
@@ -137,5 +178,8 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
     def realised_cost(cache: TriRouteCache) -> dict:
         """The engine's cost audit of everything `cache`'s sequences ran: realised_flops (executed
         attention-read and expert MACs over the dense model's on the same tokens), realised_mem
-        (KV bytes written over a dense 16-bit cache's), and the per-kind totals."""
-        return cache.audit.summary()
+        (KV bytes written over a dense 16-bit cache's), the per-kind totals, and `sequences`: per
+        row its (realised_flops, realised_mem) over the tokens after its first forward (generated)."""
+        since = cache.prompt_cost or [None] * len(cache.rids)
+        return cache.audit.summary() | {"sequences": [cache.audit.request_fractions(rid, since[rid])
+                                                      for rid in cache.rids]}
