@@ -14,7 +14,6 @@ Megatron layer does in an evaluation pass given those prices. Imports only torch
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,24 +73,15 @@ class InferenceLayer(nn.Module):
         self.controller_macs = sum(mod.weight.numel() for mod in self.controller.modules() if isinstance(mod, nn.Linear))
 
     def decide(self, x: torch.Tensor, side: torch.Tensor, leader: RouterOutput | None, positions: torch.Tensor,
-               prices: tuple[float, float] | PriceShifts) -> RouterOutput:
+               prices: PriceShifts | None) -> RouterOutput:
         """Noise-free (priced) decisions of this layer for x (B, n, D), psi (B, n, F); `leader`: the
-        layer group's attention decision a follower reuses (RoutingState.leader_output); prices
-        the host copy of the model's (mu_flops, mu_mem), or the shifts of each request's own (a
-        budget per request, inference/serve_budget.py)."""
+        layer group's attention decision a follower reuses (RoutingState.leader_output); `prices`:
+        the step's price shifts, one row per request (the model's prices, or a request's own budget,
+        inference/serve_budget.py); None: the plain argmax (prices 0)."""
         out = self.controller(x, side, None, 1.0, leader)
-        if self.config.router.kind != "triroute":
+        if self.config.router.kind != "triroute" or prices is None:
             return out
-        if isinstance(prices, PriceShifts):
-            return price_decisions(out, prices, positions, self.config.model, self.config.router)
-        if not any(prices):
-            return out
-        # Pricing is per token (its cost depends on its position only): the batch is priced as
-        # one row of B n tokens.
-        B, n = positions.shape
-        flat = price_decisions(_reshape(out, (1, B * n)), prices, positions.reshape(B * n), self.config.model,
-                               self.config.router)
-        return _reshape(flat, (B, n))
+        return price_decisions(out, prices, positions, self.config.model, self.config.router)
 
     def forward(self, x: torch.Tensor, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> torch.Tensor:
         """x (B, n, D) -> (B, n, D) with this layer's decisions `out`; tensor ops only."""
@@ -163,9 +153,9 @@ class StepBatch:
     """(N, 1, d) rotary tables at `t`, shared by every layer."""
     last: torch.Tensor | None
     """(B,) column of each request's last new token (None: n = 1)."""
-    prices: tuple[float, float] | PriceShifts
-    """The model's (mu_flops, mu_mem) for every request (host floats), or on the device the shifts
-    of each request's own (computed on the host once for every layer)."""
+    prices: PriceShifts | None
+    """On the device, each request's price shifts (the model's prices or its own), computed on the
+    host once for every layer; None: the plain argmax (the model's prices are 0)."""
 
     def valid_mask(self) -> torch.Tensor:
         """(N,) bool: `valid`, or every token when it is None (for the audit, after the step)."""
@@ -240,12 +230,18 @@ class InferenceModel(nn.Module):
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
         return StepBatch(tokens.to(dev), positions.to(dev), None if valid is None else valid.to(dev), side.to(dev),
                          cache.rows(rids), t.to(dev), cos.to(dev), sin.to(dev), last,
-                         self.host_prices() if prices is None else self._shifts(prices, positions).to(dev))
+                         self._shifts(prices, positions))
 
-    def _shifts(self, prices: torch.Tensor, positions: torch.Tensor) -> PriceShifts:
-        """The step's per-request price shifts (host): prices (B, 2), positions (B, n)."""
+    def _shifts(self, prices: torch.Tensor | None, positions: torch.Tensor) -> PriceShifts | None:
+        """The step's price shifts on the device, computed on the host once for every layer:
+        prices (B, 2) each request's own, or None for the model's (None again when those are 0:
+        the plain argmax); positions (B, n)."""
+        if prices is None:
+            if self.config.router.kind != "triroute" or not any(self.host_prices()):
+                return None
+            prices = torch.tensor([self.host_prices()], dtype=torch.float64).expand(positions.shape[0], 2)
         attn_heads = max(1, max(layer.controller.attn_heads for layer in self.layers))
-        return price_shifts(prices, positions, self.config.model, self.config.router, attn_heads)
+        return price_shifts(prices, positions, self.config.model, self.config.router, attn_heads).to(self.device)
 
     def forward_step(self, batch: StepBatch, cache: PagedKVCache, all_logits: bool = False):
         """The step itself, tensor ops only (no host read): logits (B, V) of each request's last new
@@ -312,12 +308,3 @@ class InferenceModel(nn.Module):
         self.finish(batch, outs, cache, rids, audit, all_logits)
         return logits, outs
 
-
-def _reshape(obj, lead: tuple[int, int]):
-    """A RouterOutput (every tensor field leads with two token axes) with those axes as `lead`."""
-    if torch.is_tensor(obj):
-        return obj.reshape(*lead, *obj.shape[2:])
-    if dataclasses.is_dataclass(obj):
-        return dataclasses.replace(obj, **{f.name: _reshape(getattr(obj, f.name), lead)
-                                           for f in dataclasses.fields(obj)})
-    return obj

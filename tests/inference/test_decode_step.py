@@ -1,6 +1,6 @@
 """One decode step is static: no host read, one call per layer of each kernel op, and at most
-`OPS_PER_LAYER` top-level aten ops per layer (issue target), with the model's prices or each
-request's own, counted by dispatching it under
+`OPS_PER_LAYER` top-level aten ops per layer (issue target; `PRICED_OPS_PER_LAYER` with nonzero
+prices: the model's calibrated ones or each request's own), counted by dispatching it under
 `benchmarks.op_counter.StepCounter`. The scheduler reads the device counts once per page of
 decode steps, and a request holds at most two unfilled pages per pool."""
 
@@ -13,8 +13,9 @@ from tests.inference.test_engine import tiny_model
 
 OPS_PER_LAYER = 120
 PRICED_OPS_PER_LAYER = 160
-"""With each request's own prices: the priced argmax of three axes on top (measured 157.5; the
-shifts prices times costs are computed on the host once per step, not per layer)."""
+"""With nonzero prices (the model's calibrated ones, or each request's own): the priced argmax of
+three axes on top (measured 157.5; the shifts, prices times costs, are computed on the host once
+per step, not per layer)."""
 KERNEL_OPS = ("triroute.paged_attention", "triroute.cache_write", "triroute.routed_experts")
 
 
@@ -30,9 +31,12 @@ def _prefilled(model, prompts, page_size=4):
     return cache, states, rids, logits.argmax(-1)
 
 
-@pytest.mark.parametrize("prices", [None, [[0.3, -0.2], [-0.5, 1.0]]], ids=["model prices", "per-request prices"])
-def test_a_decode_step_has_no_host_read_and_few_ops(prices):
+@pytest.mark.parametrize("prices,own", [(None, None), (None, [0.3, -0.2]), ([[0.3, -0.2], [-0.5, 1.0]], None)],
+                         ids=["unpriced", "the model's calibrated prices", "per-request prices"])
+def test_a_decode_step_has_no_host_read_and_few_ops(prices, own):
     model = tiny_model()
+    if own is not None:
+        model.prices.copy_(torch.tensor(own, dtype=torch.float64))
     L = model.config.model.n_layers
     cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
     ones = torch.ones(2, dtype=torch.long)
@@ -45,7 +49,8 @@ def test_a_decode_step_has_no_host_read_and_few_ops(prices):
         model.finish(batch, outs, cache, rids, None)
         last = logits.argmax(-1)
         assert counter.syncs == {}, counter.syncs
-        assert counter.ops / L <= (OPS_PER_LAYER if prices is None else PRICED_OPS_PER_LAYER), counter.ops / L
+        priced = prices is not None or own is not None
+        assert counter.ops / L <= (PRICED_OPS_PER_LAYER if priced else OPS_PER_LAYER), counter.ops / L
         for op in KERNEL_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
             assert counter.foreign_ops.get(op) == L, counter.foreign_ops
 
