@@ -4,13 +4,16 @@
 #      Engine spec where TE is installed);
 #   2. benchmarks/bench_train_step.py at the 160m shape, bf16, micro-batches of 4 and 16 sequences:
 #      Dense vs TriRoute step time, tokens/s, model TFLOP/s and MFU, and a profile of two steps of each;
-#   3. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
+#   3. benchmarks/bench_paged_attention.py: one layer's decode attention over the mixed-precision
+#      pools against SDPA over a dense float16 cache, CUDA-graph timed, batch 1 and 64 at 2,048 and
+#      8,192 context;
+#   4. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
 #      for the 160m recipe, TriRoute and Dense, on an already-built dataset.
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
-# MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_ops.txt of the last, and per training
+# MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_ops.txt of the last, paged-attention.json, and per training
 # run train-NAME.log (its last line holds the run's summary). Runs write their checkpoints under
 # ${GPU_RUNS:-/tmp/gpu-runs}. Each stage has its own time limit; a failing stage does not stop the
 # next, and the exit status is the number of stages that failed.
@@ -42,6 +45,7 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
     stage "bench-train-step-mb$mb" 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch "$mb" \
       --bf16 --warmup 3 --repeats 10 --profile "$OUT/profile" --out "$OUT/bench-mb$mb.json"
   done
+  stage bench-paged-attention 150 bash -c "\"$PY\" benchmarks/bench_paged_attention.py --graph --json > \"$OUT/paged-attention.json\""
   for recipe in 160m 160m-dense; do
     rm -rf "$RUNS/$recipe"
     stage "train-$recipe" 100 bash launchers/local.sh --recipe "$recipe" data.path="$DATA" output_dir="$RUNS/$recipe" \
