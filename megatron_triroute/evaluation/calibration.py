@@ -16,6 +16,8 @@ the checkpoint's prices left as they are (`curve_loaded`).
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -53,27 +55,73 @@ def _realised_at(model, batches: list, page_size: int) -> Callable[[list[float]]
     return realised_at
 
 
-def curve_model(model, batches: list, page_size: int = 16):
+def curve_model(model, batches: list, page_size: int = 16, progress=None):
     """The price curve (serve_budget.PriceCurve) of `model` (an `InferenceModel`) on `batches`;
     the model's prices are restored after."""
     from ..inference.serve_budget import sample_curve
 
     kept = model.prices.clone()
     try:
-        return sample_curve(_realised_at(model, batches, page_size))
+        return sample_curve(_realised_at(model, batches, page_size), progress=progress)
     finally:
         model.prices.copy_(kept)
 
 
-def curve_loaded(loaded: Loaded, page_size: int = 16):
-    """The loaded checkpoint's price curve: its prices record's `curve` when it carries one, else
-    sampled on the run's training batches before its step (as `calibrate_loaded` calibrates), and
-    kept in the record."""
+CURVE_CACHE = "price_curve.json"
+"""A checkpoint's sampled price curve, kept in its step directory (outside the manifest: the
+checkpoint's own files are untouched, and the directory's removal removes it) with the sha256 of
+the manifest it was sampled for and the price grid, so that a curve of other weights or another
+grid is never read back."""
+
+
+def _curve_key(loaded: Loaded) -> dict:
+    import hashlib
+
+    from ..checkpoint.store import MANIFEST_FILE
+    from ..inference.serve_budget import PRICE_GRID
+
+    digest = hashlib.sha256((Path(loaded.step_path) / MANIFEST_FILE).read_bytes()).hexdigest()
+    return {"manifest_sha256": digest, "grid": list(PRICE_GRID)}
+
+
+def _cached_curve(loaded: Loaded):
+    """The step directory's cached curve when it was sampled for these weights and this grid, else None."""
     from ..inference.serve_budget import PriceCurve
+
+    try:
+        cached = json.loads((Path(loaded.step_path) / CURVE_CACHE).read_text())
+        if {k: cached.get(k) for k in ("manifest_sha256", "grid")} != _curve_key(loaded):
+            return None
+        return PriceCurve.from_dict(cached["curve"])
+    except (OSError, ValueError, KeyError, TypeError):  # absent, unreadable or malformed: sample again
+        return None
+
+
+def _keep_curve(loaded: Loaded, curve) -> None:
+    """Writes the cache (atomically); a read-only checkpoint keeps none."""
+    from ..durability import write_json_atomic
+
+    try:
+        write_json_atomic(Path(loaded.step_path) / CURVE_CACHE, _curve_key(loaded) | {"curve": curve.to_dict()})
+    except OSError:
+        pass
+
+
+def curve_loaded(loaded: Loaded, page_size: int = 16):
+    """The loaded checkpoint's price curve: its prices record's `curve` when it carries one (an
+    export), else the step directory's cached one (CURVE_CACHE), else sampled on the run's training
+    batches before its step (as `calibrate_loaded` calibrates), with progress on stderr, and kept in
+    the record and the cache."""
+    from ..inference.serve_budget import PRICE_GRID, PriceCurve
     from ..training import data as data_mod
+    from .progress import Progress
 
     if (loaded.prices or {}).get("curve") is not None:
         return PriceCurve.from_dict(loaded.prices["curve"])
+    cached = _cached_curve(loaded)
+    if cached is not None:
+        loaded.prices = dict(loaded.prices or {}, curve=cached.to_dict())
+        return cached
     if not is_priced(loaded.model.config):
         raise EvaluationSetupError("targets need a TriRoute model with a budget (its routing is what prices move). "
                                    "Fix: serve without --target-flops/--target-mem.")
@@ -82,8 +130,9 @@ def curve_loaded(loaded: Loaded, page_size: int = 16):
                                    "Fix: serve a checkpoint of a later step.")
     with run_datasets(loaded) as (run, dp, train, _):
         batches = data_mod.calibration_batches(train, run, loaded.step, dp)
-    curve = curve_model(loaded.model, batches, page_size)
+    curve = curve_model(loaded.model, batches, page_size, Progress(len(PRICE_GRID), "prices", "price curve"))
     loaded.prices = dict(loaded.prices or {}, curve=curve.to_dict())
+    _keep_curve(loaded, curve)
     return curve
 
 
@@ -97,9 +146,10 @@ def serve_curve(loaded: Loaded, targets: list[tuple[float | None, float | None]]
 
     if all(t is None for pair in targets for t in pair):
         return None
-    if (loaded.prices or {}).get("curve") is None and is_priced(loaded.model.config):
+    if (loaded.prices or {}).get("curve") is None and is_priced(loaded.model.config) and _cached_curve(loaded) is None:
         warn(f"the checkpoint carries no price curve: sampling it on the run's training batches before step "
-             f"{loaded.step} ({len(PRICE_GRID)} evaluations of the calibration batches)")
+             f"{loaded.step} ({len(PRICE_GRID)} evaluations of the calibration batches; kept in "
+             f"{Path(loaded.step_path) / CURVE_CACHE} for the next time)")
     curve = curve_loaded(loaded, page_size)
     for pair in targets:
         for r, target in enumerate(pair):

@@ -108,10 +108,16 @@ def _non_increasing(values: list[float]) -> list[float]:
     return out
 
 
-def sample_curve(realised_at: Callable[[list[float]], list[float]], grid: tuple[float, ...] = PRICE_GRID) -> PriceCurve:
+def sample_curve(realised_at: Callable[[list[float]], list[float]], grid: tuple[float, ...] = PRICE_GRID,
+                 progress=None) -> PriceCurve:
     """The price curve from `realised_at(prices) -> [flops, mem]` (calibrate.calibrate_prices'
-    callback: the noise-free policy on calibration batches) at `grid`, both prices in lock-step."""
-    seen = [realised_at([p, p]) for p in grid]
+    callback: the noise-free policy on calibration batches) at `grid`, both prices in lock-step.
+    `progress`: an evaluation.progress.Progress over the grid's points (rate and ETA)."""
+    seen = []
+    for p in grid:
+        seen.append(realised_at([p, p]))
+        if progress is not None:
+            progress.update(1, f"price {p:g}: realised {seen[-1][0]:.3f}, {seen[-1][1]:.3f}")
     return PriceCurve(list(grid), [s[0] for s in seen], [s[1] for s in seen])
 
 

@@ -152,3 +152,31 @@ def test_the_hf_export_serves_each_row_at_its_targets_as_the_engine_does(served,
     assert compared
     with pytest.raises(ValueError, match="is infeasible"):
         hf.generate(torch.tensor(prompts[:1]), max_new_tokens=2, target_flops=curve.reachable(0)[0] - 0.05)
+
+
+def test_a_sampled_curve_is_kept_beside_the_checkpoint_and_read_back_only_for_the_same_weights(served, tmp_path,
+                                                                                              monkeypatch):
+    import dataclasses
+    import shutil
+
+    loaded, curve, _ = served
+    step = tmp_path / loaded.step_path.name
+    shutil.copytree(loaded.step_path, step)
+    (step / calibration.CURVE_CACHE).unlink(missing_ok=True)  # the fixture's own sampling left one
+    sampled = []
+    monkeypatch.setattr(calibration, "curve_model", lambda *a, **k: sampled.append(1) or curve)
+
+    def fresh():
+        return dataclasses.replace(loaded, step_path=step, prices={k: v for k, v in loaded.prices.items() if k != "curve"})
+
+    first = calibration.curve_loaded(fresh())
+    cache = json.loads((step / calibration.CURVE_CACHE).read_text())
+    assert len(sampled) == 1 and cache["curve"] == curve.to_dict() and len(cache["manifest_sha256"]) == 64
+    again = calibration.curve_loaded(fresh())
+    assert len(sampled) == 1 and again.to_dict() == first.to_dict()  # read back, not sampled
+    (step / calibration.CURVE_CACHE).write_text(json.dumps(cache | {"manifest_sha256": "0" * 64}))
+    calibration.curve_loaded(fresh())
+    assert len(sampled) == 2  # another checkpoint's curve is never trusted
+    (step / calibration.CURVE_CACHE).write_text("{not json")
+    calibration.curve_loaded(fresh())
+    assert len(sampled) == 3 and json.loads((step / calibration.CURVE_CACHE).read_text())["curve"] == curve.to_dict()
