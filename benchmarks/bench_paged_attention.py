@@ -38,10 +38,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from megatron_triroute.training.recipes import get_recipe  # noqa: E402
 from triroute_kernels import (  # noqa: E402
-    PoolLists, allocate_kv_pools, decode_attention_pool, paged_attention, quantize_pack_into)
+    SUPPORTED_BITS, PoolLists, allocate_kv_pools, decode_attention_pool, paged_attention, quantize_pack_into)
 from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
 
-WIDTHS = (2, 4, 8, 16)
+WIDTHS = SUPPORTED_BITS
 PAGE = 16
 
 

@@ -32,7 +32,7 @@ DOT = True
 rows), in PRECISION; False: broadcast products reduced per head."""
 PRECISION = "tf32x3"
 """tl.dot's input precision: tf32x3 keeps float32 accuracy on the tensor cores."""
-SKIP = False
+SKIP_UNREAD = False
 """Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
 PACKED = True
 """Unpack each row's code bytes in registers, one scale and zero per group (False: per-channel gathers)."""
@@ -200,8 +200,8 @@ def _paged_attention_kernel(
 
 
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
-                           pages_per_block=PAGES_PER_BLOCK, num_warps=4, num_stages=None, dot=DOT, skip=SKIP,
-                           precision=PRECISION, packed=PACKED):
+                           pages_per_block=PAGES_PER_BLOCK, num_warps=4, num_stages=None, dot=DOT,
+                           skip=SKIP_UNREAD, precision=PRECISION, packed=PACKED):
     """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
     The keyword arguments are tuning knobs (defaults: the module constants)."""
     N, H, d = q.shape
