@@ -109,6 +109,7 @@ class MegatronDistributedAdamW(MegatronGradSync):
         self.inner = list(chained.chained_optimizers)
         for opt in self.inner:
             fuse_adamw(opt.optimizer)
+            skip_aliased_param_copy(opt)
         self.chained = chained
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
@@ -270,6 +271,38 @@ def fuse_adamw(optimizer: torch.optim.Optimizer) -> bool:
     optimizer.defaults["fused"] = True
     optimizer._step_supports_amp_scaling = True  # as torch's constructor sets it for fused=True
     return True
+
+
+def skip_aliased_param_copy(opt) -> bool:
+    """After its step, Megatron-Core's `DistributedOptimizer` copies every updated main shard into
+    the parameter buffer (`_copy_main_params_to_model_params`: a view, a slice and a `copy_` per
+    parameter tensor). For an fp32 parameter the shard AdamW steps is a view of that very buffer
+    slot (Megatron builds it as ``model_param.view(-1)[range]`` and the parameter lives in the
+    buffer), so the copy writes each value onto itself. Where `opt` holds fp32 parameters only (no
+    bf16/fp16 masters, no FP8), each step checks on the host (no tensor op) that every shard still
+    is its slot and then skips the copy; otherwise Megatron's copy runs. Returns whether the skip
+    is installed."""
+    if any(opt.model_float16_groups) or any(opt._get_fp8_params_and_shard_fp32_from_fp8()):
+        return False
+    megatron_copy = opt._copy_main_params_to_model_params
+
+    def copy_unless_aliased() -> None:
+        if not all(_is_buffer_slot(opt, model_param, shard)
+                   for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups)
+                   for model_param, shard in zip(model_group, shard_group)):
+            megatron_copy()
+
+    opt._copy_main_params_to_model_params = copy_unless_aliased
+    return True
+
+
+def _is_buffer_slot(opt, model_param: nn.Parameter, shard: torch.Tensor) -> bool:
+    """Whether `shard` is the very memory `_copy_main_params_to_model_params` would copy it into."""
+    world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+    slot = opt.buffers[gbuf_index].buckets[bucket_id].param_data
+    return (shard.dtype == slot.dtype and shard.numel() == world_range.size and shard.is_contiguous()
+            and shard.data_ptr() == slot.data_ptr() + world_range.start * slot.element_size())
 
 
 def optimizer_process_groups(groups: ParallelGroups):
