@@ -129,7 +129,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so each layer adds
         lambda_r * sum_t c_r / (L * sum_t dense_r)."""
         cfg = self.triroute
-        aux, _ = router_aux_loss(out, cfg.losses)
+        aux, _ = router_aux_loss(out, cfg.losses, with_terms=False)
         if out.extra_loss is not None:
             aux = aux + out.extra_loss
         if not cfg.budget.enabled:
