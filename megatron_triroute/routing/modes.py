@@ -42,8 +42,12 @@ def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
 
 def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
     """First key a query at `positions` reads in `mode` (an int or a tensor broadcastable to
-    `positions`): max(0, position - reach(mode)), so skip starts at `positions + 1` (an empty
-    range), local at max(0, t - w), full at 0. Keys read: [start, position]."""
+    `positions`; None: every mode, along a new last axis of N_MODES): max(0, position - reach(mode)),
+    so skip starts at `positions + 1` (an empty range), local at max(0, t - w), full at 0. Keys
+    read: [start, position]."""
+    if mode is None:
+        t = positions.unsqueeze(-1)
+        return (t - _reach(window, t)).clamp_min(0)
     t = positions
     mode = torch.as_tensor(mode, device=t.device)
     return (t - _reach(window, t)[mode]).clamp_min(0)
@@ -52,7 +56,7 @@ def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
 def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
     """(..., N_MODES) float64: how many keys a query at `positions` reads in each mode."""
     t = positions.to(torch.float64)
-    return torch.stack([t + 1.0 - read_start(t, m, window) for m in range(N_MODES)], dim=-1)
+    return t.unsqueeze(-1) + 1.0 - read_start(t, None, window)
 
 
 def read_mask(T: int, mode: int, window: int, device=None) -> torch.Tensor:
