@@ -41,12 +41,10 @@ class RunningWhitening(RunningStatistic):
         if self.should_accumulate():
             flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
             d = u.shape[-1]
-            self._acc[0] += flat.shape[0]
-            self._acc[1 : 1 + d] += flat.sum(0)
-            self._acc[1 + d :] += flat.pow(2).sum(0)
-        mean = self.mean.detach()
-        std = self.var.detach().sqrt()
-        return ((u.float() - mean) / (std + self.eps)).to(u.dtype)
+            self._acc[0].add_(flat.shape[0])
+            self._acc[1:].view(2, d).add_(torch.stack([flat.sum(0), flat.pow(2).sum(0)]))  # sums, squares
+        std = self.var.sqrt()  # buffers: no gradient to stop
+        return ((u.float() - self.mean) / (std + self.eps)).to(u.dtype)
 
     def pending(self) -> torch.Tensor:
         return self._acc
