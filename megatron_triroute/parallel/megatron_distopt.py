@@ -274,26 +274,52 @@ def fuse_adamw(optimizer: torch.optim.Optimizer) -> bool:
 
 
 def skip_aliased_param_copy(opt) -> bool:
-    """After its step, Megatron-Core's `DistributedOptimizer` copies every updated main shard into
-    the parameter buffer (`_copy_main_params_to_model_params`: a view, a slice and a `copy_` per
-    parameter tensor). For an fp32 parameter the shard AdamW steps is a view of that very buffer
-    slot (Megatron builds it as ``model_param.view(-1)[range]`` and the parameter lives in the
-    buffer), so the copy writes each value onto itself. Where `opt` holds fp32 parameters only (no
-    bf16/fp16 masters, no FP8), each step checks on the host (no tensor op) that every shard still
-    is its slot and then skips the copy; otherwise Megatron's copy runs. Returns whether the skip
-    is installed."""
-    if any(opt.model_float16_groups) or any(opt._get_fp8_params_and_shard_fp32_from_fp8()):
+    """Megatron-Core's `DistributedOptimizer` moves every fp32 shard between its buffers and the
+    parameters AdamW steps with a view, a slice and a copy per parameter tensor, each step, where
+    for fp32 parameters (no bf16/fp16 masters, no FP8) the memory never moves:
+
+    - after the step, `_copy_main_params_to_model_params` copies each updated shard into the
+      parameter buffer, but the shard is a view of that very buffer slot (Megatron builds it as
+      ``model_param.view(-1)[range]`` and the parameter lives in the buffer): each value is written
+      onto itself. Each step checks on the host (no tensor op) that every shard still is its slot
+      and then skips the copy; otherwise Megatron's copy runs.
+    - before it, `_copy_model_grads_to_main_grads` sets each shard's ``.grad`` to a fresh view of
+      its slice of the fp32 gradient buffer. The view is kept and set again while it still is that
+      slice of the parameter's ``main_grad`` (checked on the host).
+
+    Returns whether the shortcuts are installed."""
+    if (opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp or any(opt.model_float16_groups)
+            or any(opt._get_fp8_params_and_shard_fp32_from_fp8()) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
         return False
     megatron_copy = opt._copy_main_params_to_model_params
+    pairs = lambda: ((model_param, shard) for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups)
+                     for model_param, shard in zip(model_group, shard_group))
 
     def copy_unless_aliased() -> None:
-        if not all(_is_buffer_slot(opt, model_param, shard)
-                   for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups)
-                   for model_param, shard in zip(model_group, shard_group)):
+        if not all(_is_buffer_slot(opt, model_param, shard) for model_param, shard in pairs()):
             megatron_copy()
 
+    views: dict[int, torch.Tensor] = {}
+
+    def set_shard_grads() -> None:
+        for model_param, shard in pairs():
+            param_range = opt._get_model_param_range_map(model_param)["param"]
+            grad, view = model_param.main_grad, views.get(id(shard))
+            if view is None or not _is_slice_of(view, grad, param_range.start, shard.numel()):
+                view = grad.view(-1)[param_range.start : param_range.end].float()
+                views[id(shard)] = view
+            shard.grad = view
+
     opt._copy_main_params_to_model_params = copy_unless_aliased
+    opt._copy_model_grads_to_main_grads = set_shard_grads
     return True
+
+
+def _is_slice_of(view: torch.Tensor, whole: torch.Tensor, start: int, numel: int) -> bool:
+    """Whether `view` is elements start .. start + numel of the contiguous fp32 `whole`, in its storage."""
+    return (view.dtype == whole.dtype == torch.float32 and whole.is_contiguous() and view.numel() == numel
+            and view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and view.data_ptr() == whole.data_ptr() + start * whole.element_size())
 
 
 def _is_buffer_slot(opt, model_param: nn.Parameter, shard: torch.Tensor) -> bool:
