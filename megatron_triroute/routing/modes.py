@@ -49,8 +49,10 @@ def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
         t = positions.unsqueeze(-1)
         return (t - _reach(window, t)).clamp_min(0)
     t = positions
-    mode = torch.as_tensor(mode, device=t.device)
-    return (t - _reach(window, t)[mode]).clamp_min(0)
+    reach = _reach(window, t)
+    # an int selects on the host; a 0-d index tensor would be read back (a device sync on a GPU)
+    reach = reach[mode] if isinstance(mode, int) else reach[torch.as_tensor(mode, device=t.device)]
+    return (t - reach).clamp_min(0)
 
 
 def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:

@@ -37,3 +37,15 @@ def test_every_mode_at_once_equals_each_mode_s_read_start():
         t = positions.to(torch.float64)
         assert torch.equal(keys_read(positions, window),
                            torch.stack([t + 1.0 - read_start(t, m, window) for m in range(N_MODES)], -1))
+
+
+def test_reads_of_int_modes_and_of_every_mode_never_read_a_value_back():
+    from tests.benchmarks import load_benchmark
+
+    counter = load_benchmark("op_counter").StepCounter()
+    positions = torch.arange(8)
+    with counter:
+        keys_read(positions, 3)
+        read_start(positions, LOCAL, 3)
+        read_mask(8, FULL, 3)
+    assert counter.host_syncs == 0, counter.syncs  # (a 0-d index tensor is read back: a device sync on a GPU)
