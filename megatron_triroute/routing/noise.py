@@ -54,9 +54,26 @@ def _field(key: Word, i: int) -> Word:
     return _mix32((key & _MASK32) ^ ((0x9E3779B9 * (i + 1)) & _MASK32))
 
 
+def _chain_word(field: Word) -> Word:
+    """What a mixed field contributes to its link of the chain."""
+    return _mul32(field, _CHAIN)
+
+
 def _link(h: Word, field: Word) -> Word:
     """One link of the chain: the running hash h with the next mixed field folded in."""
-    return _mix32(h ^ _mul32(field, _CHAIN))
+    return _mix32(h ^ _chain_word(field))
+
+
+_COUNTER_WORDS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def counter_words(n: int, device: torch.device | str) -> torch.Tensor:
+    """(n,) int64: the chain words of the counters 0 .. n-1 (field 6), the same for every token,
+    layer and step: computed once per (n, device) and kept."""
+    key = (n, str(device))
+    if key not in _COUNTER_WORDS:
+        _COUNTER_WORDS[key] = _chain_word(_field(torch.arange(n, dtype=torch.int64, device=device), 6))
+    return _COUNTER_WORDS[key]
 
 
 def hash_keys(*keys: torch.Tensor | int) -> torch.Tensor:
@@ -86,19 +103,20 @@ def _uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float64) + 0.5).div(2.0**24)
 
 
-def counter_gumbel(prefix: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+def counter_gumbel(prefix: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor,
+                   counters: torch.Tensor) -> torch.Tensor:
     """float64 Gumbel(0, 1) noise (A, B, T, n) from the chain's values after its scalar fields.
 
     prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample (B,) global sample
-    indices; positions (B, T) positions in the full sequence; n: the counters 0 .. n-1. The
-    per-token fields are mixed once and shared by every axis. Pure tensor code with no Python
-    integer from the step or layer: the function `router.compile` compiles.
+    indices; positions (B, T) positions in the full sequence; counters (n,): `counter_words(n)`,
+    the last link's words for the counters 0 .. n-1. The per-token fields are mixed once and
+    shared by every axis. Pure tensor code with no Python integer from the step or layer: the
+    function `router.compile` compiles.
     """
-    A, (B, T) = prefix.shape[0], positions.shape
-    counter = torch.arange(n, dtype=torch.int64, device=prefix.device)
+    A, (B, T), n = prefix.shape[0], positions.shape, counters.shape[0]
     h = _link(prefix.view(A, 1, 1, 1), _field(sample.view(1, B, 1, 1), 4))  # (A, B, 1, 1)
     h = _link(h, _field(positions.view(1, B, T, 1), 5))  # (A, B, T, 1)
-    h = _link(h, _field(counter.view(1, 1, 1, n), 6))  # (A, B, T, n)
+    h = _mix32(h ^ counters.view(1, 1, 1, n))  # the counter's link, (A, B, T, n)
     return -torch.log(-torch.log(_uniform(h)))
 
 
@@ -147,5 +165,5 @@ class NoiseKey:
         sample = self.sample_index.to(torch.int64).view(B)
         pos = self.positions.to(device, torch.int64)
         pos = pos.view(1, T).expand(B, T) if pos.dim() == 1 else pos.view(B, T)
-        g = noise_fn(prefix, sample, pos, max(counts.values()))  # (A, B, T, n_max)
+        g = noise_fn(prefix, sample, pos, counter_words(max(counts.values()), device))  # (A, B, T, n_max)
         return {a: g[i, :, :, : counts[a]].to(dtype).reshape(shapes[a]) for i, a in enumerate(axes)}

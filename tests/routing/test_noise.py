@@ -3,7 +3,7 @@ host-folded scalar fields and the all-axes computation equal to one call per axi
 
 import torch
 
-from megatron_triroute.routing.noise import NoiseKey, _field, _link, counter_gumbel, hash_keys
+from megatron_triroute.routing.noise import NoiseKey, _field, _link, counter_gumbel, counter_words, hash_keys
 
 # Values of the hash as it was first released (the chain over int64 tensors for every field):
 # any change to the arithmetic changes every routing decision of a resumed run.
@@ -47,7 +47,7 @@ def test_noise_is_pinned_and_all_axes_at_once_equal_one_call_per_axis():
 def test_counter_gumbel_takes_step_and_layer_as_a_tensor():
     key = NoiseKey(5, 17, 2, torch.arange(3), torch.arange(4))
     prefix = torch.tensor([key.prefix(0), key.prefix(1)])
-    g = counter_gumbel(prefix, torch.arange(3), torch.arange(4).expand(3, 4), 6)  # (A, B, T, n)
+    g = counter_gumbel(prefix, torch.arange(3), torch.arange(4).expand(3, 4), counter_words(6, "cpu"))  # (A, B, T, n)
     assert g.shape == (2, 3, 4, 6) and g.dtype == torch.float64
     assert torch.equal(g[1].float(), key.gumbel((3, 4, 6), 1))
     assert not torch.equal(g[0], g[1])
