@@ -84,11 +84,12 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         cfg, step = self.triroute, self.step_state
         x = hidden_states
         B, T = inputs.psi.shape[:2]
-        positions = torch.arange(T, device=x.device)
+        positions = inputs.positions  # (T,) 0 .. T-1
 
         # --- controller (Alg. 1, lines 1-3) ------------------------------------------------
         side = torch.cat([inputs.psi, state.decisions], -1)
-        key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions)
+        key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions,
+                       lambda: inputs.noise_words)
         out = self.controller(x.transpose(0, 1), side, key, step.tau, state.leader_output())
         if not self.training and cfg.router.kind == "triroute" and step.prices is not None:
             out = price_decisions(out, step.prices, positions, cfg.model, cfg.router)  # the deployed policy

@@ -22,7 +22,7 @@ would specialise on).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -103,19 +103,28 @@ def _uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float64) + 0.5).div(2.0**24)
 
 
-def counter_gumbel(prefix: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor,
+def token_words(sample: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain words of a batch's per-token fields, the same at every layer and step: sample
+    (B,) global sample indices -> (B,); positions (T,) or (B, T) positions in the full sequence ->
+    (1, T) or (B, T)."""
+    positions = positions if positions.dim() == 2 else positions.view(1, -1)
+    return _chain_word(_field(sample.to(torch.int64), 4)), _chain_word(_field(positions.to(torch.int64), 5))
+
+
+def counter_gumbel(prefix: torch.Tensor, sample_words: torch.Tensor, position_words: torch.Tensor,
                    counters: torch.Tensor) -> torch.Tensor:
     """float64 Gumbel(0, 1) noise (A, B, T, n) from the chain's values after its scalar fields.
 
-    prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample (B,) global sample
-    indices; positions (B, T) positions in the full sequence; counters (n,): `counter_words(n)`,
-    the last link's words for the counters 0 .. n-1. The per-token fields are mixed once and
-    shared by every axis. Pure tensor code with no Python integer from the step or layer: the
-    function `router.compile` compiles.
+    prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample_words (B,) and
+    position_words (B or 1, T): `token_words` of the global sample indices and positions;
+    counters (n,): `counter_words(n)`, the last link's words for the counters 0 .. n-1. The
+    per-token words are computed once and shared by every axis (and, passed in, by every layer).
+    Pure tensor code with no Python integer from the step or layer: the function `router.compile`
+    compiles.
     """
-    A, (B, T), n = prefix.shape[0], positions.shape, counters.shape[0]
-    h = _link(prefix.view(A, 1, 1, 1), _field(sample.view(1, B, 1, 1), 4))  # (A, B, 1, 1)
-    h = _link(h, _field(positions.view(1, B, T, 1), 5))  # (A, B, T, 1)
+    A, B, (_, T), n = prefix.shape[0], sample_words.shape[0], position_words.shape, counters.shape[0]
+    h = _mix32(prefix.view(A, 1, 1, 1) ^ sample_words.view(1, B, 1, 1))  # sample's link, (A, B, 1, 1)
+    h = _mix32(h ^ position_words.view(1, -1, T, 1))  # position's link, (A, B, T, 1)
     h = _mix32(h ^ counters.view(1, 1, 1, n))  # the counter's link, (A, B, T, n)
     return -torch.log(-torch.log(_uniform(h)))
 
@@ -134,6 +143,9 @@ class NoiseKey:
     layer: int
     sample_index: torch.Tensor
     positions: torch.Tensor
+    words: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Gives `token_words(sample_index, positions)` when the caller keeps them (every layer of a
+    micro-batch shares one computation; called only when noise is drawn); None: computed here."""
 
     def prefix(self, axis: int) -> int:
         """The hash chain over the scalar fields (seed, step, layer, axis), on the host."""
@@ -162,8 +174,10 @@ class NoiseKey:
         counts = {a: torch.Size(shapes[a][2:]).numel() for a in axes}
         device = self.sample_index.device
         prefix = torch.tensor([self.prefix(a) for a in axes], dtype=torch.int64, device=device)
-        sample = self.sample_index.to(torch.int64).view(B)
-        pos = self.positions.to(device, torch.int64)
-        pos = pos.view(1, T).expand(B, T) if pos.dim() == 1 else pos.view(B, T)
-        g = noise_fn(prefix, sample, pos, counter_words(max(counts.values()), device))  # (A, B, T, n_max)
+        if self.words is not None:
+            sample_words, position_words = self.words()
+        else:
+            pos = self.positions.to(device)
+            sample_words, position_words = token_words(self.sample_index.view(B), pos if pos.dim() == 1 else pos.view(B, T))
+        g = noise_fn(prefix, sample_words, position_words, counter_words(max(counts.values()), device))  # (A, B, T, n_max)
         return {a: g[i, :, :, : counts[a]].to(dtype).reshape(shapes[a]) for i, a in enumerate(axes)}
