@@ -13,10 +13,12 @@ int64 tensors holding 32-bit values, with multiplications split into 16-bit halv
 intermediate exceeds 2^49 (no signed overflow anywhere).
 
 The same arithmetic runs on Python integers, so the scalar fields that lead the chain (seed,
-step, layer, axis) are folded on the host: a layer's tensor work is the three per-token fields,
-once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`), and the step and layer
-reach the tensor part only as the chain's value, a tensor (no Python integer a compiled graph
-would specialise on).
+step, layer, axis) are folded on the host, and the step and layer reach the tensor part only as the
+chain's value, a tensor (no Python integer a compiled graph would specialise on). What a field
+adds to its link (its chain word) does not depend on the step or layer: the sample's and the
+position's are computed once per micro-batch (`token_words`, shared by every layer through
+`NoiseKey.words`), the counters' once per count (`counter_words`). A layer's tensor work is the
+three links, once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`).
 """
 
 from __future__ import annotations
