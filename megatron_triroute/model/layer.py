@@ -84,11 +84,12 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         cfg, step = self.triroute, self.step_state
         x = hidden_states
         B, T = inputs.psi.shape[:2]
-        positions = torch.arange(T, device=x.device)
+        positions = inputs.positions  # (T,) 0 .. T-1
 
         # --- controller (Alg. 1, lines 1-3) ------------------------------------------------
         side = torch.cat([inputs.psi, state.decisions], -1)
-        key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions)
+        key = NoiseKey(cfg.seed, step.step, self.layer_number - 1, inputs.sample_index, positions,
+                       lambda: inputs.noise_words)
         out = self.controller(x.transpose(0, 1), side, key, step.tau, state.leader_output())
         if not self.training and cfg.router.kind == "triroute" and step.prices is not None:
             out = price_decisions(out, step.prices, positions, cfg.model, cfg.router)  # the deployed policy
@@ -129,7 +130,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so each layer adds
         lambda_r * sum_t c_r / (L * sum_t dense_r)."""
         cfg = self.triroute
-        aux, _ = router_aux_loss(out, cfg.losses)
+        aux, _ = router_aux_loss(out, cfg.losses, with_terms=False)
         if out.extra_loss is not None:
             aux = aux + out.extra_loss
         if not cfg.budget.enabled:
@@ -143,26 +144,28 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
     @torch.no_grad()
     def _record(self, out: RouterOutput, positions: torch.Tensor, observe_budget: bool) -> None:
         cfg, stats = self.triroute, self.step_state.statistics
-        row = stats.sums[self.layer_number - 1]
         sl = stats.slices()
         B, T = out.attn.y.shape[:2]
-        row[sl["tokens"]] += B * T
-        row[sl["attn/fraction"]] += one_hot(out.attn.hard, len(ATTN_MODES), torch.float64).sum((0, 1, 2)) / out.attn.hard.shape[2]
+        f64 = dict(dtype=torch.float64, device=out.attn.y.device)
+        parts = {"tokens": torch.full((1,), float(B * T), **f64)}  # in the row's layout order
+        parts["attn/fraction"] = one_hot(out.attn.hard, len(ATTN_MODES), torch.float64).sum((0, 1, 2)) / out.attn.hard.shape[2]
         if out.attn.logits is not None:
-            row[sl["attn/prob"]] += out.attn.logits.double().softmax(-1).mean(2).sum((0, 1))
+            parts["attn/prob"] = out.attn.logits.double().softmax(-1).mean(2).sum((0, 1))
         if out.experts is not None:
             n = out.experts.probs.shape[-1]
-            row[sl["experts/fraction"]] += one_hot(out.experts.option, n, torch.float64).sum((0, 1, 2)) / cfg.router.top_k
-            row[sl["experts/prob"]] += out.experts.probs.double().sum((0, 1))
-        row[sl["bits/fraction"]] += one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
+            parts["experts/fraction"] = one_hot(out.experts.option, n, torch.float64).sum((0, 1, 2)) / cfg.router.top_k
+            parts["experts/prob"] = out.experts.probs.double().sum((0, 1))
+        parts["bits/fraction"] = one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
         if out.bits.logits is not None:
-            row[sl["bits/prob"]] += out.bits.logits.double().softmax(-1).sum((0, 1))
+            parts["bits/prob"] = out.bits.logits.double().softmax(-1).sum((0, 1))
         hard = noise_free_cost(out, positions, cfg.model, cfg.router)
         dense = dense_cost(positions, cfg.model)
         cost = torch.stack([hard.flops.sum(), hard.kv_bits.sum()])
         dense_sums = torch.stack([dense.flops.sum() * B, dense.mem.sum() * B])
-        row[sl["cost"]] += cost
-        row[sl["dense"]] += dense_sums
+        parts["cost"], parts["dense"] = cost, dense_sums
+        # one add over the layer's row; a slice nothing recorded this micro-batch adds zeros
+        stats.sums[self.layer_number - 1].add_(torch.cat(
+            [parts[name] if name in parts else torch.zeros(s.stop - s.start, **f64) for name, s in sl.items()]))
         if observe_budget:
             self.step_state.budget.observe(cost, dense_sums)
 

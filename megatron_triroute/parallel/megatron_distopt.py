@@ -109,6 +109,7 @@ class MegatronDistributedAdamW(MegatronGradSync):
         self.inner = list(chained.chained_optimizers)
         for opt in self.inner:
             fuse_adamw(opt.optimizer)
+            skip_aliased_param_copy(opt)
         self.chained = chained
         self.optimizer = ParamGroupsView([g for opt in self.inner for g in opt.optimizer.param_groups])
         self.param_groups = self.optimizer.param_groups
@@ -270,6 +271,64 @@ def fuse_adamw(optimizer: torch.optim.Optimizer) -> bool:
     optimizer.defaults["fused"] = True
     optimizer._step_supports_amp_scaling = True  # as torch's constructor sets it for fused=True
     return True
+
+
+def skip_aliased_param_copy(opt) -> bool:
+    """Megatron-Core's `DistributedOptimizer` moves every fp32 shard between its buffers and the
+    parameters AdamW steps with a view, a slice and a copy per parameter tensor, each step, where
+    for fp32 parameters (no bf16/fp16 masters, no FP8) the memory never moves:
+
+    - after the step, `_copy_main_params_to_model_params` copies each updated shard into the
+      parameter buffer, but the shard is a view of that very buffer slot (Megatron builds it as
+      ``model_param.view(-1)[range]`` and the parameter lives in the buffer): each value is written
+      onto itself. Each step checks on the host (no tensor op) that every shard still is its slot
+      and then skips the copy; otherwise Megatron's copy runs.
+    - before it, `_copy_model_grads_to_main_grads` sets each shard's ``.grad`` to a fresh view of
+      its slice of the fp32 gradient buffer. The view is kept and set again while it still is that
+      slice of the parameter's ``main_grad`` (checked on the host).
+
+    Returns whether the shortcuts are installed."""
+    if (opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp or any(opt.model_float16_groups)
+            or any(opt._get_fp8_params_and_shard_fp32_from_fp8()) or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8):
+        return False
+    megatron_copy = opt._copy_main_params_to_model_params
+    pairs = lambda: ((model_param, shard) for model_group, shard_group in zip(opt.model_fp32_groups, opt.shard_fp32_groups)
+                     for model_param, shard in zip(model_group, shard_group))
+
+    def copy_unless_aliased() -> None:
+        if not all(_is_buffer_slot(opt, model_param, shard) for model_param, shard in pairs()):
+            megatron_copy()
+
+    views: dict[int, torch.Tensor] = {}
+
+    def set_shard_grads() -> None:
+        for model_param, shard in pairs():
+            param_range = opt._get_model_param_range_map(model_param)["param"]
+            grad, view = model_param.main_grad, views.get(id(shard))
+            if view is None or not _is_slice_of(view, grad, param_range.start, shard.numel()):
+                view = grad.view(-1)[param_range.start : param_range.end].float()
+                views[id(shard)] = view
+            shard.grad = view
+
+    opt._copy_main_params_to_model_params = copy_unless_aliased
+    opt._copy_model_grads_to_main_grads = set_shard_grads
+    return True
+
+
+def _is_slice_of(view: torch.Tensor, whole: torch.Tensor, start: int, numel: int) -> bool:
+    """Whether `view` is elements start .. start + numel of the contiguous fp32 `whole`, in its storage."""
+    return (view.dtype == whole.dtype == torch.float32 and whole.is_contiguous() and view.numel() == numel
+            and view.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and view.data_ptr() == whole.data_ptr() + start * whole.element_size())
+
+
+def _is_buffer_slot(opt, model_param: nn.Parameter, shard: torch.Tensor) -> bool:
+    """Whether `shard` is the very memory `_copy_main_params_to_model_params` would copy it into."""
+    world_range = opt._get_model_param_range_map(model_param)["gbuf_world_in_bucket"]
+    gbuf_index, _, bucket_id = opt.model_param_gbuf_map[model_param]
+    slot = opt.buffers[gbuf_index].buckets[bucket_id].param_data
+    return (shard.dtype == slot.dtype and shard.numel() == world_range.size and shard.is_contiguous()
+            and shard.data_ptr() == slot.data_ptr() + world_range.start * slot.element_size())
 
 
 def optimizer_process_groups(groups: ParallelGroups):

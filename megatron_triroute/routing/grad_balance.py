@@ -63,14 +63,24 @@ class GradBalance(RunningStatistic):
     def pending(self) -> torch.Tensor:
         return self._acc
 
+    def batch_key(self) -> object:
+        return (GradBalance, self.momentum, self.enabled, self.rho.device)
+
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor) -> None:
-        sq_norm = reduced[0].clone()
-        self._acc.zero_()
-        if not self.enabled:
+        GradBalance.commit_all([self], [reduced])
+
+    @classmethod
+    @torch.no_grad()
+    def commit_all(cls, stats: list["GradBalance"], reduced: list[torch.Tensor]) -> None:
+        """The EMA update of every module in `stats` (one momentum) as one batched computation."""
+        sq_norm = torch.cat(reduced)  # (K,) each module's squared norm over the global batch
+        torch._foreach_zero_([g._acc for g in stats])
+        if not stats[0].enabled:
             return
-        m = self.momentum
+        m = stats[0].momentum
+        rho = torch.stack([g.rho for g in stats])
         # float64 arithmetic, rounded to fp32 once; no gradient reached this head this step (e.g.
         # the axis unused): rho kept. A select, not a branch: no host read of the norm.
-        updated = (m * self.rho.double() + (1 - m) * sq_norm.clamp_min(0.0).sqrt()).float()
-        self.rho.copy_(torch.where(sq_norm > 0.0, updated, self.rho))
+        updated = (m * rho.double() + (1 - m) * sq_norm.clamp_min(0.0).sqrt()).float()
+        torch._foreach_copy_([g.rho for g in stats], list(torch.where(sq_norm > 0.0, updated, rho).unbind()))

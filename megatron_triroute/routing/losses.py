@@ -34,9 +34,12 @@ def marginal_entropy(mean_prob: torch.Tensor) -> torch.Tensor:
     return -(p * p.log()).sum()
 
 
-def entropy_floor_loss(mean_prob: torch.Tensor, zeta: float) -> torch.Tensor:
-    """L_ent = [zeta log|O| - H(p_bar)]_+  (Eq. for L_ent, Sec. balance)."""
-    return F.relu(zeta * math.log(mean_prob.numel()) - marginal_entropy(mean_prob))
+def entropy_floor_loss(mean_prob: torch.Tensor, zeta: float, entropy: torch.Tensor | None = None) -> torch.Tensor:
+    """L_ent = [zeta log|O| - H(p_bar)]_+  (Eq. for L_ent, Sec. balance); `entropy`: H(p_bar) when
+    already computed."""
+    if entropy is None:
+        entropy = marginal_entropy(mean_prob)
+    return F.relu(zeta * math.log(mean_prob.numel()) - entropy)
 
 
 def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,13 +53,15 @@ def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch
     return counts / counts.sum(), probs.mean(0)
 
 
-def router_aux_loss(out: RouterOutput, cfg: LossConfig) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """sum over routed axes of alpha L_bal + beta L_z + gamma L_ent (the middle term of Eq. total).
 
-    Returns the total and a dict of detached per-axis terms for logging.
+    Returns the total and a dict of detached per-axis terms for logging (`with_terms=False`: an
+    empty dict, and none of their ops run; the total is the same bit for bit).
     """
     terms: dict[str, torch.Tensor] = {}
-    total = torch.zeros(())
+    total: torch.Tensor | None = None
     axes = []
     if out.attn.logits is not None:
         # Token-granular attention has one logit group (H_a = 1) whose decision every head copies.
@@ -70,10 +75,16 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig) -> tuple[torch.Tensor, d
         f, p = axis_statistics(logits, executed)
         bal = switch_load_loss(f, p)
         z = router_z_loss(logits)
-        ent = entropy_floor_loss(p, cfg.entropy_floor) if cfg.use_entropy_floor else torch.zeros(())
-        total = total + cfg.load_weight * bal + cfg.z_weight * z + cfg.entropy_weight * ent
-        terms[f"{name}/load"] = bal.detach()
-        terms[f"{name}/z"] = z.detach()
-        terms[f"{name}/entropy_floor"] = ent.detach()
-        terms[f"{name}/marginal_entropy"] = marginal_entropy(p).detach() / math.log(logits.shape[-1])
-    return total, terms
+        entropy = marginal_entropy(p) if cfg.use_entropy_floor or with_terms else None
+        parts = [cfg.load_weight * bal, cfg.z_weight * z]
+        if cfg.use_entropy_floor:  # without the floor its term is an exact zero: not added
+            ent = entropy_floor_loss(p, cfg.entropy_floor, entropy)
+            parts.append(cfg.entropy_weight * ent)
+        for part in parts:  # summed in Eq. total's order, term by term
+            total = part if total is None else total + part
+        if with_terms:
+            terms[f"{name}/load"] = bal.detach()
+            terms[f"{name}/z"] = z.detach()
+            terms[f"{name}/entropy_floor"] = ent.detach() if cfg.use_entropy_floor else torch.zeros(())
+            terms[f"{name}/marginal_entropy"] = entropy.detach() / math.log(logits.shape[-1])
+    return (torch.zeros(()) if total is None else total), terms

@@ -42,18 +42,23 @@ def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
 
 def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:
     """First key a query at `positions` reads in `mode` (an int or a tensor broadcastable to
-    `positions`): max(0, position - reach(mode)), so skip starts at `positions + 1` (an empty
-    range), local at max(0, t - w), full at 0. Keys read: [start, position]."""
+    `positions`; None: every mode, along a new last axis of N_MODES): max(0, position - reach(mode)),
+    so skip starts at `positions + 1` (an empty range), local at max(0, t - w), full at 0. Keys
+    read: [start, position]."""
+    if mode is None:
+        t = positions.unsqueeze(-1)
+        return (t - _reach(window, t)).clamp_min(0)
     t = positions
     reach = _reach(window, t)
-    # An int mode selects without reading the device (a 0-d tensor index would: serving steps stay sync-free).
-    return (t - (reach[mode] if isinstance(mode, int) else reach[torch.as_tensor(mode, device=t.device)])).clamp_min(0)
+    # an int selects on the host; a 0-d index tensor would be read back (a device sync on a GPU)
+    reach = reach[mode] if isinstance(mode, int) else reach[torch.as_tensor(mode, device=t.device)]
+    return (t - reach).clamp_min(0)
 
 
 def keys_read(positions: torch.Tensor, window: int) -> torch.Tensor:
     """(..., N_MODES) float64: how many keys a query at `positions` reads in each mode."""
     t = positions.to(torch.float64)
-    return torch.stack([t + 1.0 - read_start(t, m, window) for m in range(N_MODES)], dim=-1)
+    return t.unsqueeze(-1) + 1.0 - read_start(t, None, window)
 
 
 def read_mask(T: int, mode: int, window: int, device=None) -> torch.Tensor:

@@ -13,16 +13,18 @@ int64 tensors holding 32-bit values, with multiplications split into 16-bit halv
 intermediate exceeds 2^49 (no signed overflow anywhere).
 
 The same arithmetic runs on Python integers, so the scalar fields that lead the chain (seed,
-step, layer, axis) are folded on the host: a layer's tensor work is the three per-token fields,
-once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`), and the step and layer
-reach the tensor part only as the chain's value, a tensor (no Python integer a compiled graph
-would specialise on).
+step, layer, axis) are folded on the host, and the step and layer reach the tensor part only as the
+chain's value, a tensor (no Python integer a compiled graph would specialise on). What a field
+adds to its link (its chain word) does not depend on the step or layer: the sample's and the
+position's are computed once per micro-batch (`token_words`, shared by every layer through
+`NoiseKey.words`), the counters' once per count (`counter_words`). A layer's tensor work is the
+three links, once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Mapping, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
@@ -54,9 +56,26 @@ def _field(key: Word, i: int) -> Word:
     return _mix32((key & _MASK32) ^ ((0x9E3779B9 * (i + 1)) & _MASK32))
 
 
+def _chain_word(field: Word) -> Word:
+    """What a mixed field contributes to its link of the chain."""
+    return _mul32(field, _CHAIN)
+
+
 def _link(h: Word, field: Word) -> Word:
     """One link of the chain: the running hash h with the next mixed field folded in."""
-    return _mix32(h ^ _mul32(field, _CHAIN))
+    return _mix32(h ^ _chain_word(field))
+
+
+_COUNTER_WORDS: dict[tuple[int, str], torch.Tensor] = {}
+
+
+def counter_words(n: int, device: torch.device | str) -> torch.Tensor:
+    """(n,) int64: the chain words of the counters 0 .. n-1 (field 6), the same for every token,
+    layer and step: computed once per (n, device) and kept."""
+    key = (n, str(device))
+    if key not in _COUNTER_WORDS:
+        _COUNTER_WORDS[key] = _chain_word(_field(torch.arange(n, dtype=torch.int64, device=device), 6))
+    return _COUNTER_WORDS[key]
 
 
 def hash_keys(*keys: torch.Tensor | int) -> torch.Tensor:
@@ -86,19 +105,29 @@ def _uniform(h: torch.Tensor) -> torch.Tensor:
     return ((h >> 8).to(torch.float64) + 0.5).div(2.0**24)
 
 
-def counter_gumbel(prefix: torch.Tensor, sample: torch.Tensor, positions: torch.Tensor, n: int) -> torch.Tensor:
+def token_words(sample: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chain words of a batch's per-token fields, the same at every layer and step: sample
+    (B,) global sample indices -> (B,); positions (T,) or (B, T) positions in the full sequence ->
+    (1, T) or (B, T)."""
+    positions = positions if positions.dim() == 2 else positions.view(1, -1)
+    return _chain_word(_field(sample.to(torch.int64), 4)), _chain_word(_field(positions.to(torch.int64), 5))
+
+
+def counter_gumbel(prefix: torch.Tensor, sample_words: torch.Tensor, position_words: torch.Tensor,
+                   counters: torch.Tensor) -> torch.Tensor:
     """float64 Gumbel(0, 1) noise (A, B, T, n) from the chain's values after its scalar fields.
 
-    prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample (B,) global sample
-    indices; positions (B, T) positions in the full sequence; n: the counters 0 .. n-1. The
-    per-token fields are mixed once and shared by every axis. Pure tensor code with no Python
-    integer from the step or layer: the function `router.compile` compiles.
+    prefix (A,) int64: one chain value per axis (`NoiseKey.prefix`); sample_words (B,) and
+    position_words (B or 1, T): `token_words` of the global sample indices and positions;
+    counters (n,): `counter_words(n)`, the last link's words for the counters 0 .. n-1. The
+    per-token words are computed once and shared by every axis (and, passed in, by every layer).
+    Pure tensor code with no Python integer from the step or layer: the function `router.compile`
+    compiles.
     """
-    A, (B, T) = prefix.shape[0], positions.shape
-    counter = torch.arange(n, dtype=torch.int64, device=prefix.device)
-    h = _link(prefix.view(A, 1, 1, 1), _field(sample.view(1, B, 1, 1), 4))  # (A, B, 1, 1)
-    h = _link(h, _field(positions.view(1, B, T, 1), 5))  # (A, B, T, 1)
-    h = _link(h, _field(counter.view(1, 1, 1, n), 6))  # (A, B, T, n)
+    A, B, (_, T), n = prefix.shape[0], sample_words.shape[0], position_words.shape, counters.shape[0]
+    h = _mix32(prefix.view(A, 1, 1, 1) ^ sample_words.view(1, B, 1, 1))  # sample's link, (A, B, 1, 1)
+    h = _mix32(h ^ position_words.view(1, -1, T, 1))  # position's link, (A, B, T, 1)
+    h = _mix32(h ^ counters.view(1, 1, 1, n))  # the counter's link, (A, B, T, n)
     return -torch.log(-torch.log(_uniform(h)))
 
 
@@ -116,6 +145,9 @@ class NoiseKey:
     layer: int
     sample_index: torch.Tensor
     positions: torch.Tensor
+    words: Callable[[], tuple[torch.Tensor, torch.Tensor]] | None = None
+    """Gives `token_words(sample_index, positions)` when the caller keeps them (every layer of a
+    micro-batch shares one computation; called only when noise is drawn); None: computed here."""
 
     def prefix(self, axis: int) -> int:
         """The hash chain over the scalar fields (seed, step, layer, axis), on the host."""
@@ -144,8 +176,10 @@ class NoiseKey:
         counts = {a: torch.Size(shapes[a][2:]).numel() for a in axes}
         device = self.sample_index.device
         prefix = torch.tensor([self.prefix(a) for a in axes], dtype=torch.int64, device=device)
-        sample = self.sample_index.to(torch.int64).view(B)
-        pos = self.positions.to(device, torch.int64)
-        pos = pos.view(1, T).expand(B, T) if pos.dim() == 1 else pos.view(B, T)
-        g = noise_fn(prefix, sample, pos, max(counts.values()))  # (A, B, T, n_max)
+        if self.words is not None:
+            sample_words, position_words = self.words()
+        else:
+            pos = self.positions.to(device)
+            sample_words, position_words = token_words(self.sample_index.view(B), pos if pos.dim() == 1 else pos.view(B, T))
+        g = noise_fn(prefix, sample_words, position_words, counter_words(max(counts.values()), device))  # (A, B, T, n_max)
         return {a: g[i, :, :, : counts[a]].to(dtype).reshape(shapes[a]) for i, a in enumerate(axes)}

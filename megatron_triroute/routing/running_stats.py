@@ -9,6 +9,10 @@ rules make them safe under data, tensor and pipeline parallelism and activation 
 3. `commit_running_statistics` concatenates every module's accumulator, reduces them with ONE
    caller-supplied all-reduce (sum over the data-parallel group, plus any ranks that hold
    different tokens), and updates every statistic identically on every rank.
+
+Modules of one kind (`batch_key`) commit together (`commit_all`): one batched update over all of
+them instead of a chain of small ops per module (a model has one whitening and one gradient
+balance per routed axis and layer).
 """
 
 from __future__ import annotations
@@ -32,6 +36,17 @@ class RunningStatistic(nn.Module):
 
     def commit(self, reduced: torch.Tensor) -> None:  # pragma: no cover - interface
         raise NotImplementedError
+
+    def batch_key(self) -> object:
+        """Modules with equal keys commit together through `type(self).commit_all`; the default
+        (the module itself) commits each module alone."""
+        return self
+
+    @classmethod
+    def commit_all(cls, stats: list["RunningStatistic"], reduced: list[torch.Tensor]) -> None:
+        """Commit `stats` (equal `batch_key`s) from their reduced accumulators."""
+        for stat, r in zip(stats, reduced):
+            stat.commit(r)
 
     def should_accumulate(self) -> bool:
         """Accumulate in training forwards only, never in a recompute inside backward."""
@@ -58,17 +73,19 @@ def commit_running_statistics(
     if not stats:
         return
     buffers = [s.pending() for s in stats]
-    flat = torch.cat([b.reshape(-1) for b in buffers])
+    flat = torch.cat([b if b.dim() == 1 else b.reshape(-1) for b in buffers])
     if all_reduce is not None:
         all_reduce(flat)
-    offset = 0
-    for stat, buf in zip(stats, buffers):
-        n = buf.numel()
-        stat.commit(flat[offset : offset + n].view_as(buf))
-        offset += n
+    reduced = [r if r.shape == b.shape else r.view_as(b) for r, b in zip(flat.split([b.numel() for b in buffers]), buffers)]
+    batches: dict[object, list[int]] = {}
+    for i, stat in enumerate(stats):
+        batches.setdefault(stat.batch_key(), []).append(i)
+    for members in batches.values():
+        type(stats[members[0]]).commit_all([stats[i] for i in members], [reduced[i] for i in members])
 
 
 def discard_running_statistics(modules: Iterable[nn.Module]) -> None:
     """Drop every pending accumulator (a skipped step must not move any statistic)."""
-    for stat in running_statistics(modules):
-        stat.pending().zero_()
+    pending = [stat.pending() for stat in running_statistics(modules)]
+    if pending:
+        torch._foreach_zero_(pending)

@@ -17,6 +17,7 @@ request (inference/side_state.py) and threads `RoutingState` through its layers 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,7 @@ import torch
 from ..config import TriRouteConfig
 from .controller import AxisDecision, RouterOutput, decision_features
 from .modes import N_MODES
+from .noise import token_words
 from .side_features import TokenTables, decision_feature_size, static_side_features
 
 
@@ -33,6 +35,16 @@ class RoutingInputs:
     """(B, T, N_STATIC_FEATURES) float32 static side features of the tokens."""
     sample_index: torch.Tensor
     """(B,) int64 global sample index (the noise key)."""
+
+    @functools.cached_property
+    def positions(self) -> torch.Tensor:
+        """(T,) int64 positions 0 .. T-1 of the micro-batch's tokens in their sequences."""
+        return torch.arange(self.psi.shape[1], device=self.psi.device)
+
+    @functools.cached_property
+    def noise_words(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """`routing.noise.token_words` of (sample_index, positions): every layer's noise key shares them."""
+        return token_words(self.sample_index, self.positions)
 
     @classmethod
     def of(cls, tokens: torch.Tensor, sample_index: torch.Tensor, tables: TokenTables,

@@ -41,27 +41,61 @@ class RunningWhitening(RunningStatistic):
         if self.should_accumulate():
             flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
             d = u.shape[-1]
-            self._acc[0] += flat.shape[0]
-            self._acc[1 : 1 + d] += flat.sum(0)
-            self._acc[1 + d :] += flat.pow(2).sum(0)
-        mean = self.mean.detach()
-        std = self.var.detach().sqrt()
-        return ((u.float() - mean) / (std + self.eps)).to(u.dtype)
+            self._acc[0].add_(flat.shape[0])
+            self._acc[1:].view(2, d).add_(torch.stack([flat.sum(0), flat.pow(2).sum(0)]))  # sums, squares
+        std = self.var.sqrt()  # buffers: no gradient to stop
+        return ((u.float() - self.mean) / (std + self.eps)).to(u.dtype)
 
     def pending(self) -> torch.Tensor:
         return self._acc
 
+    def batch_key(self) -> object:
+        return (RunningWhitening, self.momentum, self.mean.device)
+
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor) -> None:
-        reduced = reduced.clone()
-        self._acc.zero_()
+        RunningWhitening.commit_all([self], [reduced])
+
+    @classmethod
+    @torch.no_grad()
+    def commit_all(cls, stats: list["RunningWhitening"], reduced: list[torch.Tensor]) -> None:
+        """The EMA update of every module in `stats` (one momentum) as one batched computation over
+        their features laid end to end; each feature reads its own module's token count."""
+        widths = [w.mean.numel() for w in stats]
+        count_at, sum_at, square_at, module_count_at = _feature_indices(tuple(widths), stats[0].mean.device)
+        flat = torch.cat(reduced)  # [count, sum(D), sum of squares(D)] per module, end to end
+        torch._foreach_zero_([w._acc for w in stats])
+        counts = flat[count_at]  # (sum D,): each feature's module count
         # No tokens this step: every statistic kept. Selects, not a branch: no host read of the count.
-        seen = reduced[0] > 0
-        count = reduced[0].clamp_min(1.0)
-        d = self.mean.numel()
-        batch_mean = reduced[1 : 1 + d] / count
-        batch_var = (reduced[1 + d :] / count - batch_mean.pow(2)).clamp_min(0.0)
-        m = self.momentum
-        self.mean.copy_(torch.where(seen, (m * self.mean.double() + (1 - m) * batch_mean).float(), self.mean))
-        self.var.copy_(torch.where(seen, (m * self.var.double() + (1 - m) * batch_var).float(), self.var))
-        self.steps += seen.to(self.steps.dtype)
+        seen = counts > 0
+        count = counts.clamp_min(1.0)
+        batch_mean = flat[sum_at] / count
+        batch_var = (flat[square_at] / count - batch_mean.pow(2)).clamp_min(0.0)
+        m = stats[0].momentum
+        for name, batch in (("mean", batch_mean), ("var", batch_var)):
+            old = torch.cat([getattr(w, name) for w in stats])
+            new = torch.where(seen, (m * old.double() + (1 - m) * batch).float(), old)
+            torch._foreach_copy_([getattr(w, name) for w in stats], list(new.split(widths)))
+        module_seen = flat[module_count_at] > 0
+        torch._foreach_add_([w.steps for w in stats], list(module_seen.to(torch.int64).unbind()))
+
+
+_INDEX_CACHE: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _feature_indices(widths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """For modules of `widths` features whose accumulators [count, sum(d), sum of squares(d)] lie
+    end to end: each feature's index of its module's count, of its sum and of its sum of squares,
+    and each module's index of its count (built once per layout and device)."""
+    key = (widths, str(device))
+    if key not in _INDEX_CACHE:
+        count_at, sum_at, square_at, module_count_at, start = [], [], [], [], 0
+        for d in widths:
+            module_count_at.append(start)
+            count_at += [start] * d
+            sum_at += range(start + 1, start + 1 + d)
+            square_at += range(start + 1 + d, start + 1 + 2 * d)
+            start += 1 + 2 * d
+        _INDEX_CACHE[key] = tuple(torch.tensor(i, dtype=torch.int64, device=device)
+                                  for i in (count_at, sum_at, square_at, module_count_at))
+    return _INDEX_CACHE[key]

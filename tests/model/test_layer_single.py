@@ -39,6 +39,27 @@ def _layer_io(model, tokens, sample_index):
     return kw["hidden_states"], captured["out"], {"inputs": kw["inputs"], "state": kw["state"]}
 
 
+def _check_recorded_row(cfg, stats, B: int, T: int):
+    """Layer 0's statistics row after one training forward with every decision forced (full
+    attention on every head, bit option 3, expert option 2 with top-1), by hand, slot by slot."""
+    from megatron_triroute.routing.cost import expert_width
+    from megatron_triroute.routing.quant import kv_bits_per_token
+
+    m, r = cfg.model, cfg.router
+    n, sl = float(B * T), stats.slices()
+    expected = torch.zeros(stats.width, dtype=torch.float64)
+    expected[sl["tokens"]] = n
+    for name, option in (("attn", 2), ("experts", 2), ("bits", 3)):
+        expected[sl[f"{name}/fraction"].start + option] = n  # counts (attention: per head, over heads)
+        expected[sl[f"{name}/prob"].start + option] = n  # softmax of +-1e4 logits: exactly one-hot
+    reads = B * sum(2.0 * m.d_model * (t + 1) for t in range(T))  # every head reads t + 1 keys
+    expected[sl["cost"]] = torch.tensor([reads + n * 3.0 * m.d_model * expert_width(m, r),
+                                         n * kv_bits_per_token(r.bits[3], m.d_kv, r.group_size_for(m))])
+    expected[sl["dense"]] = torch.tensor([reads + n * 3.0 * m.d_model * m.d_ff, n * 2 * m.d_kv * 16])
+    assert torch.equal(stats.sums[0], expected), (stats.sums[0], expected)
+    assert not stats.sums[1:].any()
+
+
 def _checks(rank, world_size):
     from megatron.core.transformer.transformer_block import TransformerBlock
 
@@ -80,8 +101,11 @@ def _checks(rank, world_size):
     x = x + expert(layer.pre_mlp_layernorm(x))
     assert torch.allclose(x_out[:T], x, atol=1e-5), (x_out[:T] - x).abs().max()
     model.train()  # relaxed path with the same forced decisions gives the same layer output
+    stats = layer.step_state.statistics
+    stats.reset()
     out_train = layer(hidden_states=x_in, rotary_pos_emb=rope, **routing)[0]
     assert torch.allclose(out_train[:T], x, atol=1e-5)
+    _check_recorded_row(cfg, stats, B=tokens.shape[0], T=T)
 
     # --- causality of the whole GPT in training mode (noise on, no-drop) ----------------------
     cfg = tiny_triroute()

@@ -261,3 +261,61 @@ def test_fuse_adamw_leaves_other_optimizers_alone():
     assert not fuse_adamw(sgd) and not sgd.param_groups[0].get("fused")
     foreach = torch.optim.AdamW([param], lr=0.1, foreach=True)
     assert not fuse_adamw(foreach) and foreach.param_groups[0]["foreach"]
+
+
+def test_fp32_shards_are_their_buffer_slots_so_the_copies_are_skipped():
+    """Megatron's copy of the updated fp32 shards into the parameter buffer writes each value onto
+    itself: the skip dispatches nothing, a step leaves the parameters as Megatron's copy would, and a
+    shard that is not its slot brings Megatron's copy back. The shards' gradients are the slices
+    of the gradient buffer Megatron's own copy sets, kept from step to step while they still are."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_triroute.distributed.one_process import single_process_parallel
+    from megatron_triroute.parallel.megatron_distopt import skip_aliased_param_copy
+    from tests.benchmarks import load_benchmark
+
+    with single_process_parallel("gloo"):
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        config, model = _tiny_gpt()
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True), model)
+        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, use_distributed_optimizer=True), [ddp])
+        opt = next(o for o in getattr(chained, "chained_optimizers", [chained]) if isinstance(o, DistributedOptimizer))
+        assert skip_aliased_param_copy(opt)
+        _loss(ddp, _batch(0, 0)).backward()
+        ddp.finish_grad_sync()
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        counter = load_benchmark("op_counter").StepCounter()
+        with counter:
+            ok, _, _ = chained.step()
+        assert ok
+        shards = [(p, shard) for mg, sg in zip(opt.model_fp32_groups, opt.shard_fp32_groups) for p, shard in zip(mg, sg)]
+        kept = [shard.grad for _, shard in shards]
+        DistributedOptimizer._copy_model_grads_to_main_grads(opt)  # Megatron's own: the same slices
+        assert all(shard.grad.data_ptr() == g.data_ptr() and torch.equal(shard.grad, g) for (_, shard), g in zip(shards, kept))
+        assert all(g.untyped_storage().data_ptr() == p.main_grad.untyped_storage().data_ptr() for (p, _), g in zip(shards, kept))
+        counter = load_benchmark("op_counter").StepCounter()
+        with counter:
+            opt._copy_model_grads_to_main_grads()
+        assert counter.ops == 0 and all(shard.grad is g for (_, shard), g in zip(shards, kept))
+        param, shard = shards[0]
+        param.main_grad = param.main_grad.clone().fill_(0.25)  # a new gradient buffer: its slice is taken
+        opt._copy_model_grads_to_main_grads()
+        assert bool((shard.grad == 0.25).all()) and all(s.grad is g for (_, s), g in zip(shards[1:], kept[1:]))
+        stepped = {n: p.detach().clone() for n, p in model.named_parameters()}
+        assert all(not torch.equal(before[n], stepped[n]) for n in before)  # AdamW moved every parameter
+        counter = load_benchmark("op_counter").StepCounter()
+        with counter:
+            opt._copy_main_params_to_model_params()
+        assert counter.ops == 0
+        DistributedOptimizer._copy_main_params_to_model_params(opt)  # Megatron's copy changes nothing
+        assert all(torch.equal(p.detach(), stepped[n]) for n, p in model.named_parameters())
+        # a shard held apart from its slot: Megatron's copy runs and writes it into the parameter
+        group = next(g for g in opt.shard_fp32_groups if g)
+        group[0] = group[0].detach().clone().fill_(0.5)
+        opt._copy_main_params_to_model_params()
+        assert any(bool((p.detach() == 0.5).all()) for p in model.parameters())

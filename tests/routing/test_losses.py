@@ -44,3 +44,43 @@ def test_axis_statistics_counts_top_k_slots():
     f, p = axis_statistics(logits, executed)
     assert torch.allclose(f, torch.tensor([0.5, 0.25, 0.25]))
     assert torch.allclose(p, torch.full((3,), 1 / 3))
+
+
+def _eq_total_reference(out, cfg):
+    """Eq. total's middle term as written: a zero, then per axis + alpha L_bal + beta L_z + gamma L_ent."""
+    total = torch.zeros(())
+    h_a = out.attn.logits.shape[2]
+    for logits, executed in ((out.attn.logits, out.attn.y[:, :, :h_a].argmax(-1)),
+                             (out.expert_logits, out.experts.option), (out.bits.logits, out.bits.y.argmax(-1))):
+        f, p = axis_statistics(logits, executed)
+        ent = entropy_floor_loss(p, cfg.entropy_floor) if cfg.use_entropy_floor else torch.zeros(())
+        total = total + cfg.load_weight * switch_load_loss(f, p) + cfg.z_weight * router_z_loss(logits) \
+            + cfg.entropy_weight * ent
+    return total
+
+
+def test_router_aux_loss_equals_eq_total_term_by_term_with_or_without_its_logged_terms():
+    import dataclasses
+
+    from megatron_triroute import TriRouteController
+    from megatron_triroute.routing.losses import router_aux_loss
+    from megatron_triroute.routing.noise import NoiseKey
+
+    from .helpers import make_inputs, tiny_config
+
+    cfg = tiny_config()
+    torch.manual_seed(0)
+    controller = TriRouteController(cfg, 0).train()
+    hidden, side = make_inputs(cfg)
+    out = controller(hidden * 3, side, NoiseKey(3, 0, 0, torch.arange(2), torch.arange(hidden.shape[1])), tau=1.0)
+    for floor in (True, False):
+        losses = dataclasses.replace(cfg.losses, use_entropy_floor=floor, entropy_floor=1.0, load_weight=0.3,
+                                     z_weight=0.7, entropy_weight=1.3)
+        expected = _eq_total_reference(out, losses)
+        logged, terms = router_aux_loss(out, losses)
+        bare, none = router_aux_loss(out, losses, with_terms=False)
+        assert torch.equal(logged, expected) and torch.equal(bare, expected) and not none
+        assert len(terms) == 12 and (terms["experts/entropy_floor"] > 0) == floor
+        grads = [torch.autograd.grad(t, controller.heads["experts"].proj.weight, retain_graph=True)[0]
+                 for t in (bare, expected)]
+        assert torch.equal(*grads)

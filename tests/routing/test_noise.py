@@ -3,7 +3,7 @@ host-folded scalar fields and the all-axes computation equal to one call per axi
 
 import torch
 
-from megatron_triroute.routing.noise import NoiseKey, _field, _link, counter_gumbel, hash_keys
+from megatron_triroute.routing.noise import NoiseKey, _field, _link, counter_gumbel, counter_words, hash_keys, token_words
 
 # Values of the hash as it was first released (the chain over int64 tensors for every field):
 # any change to the arithmetic changes every routing decision of a resumed run.
@@ -47,7 +47,19 @@ def test_noise_is_pinned_and_all_axes_at_once_equal_one_call_per_axis():
 def test_counter_gumbel_takes_step_and_layer_as_a_tensor():
     key = NoiseKey(5, 17, 2, torch.arange(3), torch.arange(4))
     prefix = torch.tensor([key.prefix(0), key.prefix(1)])
-    g = counter_gumbel(prefix, torch.arange(3), torch.arange(4).expand(3, 4), 6)  # (A, B, T, n)
+    g = counter_gumbel(prefix, *token_words(torch.arange(3), torch.arange(4)), counter_words(6, "cpu"))  # (A, B, T, n)
     assert g.shape == (2, 3, 4, 6) and g.dtype == torch.float64
     assert torch.equal(g[1].float(), key.gumbel((3, 4, 6), 1))
     assert not torch.equal(g[0], g[1])
+
+
+def test_a_key_given_its_token_words_draws_the_same_noise():
+    sample = torch.tensor([4, 9])
+    for positions in (torch.arange(5), torch.arange(5).view(1, 5) + torch.tensor([[0], [7]])):
+        plain = NoiseKey(11, 3, 1, sample, positions)
+        shared = NoiseKey(11, 3, 1, sample, positions, lambda: token_words(sample, positions))
+        for shapes in ({0: (2, 5, 3, 3)}, {0: (2, 5, 2, 3), 2: (2, 5, 4)}):
+            a, b = plain.gumbel_axes(shapes), shared.gumbel_axes(shapes)
+            assert all(torch.equal(a[k], b[k]) for k in shapes)
+    wrong = NoiseKey(11, 3, 1, sample, torch.arange(5), lambda: token_words(sample, torch.arange(1, 6)))
+    assert not torch.equal(wrong.gumbel((2, 5, 3), 0), NoiseKey(11, 3, 1, sample, torch.arange(5)).gumbel((2, 5, 3), 0))
