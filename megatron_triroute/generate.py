@@ -59,8 +59,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.prompts_file is not None:
         lines = [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
         if args.prompts_file.suffix == ".jsonl":
+            from .inference.serve_budget import request_from_json
+
             for i, line in enumerate(lines, 1):
-                prompt, targets = _request(line, f"{args.prompts_file}:{i}", (args.target_flops, args.target_mem))
+                prompt, targets = request_from_json(line, f"{args.prompts_file}:{i}", (args.target_flops, args.target_mem))
                 args.prompt.append(prompt)
                 args.targets.append(targets)
         else:
@@ -71,29 +73,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens={args.max_new_tokens}: must be >= 1")
     return args
-
-
-def _request(line: str, where: str, default: tuple) -> tuple[str, tuple]:
-    """One JSONL request: its prompt and (target_flops, target_mem), the flags' where absent."""
-    from .input_errors import InputError
-
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise InputError(f"{where}: not a JSON object ({error}). Fix: one object per line, "
-                         '{"prompt": "...", "target_flops": 0.5, "target_mem": 0.4}') from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
-        raise InputError(f'{where}: needs a "prompt" string. Fix: {{"prompt": "...", "target_flops": 0.5}}')
-    unknown = set(obj) - {"prompt", "target_flops", "target_mem"}
-    if unknown:
-        raise InputError(f"{where}: unknown field(s) {sorted(unknown)}; the fields are prompt, target_flops, target_mem")
-    targets = []
-    for name, fallback in zip(("target_flops", "target_mem"), default):
-        value = obj.get(name, fallback)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise InputError(f"{where}: {name}={value!r} must be a number (a fraction of the dense cost)")
-        targets.append(None if value is None else float(value))
-    return obj["prompt"], tuple(targets)
 
 
 def _main(argv=None) -> int:

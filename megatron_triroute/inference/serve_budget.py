@@ -22,6 +22,7 @@ reaches by other prices. Two parts:
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Callable
 
@@ -168,3 +169,27 @@ class RequestBudget:
             lo, hi = self.curve.reachable(r)
             self.aims[r] = min(max(target - self._bias[r] + PAYBACK_GAIN * (target - running), lo), hi)
         self.prices = self._prices()
+
+
+def request_from_json(line: str, where: str, default: tuple) -> tuple[str, tuple]:
+    """One line of a `.jsonl` prompts file, {"prompt": TEXT, "target_flops": F, "target_mem": M}: its
+    prompt and (target_flops, target_mem), `default`'s where absent; an InputError naming the fix
+    (exit status 2 in a command line) for anything else."""
+
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise InputError(f"{where}: not a JSON object ({error}). Fix: one object per line, "
+                         '{"prompt": "...", "target_flops": 0.5, "target_mem": 0.4}') from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+        raise InputError(f'{where}: needs a "prompt" string. Fix: {{"prompt": "...", "target_flops": 0.5}}')
+    unknown = set(obj) - {"prompt", "target_flops", "target_mem"}
+    if unknown:
+        raise InputError(f"{where}: unknown field(s) {sorted(unknown)}; the fields are prompt, target_flops, target_mem")
+    targets = []
+    for name, fallback in zip(("target_flops", "target_mem"), default):
+        value = obj.get(name, fallback)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise InputError(f"{where}: {name}={value!r} must be a number (a fraction of the dense cost)")
+        targets.append(None if value is None else float(value))
+    return obj["prompt"], tuple(targets)
