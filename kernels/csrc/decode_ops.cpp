@@ -26,6 +26,10 @@
 #include <limits>
 #include <vector>
 
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using at::Half;
@@ -56,8 +60,14 @@ inline void load_row(int bits, const uint8_t* codes, const Half* scale, const Ha
     case 2: dequant_row<2>(codes, scale, zero, d, gs, out); break;
     case 4: dequant_row<4>(codes, scale, zero, d, gs, out); break;
     case 8: dequant_row<8>(codes, scale, zero, d, gs, out); break;
-    default:
-      for (int64_t i = 0; i < d; ++i) out[i] = static_cast<float>(values[i]);
+    default: {
+      int64_t i = 0;
+#if defined(__F16C__)
+      for (; i + 8 <= d; i += 8)  // float16 -> float32 is exact: the same values, 8 at a time
+        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i))));
+#endif
+      for (; i < d; ++i) out[i] = static_cast<float>(values[i]);
+    }
   }
 }
 
