@@ -90,16 +90,19 @@ class CostAudit:
             for i, x in enumerate(row):
                 total[i] += x
 
-    def request_totals(self, rid: int, since: list[float] | None = None) -> list[float]:
+    def request_totals(self, rid: int, since: list[float] | None = None,
+                       until: list[float] | None = None) -> list[float]:
         """Request `rid`'s [budgeted MACs, dense MACs, KV bits, dense KV bits] over its tokens since
-        the snapshot `since` (a copy of `requests[rid]`; None: all of them)."""
-        now = self.requests.get(rid, [0.0] * 4)
+        the snapshot `since` (a copy of `requests[rid]`; None: all of them) up to the snapshot
+        `until` (None: now)."""
+        now = until if until is not None else self.requests.get(rid, [0.0] * 4)
         return [a - b for a, b in zip(now, since or [0.0] * 4)]
 
-    def request_fractions(self, rid: int, since: list[float] | None = None) -> tuple[float, float]:
+    def request_fractions(self, rid: int, since: list[float] | None = None,
+                          until: list[float] | None = None) -> tuple[float, float]:
         """Request `rid`'s realised (FLOPs, memory) fractions as `realised_flops`/`realised_mem`
-        define them, over its tokens since `since` (request_totals)."""
-        d = self.request_totals(rid, since)
+        define them, over its tokens between the snapshots `since` and `until` (request_totals)."""
+        d = self.request_totals(rid, since, until)
         return (d[0] / d[1] if d[1] else 0.0, d[2] / d[3] if d[3] else 0.0)
 
     def summary(self) -> dict:

@@ -50,6 +50,9 @@ class TriRouteCache(Cache):
         """Per sequence its RequestBudget (None: every sequence at the model's prices)."""
         self.prompt_cost = None
         """The audit's per-sequence totals after the first forward (the prompt)."""
+        self.ended = {}
+        """Per sequence that fed back its end-of-sequence token: the audit's totals before that step
+        (generate feeds a finished row padding from then on, which its realised cost leaves out)."""
 
     def __len__(self):
         return len(self.paged.layers)
@@ -152,6 +155,10 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
         lengths = mask.sum(1)
         packed = torch.gather(input_ids, 1, order)
         packed = torch.where(torch.arange(n).view(1, n) < lengths.view(B, 1), packed, torch.zeros_like(packed))
+        if cache.prompt_cost is not None and n == 1:  # a decode step: a row fed its end token has ended
+            for rid, token in zip(cache.rids, packed[:, 0].tolist()):
+                if rid not in cache.ended and token == self.config.eos_token_id:
+                    cache.ended[rid] = list(cache.audit.requests[rid])
         prices = None
         if cache.budgets is not None:
             own = list(self.model.host_prices())
@@ -162,7 +169,7 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
             cache.prompt_cost = [list(cache.audit.requests[rid]) for rid in cache.rids]
         elif cache.budgets is not None:
             for rid, budget in zip(cache.rids, cache.budgets):
-                if budget is not None:
+                if budget is not None and rid not in cache.ended:
                     budget.update(cache.audit.request_totals(rid, cache.prompt_cost[rid]))
         V = logits_packed.shape[-1]
         logits = torch.zeros_like(logits_packed).scatter_(1, order.unsqueeze(-1).expand(B, n, V), logits_packed)
@@ -179,7 +186,9 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
         """The engine's cost audit of everything `cache`'s sequences ran: realised_flops (executed
         attention-read and expert MACs over the dense model's on the same tokens), realised_mem
         (KV bytes written over a dense 16-bit cache's), the per-kind totals, and `sequences`: per
-        row its (realised_flops, realised_mem) over the tokens after its first forward (generated)."""
+        row its (realised_flops, realised_mem) over the tokens after its first forward (generated)
+        up to the end-of-sequence token it fed back (`config.eos_token_id`), as the engine counts a
+        request that stops there."""
         since = cache.prompt_cost or [None] * len(cache.rids)
-        return cache.audit.summary() | {"sequences": [cache.audit.request_fractions(rid, since[rid])
-                                                      for rid in cache.rids]}
+        sequences = [cache.audit.request_fractions(rid, since[rid], cache.ended.get(rid)) for rid in cache.rids]
+        return cache.audit.summary() | {"sequences": sequences}
