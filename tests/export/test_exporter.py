@@ -247,7 +247,11 @@ def test_sharded_output_with_index(checkpoints, exports, tmp_path):
     hf = _hf(out)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.no_grad():
-        assert torch.equal(hf(input_ids=ids).logits, _hf(exports["tp2"])(input_ids=ids).logits)
+        # The weights are equal bit for bit (above). The logits agree to the kernels' tolerance: an
+        # exported module takes the C++ decode kernels when torch.ops.triroute already holds them in
+        # this process at its first check, and the PyTorch twins otherwise.
+        torch.testing.assert_close(hf(input_ids=ids).logits, _hf(exports["tp2"])(input_ids=ids).logits,
+                                   rtol=0, atol=1e-5)
 
 
 def test_bf16_storage_keeps_buffers(checkpoints, tmp_path):
