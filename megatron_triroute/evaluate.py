@@ -57,10 +57,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def _main(argv=None) -> int:
-    import torch
-
     args = parse_args(argv)
-    from .evaluation.calibration import serve_curve, serve_prices
+    from .evaluation.calibration import score_at_targets, serve_curve, serve_prices
     from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
     from .evaluation.progress import Progress
@@ -71,11 +69,7 @@ def _main(argv=None) -> int:
                                lambda message: print(f"warning: {message}", file=sys.stderr), args.page_size)
     targets = (args.target_flops, args.target_mem)
     curve = serve_curve(loaded, [targets], lambda message: print(f"note: {message}", file=sys.stderr), args.page_size)
-    if curve is not None:
-        from .inference.serve_budget import RequestBudget
-
-        served = RequestBudget(curve, targets, loaded.model.host_prices(), control=False).prices
-        loaded.model.prices.copy_(torch.tensor(served, dtype=torch.float64))
+    score_at_targets(loaded, curve, targets)
     sets = evaluation_sets(loaded, args.eval_batches, args.data_parallel)
     progress = Progress(total_tokens(sets))
     results = evaluate_sets(loaded.model, sets, args.page_size, progress)

@@ -158,6 +158,18 @@ def serve_curve(loaded: Loaded, targets: list[tuple[float | None, float | None]]
     return curve
 
 
+def score_at_targets(loaded: Loaded, curve, targets: tuple[float | None, float | None]) -> None:
+    """Leaves on the loaded model the prices `curve` gives `targets` (None: the model's own), what
+    scoring serves a budget with: teacher-forced scoring generates no tokens, so no per-request
+    control corrects them. `curve` None (no target): the prices stay."""
+    if curve is None:
+        return
+    from ..inference.serve_budget import RequestBudget
+
+    served = RequestBudget(curve, targets, loaded.model.host_prices(), control=False).prices
+    loaded.model.prices.copy_(torch.tensor(served, dtype=torch.float64))
+
+
 def calibrate_loaded(loaded: Loaded, page_size: int = 16) -> dict:
     """Calibrate the loaded checkpoint's prices on the run's training batches before its step;
     updates `loaded.prices` (the record) and returns calibrate_prices' record."""

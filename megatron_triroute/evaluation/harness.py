@@ -32,15 +32,13 @@ from __future__ import annotations
 
 import logging
 
-import torch
-
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
 from ..inference.audit import COUNTERS, CostAudit
 from ..vocab import decode_generated
-from .calibration import serve_curve, serve_prices
+from .calibration import score_at_targets, serve_curve, serve_prices
 from .loading import EvaluationSetupError, load_for_evaluation
 from .scoring import score_batch
 
@@ -100,11 +98,7 @@ class TriRouteLM(TemplateLM):
         self.targets = tuple(None if t in (None, "") else _fraction(name, t)
                              for name, t in (("target_flops", target_flops), ("target_mem", target_mem)))
         self.curve = serve_curve(loaded, [self.targets], log.warning, int(page_size))
-        if self.curve is not None:
-            from ..inference.serve_budget import RequestBudget
-
-            served = RequestBudget(self.curve, self.targets, loaded.model.host_prices(), control=False).prices
-            loaded.model.prices.copy_(torch.tensor(served, dtype=torch.float64))
+        score_at_targets(loaded, self.curve, self.targets)
         self.prices = loaded.prices
         self.checkpoint = str(loaded.step_path)
         self.step = loaded.step

@@ -20,7 +20,7 @@ import torch
 
 from .audit import CostAudit
 from .model import InferenceModel
-from .serve_budget import PriceCurve, RequestBudget
+from .serve_budget import PriceCurve, RequestBudget, row_prices
 from .side_state import SideState
 
 
@@ -130,10 +130,7 @@ class InferenceEngine:
             self._forward(decoding, tokens, torch.ones(len(decoding), dtype=torch.long))
 
     def _forward(self, batch: list[Request], tokens: torch.Tensor, lengths: torch.Tensor) -> None:
-        prices = None
-        if any(r.budget is not None for r in batch):
-            prices = torch.tensor([r.budget.prices if r.budget is not None else self.model.host_prices() for r in batch],
-                                  dtype=torch.float64)
+        prices = row_prices([r.budget for r in batch], self.model.host_prices())
         logits, _ = self.model.step(tokens, lengths, [r.state for r in batch], self.cache, [r.rid for r in batch],
                                     self.audit, prices=prices)
         for r, row in zip(batch, logits.cpu()):  # one transfer per step

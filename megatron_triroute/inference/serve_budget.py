@@ -26,6 +26,8 @@ import json
 from dataclasses import dataclass
 from typing import Callable
 
+import torch
+
 from ..input_errors import InputError
 
 PRICE_GRID = tuple(sorted({0.0} | {s * 2.0 ** (k / 2) for s in (-1.0, 1.0) for k in range(-12, 21)}))
@@ -169,6 +171,14 @@ class RequestBudget:
             lo, hi = self.curve.reachable(r)
             self.aims[r] = min(max(target - self._bias[r] + PAYBACK_GAIN * (target - running), lo), hi)
         self.prices = self._prices()
+
+
+def row_prices(budgets: list["RequestBudget | None"], own: tuple[float, float]):
+    """(B, 2) float64 prices of a step's rows: each budget's own, `own` (the model's) for a row
+    without one; None when no row has a budget (every row at the model's prices)."""
+    if all(b is None for b in budgets):
+        return None
+    return torch.tensor([list(own) if b is None else b.prices for b in budgets], dtype=torch.float64)
 
 
 def request_from_json(line: str, where: str, default: tuple) -> tuple[str, tuple]:

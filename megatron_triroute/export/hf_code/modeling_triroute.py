@@ -25,7 +25,7 @@ from .configuration_triroute import TriRouteConfig
 from .tr_config import TriRouteConfig as EngineConfig
 from .tr_inference_audit import CostAudit
 from .tr_inference_model import InferenceModel
-from .tr_inference_serve_budget import PriceCurve, RequestBudget
+from .tr_inference_serve_budget import PriceCurve, RequestBudget, row_prices
 from .tr_inference_side_state import SideState
 from .tr_routing_side_features import TokenTables
 
@@ -159,10 +159,7 @@ class TriRouteForCausalLM(TriRoutePreTrainedModel, GenerationMixin):
             for rid, token in zip(cache.rids, packed[:, 0].tolist()):
                 if rid not in cache.ended and token == self.config.eos_token_id:
                     cache.ended[rid] = list(cache.audit.requests[rid])
-        prices = None
-        if cache.budgets is not None:
-            own = list(self.model.host_prices())
-            prices = torch.tensor([own if b is None else b.prices for b in cache.budgets], dtype=torch.float64)
+        prices = None if cache.budgets is None else row_prices(cache.budgets, self.model.host_prices())
         logits_packed, _ = self.model.step(packed, lengths, cache.states, cache.paged, cache.rids, cache.audit,
                                            all_logits=True, prices=prices)
         if cache.prompt_cost is None:
