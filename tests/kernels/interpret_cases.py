@@ -118,8 +118,12 @@ from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
 from triroute_kernels.triton_paged import paged_attention_triton  # noqa: E402
 
 
-@pytest.mark.parametrize("H_kv,H,splits", [(1, 3, 1), (2, 4, 2), (4, 4, 3)])
-def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters(H_kv, H, splits):
+@pytest.mark.parametrize("H_kv,H,splits,knobs", [
+    (1, 3, 1, {}), (2, 4, 2, {}), (4, 4, 3, {}),
+    # the tuning knobs' other settings (bench_paged_attention.py --variants)
+    (2, 4, 2, {"dot": False, "skip": True}), (1, 3, 1, {"packed": False, "pages_per_block": 1}),
+    (2, 4, 2, {"precision": "ieee", "pages_per_block": 2})])
+def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters(H_kv, H, splits, knobs):
     """Mixed widths in one batch, GQA groups of 1-3 heads (3: a padded group), full, local and
     skipped heads within one group, decode and prefill rows, split-K; output to 1e-5 and the
     executed counters equal to the twin's."""
@@ -136,7 +140,7 @@ def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters
     q = torch.randn(N, H, D, generator=gen)
     pools = PoolLists.of([s.k_pool for s in stores], [s.v_pool for s in stores])
     got_c, want_c = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
-    got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, num_splits=splits)
+    got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, num_splits=splits, **knobs)
     want = paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, 0.3, want_c)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert torch.equal(got_c, want_c) and got_c[0] > 0
