@@ -2,13 +2,15 @@
 
 The GPU form of `paged_ops.paged_attention` (same arguments, same counters). A program owns one
 (query row, KV head, split): it loads the KV head's G query heads once, walks the split's share of
-the row's pages in every pool, PAGES_PER_BLOCK table entries per iteration (the pools' widths are compile-time constants, so each pool's unpack
-is specialised), dequantises each page's K and V rows once for all G heads, and carries one
-(max, sum, accumulator) per head across pools. Pages whose slots all lie outside every head's
-range [lo, hi] are not read past their positions. Splits of the page list (split-K, so a small
-batch still fills the GPU) are merged by log-sum-exp. Executed attention MACs and K/V bytes are
-added to `counters` by the programs themselves (atomics), with the twin's definition: 2 d per
-(query head, key scored); a (slot, KV head) row's K+V bytes once per group that reads it.
+the row's pages in every pool, PAGES_PER_BLOCK table entries per iteration (the pools' widths are
+compile-time constants, so each pool's unpack is specialised), dequantises each page's K and V rows
+once for all G heads, and carries one (max, sum, accumulator) per head across pools. Pages whose
+slots all lie outside every head's range [lo, hi] are not read past their positions. Each pool's
+loop ends at the row's last page in that pool (`used_entries`), so a pool a row barely uses costs it
+barely anything. Splits of the page list (split-K, so a small batch still fills the GPU) are merged
+by log-sum-exp. Executed attention MACs and K/V bytes are added to `counters` by the programs
+themselves (atomics), with the twin's definition: 2 d per (query head, key scored); a (slot, KV
+head) row's K+V bytes once per group that reads it.
 
 Layout constraints as `triton_ops.check_triton_layout` (powers of two), at most MAX_POOLS pools.
 """
@@ -36,7 +38,8 @@ SKIP_UNREAD = False
 """Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
 PACKED = True
 """Unpack each row's code bytes in registers, one scale and zero per group (False: per-channel gathers)."""
-"""Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
+NUM_WARPS = 4
+"""Warps per program (2 and 8 measured slower on an H200 at batch 64 x 8,192: docs/gpu.md)."""
 
 
 def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: int) -> int:
@@ -109,6 +112,7 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
                H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
+    """The table entries [first, last) of one pool, PB entries (PB * P slots) per iteration."""
     j = tl.arange(0, PB * P)  # the slots of PB consecutive table entries, read as one block
     for i in range(first, last, PB):
         entry = i + j // P
@@ -122,19 +126,19 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
             if n_any > 0:
                 m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
                                                      any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                     scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP, DOT, PREC,
-                                                     PACKED)
+                                                     scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP,
+                                                     DOT, PREC, PACKED)
         else:  # masked loads: the bytes of a block no head reads are not fetched either
             m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
                                                  any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                 scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP, DOT, PREC,
-                                                     PACKED)
+                                                 scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP,
+                                                 DOT, PREC, PACKED)
     return m_i, l_i, acc, macs, nbytes
 
 
 @triton.jit
 def _paged_attention_kernel(
-    q_ptr, lo_ptr, hi_ptr, request_ptr, table_ptr, out_ptr, lse_ptr, counters_ptr,
+    q_ptr, lo_ptr, hi_ptr, request_ptr, table_ptr, used_ptr, out_ptr, lse_ptr, counters_ptr,
     R, M, pages_per_split, sm_scale,
     dk0, sk0, zk0, dv0, sv0, zv0, pos0, rb0,
     dk1, sk1, zk1, dv1, sv1, zv1, pos1, rb1,
@@ -169,26 +173,27 @@ def _paged_attention_kernel(
     nbytes = tl.sum(tl.zeros([GP], tl.int64), axis=0)
     row = table_ptr + r * M
     pool_stride = R * M
+    used = used_ptr + r  # per pool: the row's table entries up to its last page (a loop's end)
     if NPOOLS > 0:
-        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
-                                                 dk0, sk0, zk0, dv0, sv0, zv0, pos0, row, first, last, rb0, hkv,
-                                                 H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC,
-                                                 PACKED)
+        m_i, l_i, acc, macs, nbytes = _pool_pass(
+            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk0, sk0, zk0, dv0, sv0, zv0, pos0,
+            row, first, tl.minimum(last, tl.load(used)), rb0, hkv,
+            H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC, PACKED)
     if NPOOLS > 1:
-        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
-                                                 dk1, sk1, zk1, dv1, sv1, zv1, pos1, row + pool_stride, first, last,
-                                                 rb1, hkv, H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC,
-                                                 PACKED)
+        m_i, l_i, acc, macs, nbytes = _pool_pass(
+            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk1, sk1, zk1, dv1, sv1, zv1, pos1,
+            row + pool_stride, first, tl.minimum(last, tl.load(used + R)), rb1, hkv,
+            H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC, PACKED)
     if NPOOLS > 2:
-        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
-                                                 dk2, sk2, zk2, dv2, sv2, zv2, pos2, row + 2 * pool_stride, first,
-                                                 last, rb2, hkv, H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC,
-                                                 PACKED)
+        m_i, l_i, acc, macs, nbytes = _pool_pass(
+            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk2, sk2, zk2, dv2, sv2, zv2, pos2,
+            row + 2 * pool_stride, first, tl.minimum(last, tl.load(used + 2 * R)), rb2, hkv,
+            H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC, PACKED)
     if NPOOLS > 3:
-        m_i, l_i, acc, macs, nbytes = _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
-                                                 dk3, sk3, zk3, dv3, sv3, zv3, pos3, row + 3 * pool_stride, first,
-                                                 last, rb3, hkv, H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC,
-                                                 PACKED)
+        m_i, l_i, acc, macs, nbytes = _pool_pass(
+            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk3, sk3, zk3, dv3, sv3, zv3, pos3,
+            row + 3 * pool_stride, first, tl.minimum(last, tl.load(used + 3 * R)), rb3, hkv,
+            H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC, PACKED)
     read = l_i > 0.0
     den = tl.where(read, l_i, 1.0)
     at = (split * N + n) * H_Q + head
@@ -199,8 +204,16 @@ def _paged_attention_kernel(
     tl.atomic_add(counters_ptr + 1, nbytes)
 
 
+def used_entries(page_tables: torch.Tensor) -> torch.Tensor:
+    """(W, R, M) page tables -> (W, R) int32: each row's entries up to and including its last page
+    (-1 entries after it are never visited; a -1 before it is skipped by the masks). Device ops
+    only, no read back."""
+    entries = torch.arange(1, page_tables.shape[-1] + 1, dtype=torch.int32, device=page_tables.device)
+    return torch.where(page_tables >= 0, entries, 0).amax(-1).to(torch.int32).contiguous()
+
+
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
-                           pages_per_block=PAGES_PER_BLOCK, num_warps=4, num_stages=None, dot=DOT,
+                           pages_per_block=PAGES_PER_BLOCK, num_warps=NUM_WARPS, num_stages=None, dot=DOT,
                            skip=SKIP_UNREAD, precision=PRECISION, packed=PACKED):
     """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
     The keyword arguments are tuning knobs (defaults: the module constants)."""
@@ -224,6 +237,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     if N == 0:
         return out.sum(0)
     k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos = pools.tensors
+    used = used_entries(page_tables)
     args = []
     for w in range(MAX_POOLS):
         i = min(w, W - 1)  # unused slots repeat the last pool (never read: NPOOLS)
@@ -232,7 +246,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     bits = list(pools.bits) + [pools.bits[-1]] * (MAX_POOLS - W)
     _paged_attention_kernel[(N, H_kv, splits)](
         q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
-        page_tables.long().contiguous(), out, lse, counters,
+        page_tables.long().contiguous(), used, out, lse, counters,
         R, M, per_split, float(sm_scale), *args,
         H_Q=H, H_KV=H_kv, G=G, GP=max(16, triton.next_power_of_2(G)) if dot else triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
         PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, PACKED=packed, num_warps=num_warps,

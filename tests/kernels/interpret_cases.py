@@ -115,14 +115,15 @@ def test_default_splits_fill_the_device_but_keep_pages_per_split():
 from tests.kernels.scenario import mixed_pools  # noqa: E402
 from triroute_kernels import PoolLists  # noqa: E402
 from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
-from triroute_kernels.triton_paged import paged_attention_triton  # noqa: E402
+from triroute_kernels.triton_paged import paged_attention_triton, used_entries  # noqa: E402
 
 
 @pytest.mark.parametrize("H_kv,H,splits,knobs", [
     (1, 3, 1, {}), (2, 4, 2, {}), (4, 4, 3, {}),
     # the tuning knobs' other settings (bench_paged_attention.py --variants)
     (2, 4, 2, {"dot": False, "skip": True}), (1, 3, 1, {"packed": False, "pages_per_block": 1}),
-    (2, 4, 2, {"precision": "ieee", "pages_per_block": 2})])
+    (2, 4, 2, {"precision": "ieee", "pages_per_block": 2}),
+    (1, 3, 1, {"skip": True, "pages_per_block": 2})])
 def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters(H_kv, H, splits, knobs):
     """Mixed widths in one batch, GQA groups of 1-3 heads (3: a padded group), full, local and
     skipped heads within one group, decode and prefill rows, split-K; output to 1e-5 and the
@@ -145,6 +146,29 @@ def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
     assert torch.equal(got_c, want_c) and got_c[0] > 0
     assert not got[lo > hi.view(N, 1)].any()
+
+
+@pytest.mark.parametrize("pages_per_block", [1, 4])
+def test_triton_paged_attention_stops_at_each_rows_last_page_and_skips_holes(pages_per_block):
+    """A pool a row never wrote to, a -1 hole inside a row's table and -1 entries after its last
+    page: the loops end at each (pool, row)'s last page (`used_entries`) and the result and
+    counters equal the twin's."""
+    gen = torch.Generator().manual_seed(7)
+    stores, tables = mixed_pools([40, 25], 2, P, gen, (2, 4, 8, 16), D, GS)
+    tables = torch.cat([tables, torch.full_like(tables[..., :3], -1)], -1)  # room past every row's pages
+    tables[1] = -1  # the 4-bit pool: no row holds pages there
+    tables[0, 0, 1] = -1  # a hole: the page (and its tokens) left out of row 0's 2-bit table
+    used = used_entries(tables)
+    assert used[1].tolist() == [0, 0] and used[0, 0] == int((tables[0, 0] >= 0).nonzero().max()) + 1
+    request, hi = torch.tensor([0, 1]), torch.tensor([39, 24])
+    lo = torch.zeros(2, 4, dtype=torch.long)
+    q = torch.randn(2, 4, D, generator=gen)
+    pools = PoolLists.of([s.k_pool for s in stores], [s.v_pool for s in stores])
+    got_c, want_c = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, pages_per_block=pages_per_block)
+    want = paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, 0.3, want_c)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got_c, want_c) and got_c[0] > 0
 
 
 def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group():
