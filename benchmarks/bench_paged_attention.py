@@ -198,7 +198,8 @@ def cell(shape, B: int, T: int, mix, local: float, repeats: int, inner: int, dev
                      "of_copy_bw": nbytes / s["median"] / bw}
     for name in contenders:
         if name.startswith("triton_"):
-            out[name] = {"s": spread(times[name]), "gb_s": paged_bytes / spread(times[name])["median"] / 1e9}
+            out[name] = {"s": spread(times[name]), "gb_s": paged_bytes / spread(times[name])["median"] / 1e9,
+                         "max_abs_diff_vs_torch_twin": float((contenders[name]() - want).abs().max())}
     if per_pool_too:
         out["per_pool"] = {"s": spread(times["per_pool"])}
         out["per_pool_over_paged_time"] = out["per_pool"]["s"]["median"] / out["paged"]["s"]["median"]
@@ -249,7 +250,8 @@ def main() -> None:
                   f"time ratio {row['paged_over_dense_time']:.2f}  bytes ratio {row['paged_over_dense_bytes']:.3f}  "
                   f"|paged - twin| {row['max_abs_diff_vs_torch_twin']:.1e}"
                   + (f"  per-pool ÷ paged {row['per_pool_over_paged_time']:.2f}" if "per_pool" in row else "")
-                  + "".join(f"  {k} {v['s']['median'] * 1e6:.1f} us" for k, v in row.items() if k.startswith("triton_")),
+                  + "".join(f"  {k} {v['s']['median'] * 1e6:.1f} us (|diff| {v['max_abs_diff_vs_torch_twin']:.0e})"
+                          for k, v in row.items() if k.startswith("triton_")),
                   file=sys.stderr, flush=True)
     result = {"graph": a.graph, "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
               "copy_bw_gb_s": bw / 1e9, "bits_mix": a.bits_mix, "cells": rows}
