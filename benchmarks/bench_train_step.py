@@ -3,7 +3,7 @@
     python benchmarks/bench_train_step.py [--recipe tiny] [key=value ...] [--micro-batch 8]
                                           [--warmup 2] [--repeats 7] [--json]
                                           [--device auto|cpu|cuda] [--bf16] [--peak-tflops 989]
-                                          [--profile DIR] [--out FILE]
+                                          [--profile DIR] [--host-profile DIR] [--out FILE]
 
 Both models are built in this process from one recipe: TriRoute as the recipe configures it,
 Dense as `system_config("dense", <that config>)`, so they share the backbone (width, layers,
@@ -28,7 +28,8 @@ the process group is NCCL, each timed step ends with a device synchronise, and `
 trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at the dense cost
 (the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
 `--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
-operators by device time to `DIR/NAME_ops.txt`.
+operators by device time to `DIR/NAME_ops.txt`; `--host-profile DIR` runs two more steps of each
+under cProfile and writes the Python functions that take the host's time to `DIR/NAME_host.txt`.
 
 Alongside the times (median and interquartile range per model, and of the per-step ratio: the
 models alternate who goes first), one extra untimed step of each model is counted: the aten ops it
@@ -149,6 +150,34 @@ def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None
         print(f"profile of {name}: {out / f'{name}_ops.txt'}")
 
 
+def _host_profile(engines: dict, data: list, device: torch.device, out: Path) -> dict:
+    """Two steps of each model under cProfile: where the host's time goes (on a GPU the step is
+    bound by it), by Python function. Writes DIR/NAME_host.txt (top 40 by own time, then by
+    cumulative time) and returns each model's profiled host seconds per step."""
+    import cProfile
+    import io
+    import pstats
+
+    out.mkdir(parents=True, exist_ok=True)
+    per_step = {}
+    for name, engine in engines.items():
+        prof = cProfile.Profile()
+        _sync(device)
+        prof.enable()
+        for step, mb in enumerate(data[:2]):
+            engine.train_step([mb], 20_000 + step)
+        _sync(device)
+        prof.disable()
+        text = io.StringIO()
+        stats = pstats.Stats(prof, stream=text)
+        per_step[name] = stats.total_tt / 2
+        stats.sort_stats("tottime").print_stats(40)
+        stats.sort_stats("cumulative").print_stats(40)
+        (out / f"{name}_host.txt").write_text(text.getvalue())
+        print(f"host profile of {name}: {out / f'{name}_host.txt'}")
+    return per_step
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--recipe", default="tiny")
@@ -164,6 +193,8 @@ def main(argv: list[str] | None = None) -> dict:
                         help="the device's dense bf16 peak for MFU (H100 SXM: 989)")
     parser.add_argument("--out", type=Path, default=None, help="also write the result as JSON here")
     parser.add_argument("--profile", type=Path, default=None, help="write top-operator tables here")
+    parser.add_argument("--host-profile", type=Path, default=None,
+                        help="write cProfile tables of two steps of each model here (where the host's time goes)")
     args = parser.parse_args(argv)
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -203,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict:
         counts = {name: _count_step(engine, data[0], len(data)) for name, engine in engines.items()}
         if args.profile is not None:
             _profile(engines, data, device, args.profile)
+        host = _host_profile(engines, data, device, args.host_profile) if args.host_profile is not None else None
     system = run.system
     m = configs[system].model
     tokens = args.micro_batch * m.seq_len
@@ -226,6 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
         "ratio_per_step": _spread([a / b for a, b in zip(times[system], times["dense"])]),
         "cpu_ratio_per_step": _spread([a / b for a, b in zip(cpu_times[system], cpu_times["dense"])]),
         "counts": counts,
+        "host_profile_s_per_step": host,
         "aten_ops_ratio": counts[system]["aten_ops"] / counts["dense"]["aten_ops"],
         "host_syncs_per_step": {name: c["host_syncs"] for name, c in counts.items()},
         "attention_flops_ratio": counts[system]["attention_flops"] / counts["dense"]["attention_flops"],

@@ -45,8 +45,9 @@ def test_relaxed_attention_flops_are_full_plus_the_local_blocks(bench):
     assert counter.flops == 4 * d * B * H * (T * (T + 1) // 2 + (T // b) * b * (b + w))
 
 
-def test_tiny_run_reports_the_ratios(bench, capsys):
-    result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json", *TINY])
+def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
+    result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json",
+                         "--host-profile", str(tmp_path), *TINY])
     for key in ("ratio", "aten_ops_ratio", "attention_flops_ratio"):
         assert result[key] > 0, key
     assert set(result["host_syncs_per_step"]) == {"triroute", "dense"}
@@ -58,3 +59,7 @@ def test_tiny_run_reports_the_ratios(bench, capsys):
     for spread in (result["ratio_per_step"], result["cpu_ratio_per_step"]):
         assert spread["q1"] <= spread["median"] <= spread["q3"]
     assert '"ratio"' in capsys.readouterr().out
+    # the host profile names the step's own functions, and its time is a step's
+    for name in ("triroute", "dense"):
+        assert "train_step" in (tmp_path / f"{name}_host.txt").read_text()
+        assert 0 < result["host_profile_s_per_step"][name] < 60
