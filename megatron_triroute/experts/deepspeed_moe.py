@@ -51,6 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu
 from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
 from megatron_triroute.routing.gating import NULL_EXPERT
 
@@ -260,6 +261,7 @@ class TriRouteExperts(nn.Module):
         output_init_method: InitMethod | None = None,
         top_k: int = 2,
         sequence_parallel: bool = False,
+        compute: str = "grouped",
     ) -> None:
         super().__init__()
         sharded_moe = importlib.import_module("deepspeed.moe.sharded_moe")
@@ -285,6 +287,12 @@ class TriRouteExperts(nn.Module):
         self.gate = PrecomputedGate(num_experts, top_k, capacity_factor)
         experts.bind_gate(self.gate)
         self.moe = sharded_moe.MOELayer(self.gate, experts, self.ep_group_name, ep, self.num_local_experts)
+        if compute not in ("grouped", "deepspeed"):
+            raise ValueError(f"expert compute {compute!r}: use grouped or deepspeed")
+        self.grouped = compute == "grouped" and ep == 1 and tp == 1 and capacity_factor is None
+        """One rank holds every expert, nothing is sliced and nothing dropped: there is nothing to
+        dispatch, and `experts.grouped` computes the routes in two grouped matmuls with no host read.
+        Otherwise DeepSpeed's MOELayer (capacity, all-to-all, per-expert calls)."""
         if groups is not None:
             ds_groups = importlib.import_module("deepspeed.utils.groups")
             self.moe._set_ep_group(ds_groups._get_expert_parallel_group(self.ep_group_name))
@@ -317,8 +325,23 @@ class TriRouteExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor
     ) -> torch.Tensor:  # (N, d), (N, k), (N, k) -> (N, d)
+        if self.grouped and grouped_layout_ok(self.experts[0].w1.weight.shape, compute_dtype(hidden)):
+            return grouped_swiglu(hidden, expert_index, expert_weight, *self._stacked_weights())
         self.gate.set_routes(expert_index, expert_weight)
         return self.moe(hidden, None)  # MOELayer reads (tokens, used_token)
+
+    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(w13 (E, 2F, D), w2 (E, D, F)) from the experts' own parameters (the state dict and the
+        gradients stay per expert). The experts' modules are not called on this path, so their
+        forward pre-hooks run here: Megatron's DDP waits there for a parameter all-gather still in
+        flight (overlap_param_gather)."""
+        linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]
+        for module in linears:
+            for hook in module._forward_pre_hooks.values():
+                hook(module, ())
+        w1 = torch.stack([e.w1.weight for e in self.experts])
+        w3 = torch.stack([e.w3.weight for e in self.experts])
+        return torch.cat([w1, w3], 1), torch.stack([e.w2.weight for e in self.experts])
 
 
 def _init_per_expert(

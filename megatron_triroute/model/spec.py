@@ -60,7 +60,7 @@ class RoutedExperts(MegatronModule):
             triroute.model.d_model, expert_width(triroute.model, r), r.num_experts, groups=groups,
             capacity_factor=None, init_method=config.init_method,
             output_init_method=config.output_layer_init_method, top_k=r.top_k,
-            sequence_parallel=config.sequence_parallel,
+            sequence_parallel=config.sequence_parallel, compute=r.expert_compute,
         )
 
     def forward(self, hidden, expert_index, expert_weight):

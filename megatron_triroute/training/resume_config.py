@@ -49,6 +49,7 @@ MAY_CHANGE: dict[str, str] = {
     "parallel.overlap_grad_reduce": "when gradients are reduced (same math)",
     "parallel.overlap_param_gather": "when updated parameters are gathered (same math)",
     "parallel.bucket_mb": "gradient bucket size (same math)",
+    "triroute.router.expert_compute": "how one rank's experts compute (the same routes and math)",
     "triroute.budget.flops_target": "budget target",
     "triroute.budget.mem_target": "budget target",
 }

@@ -1,0 +1,67 @@
+"""Every expert of a layer in two grouped matmuls, with no host read: the routes sorted by expert once.
+
+    out[n] = sum_j weight[n, j] * w2_e(silu(w1_e x_n) * w3_e x_n),   e = index[n, j]; -1: the null expert
+
+The N * k routes are ordered by expert (a stable sort; null routes last), the tokens gathered in that
+order, and each expert's rows multiplied by its own weights in one `torch.nn.functional.grouped_mm`
+per projection (w1 and w3 stacked into one), with the experts' row ranges given as device offsets.
+Nothing reads a count on the host, so the layer's forward and backward need no synchronisation and
+no capacity: it never drops a route, and each expert computes its own routes only. On a Hopper GPU
+in bf16 the grouped matmuls are one CUTLASS kernel each. Elsewhere PyTorch loops over the groups
+(on CUDA it reads the offsets to do so).
+
+Rows past the last expert's range (the null routes) are never computed by the grouped matmul: their
+values are masked out before the combine, and their gradients before they reach the tokens. The
+combine undoes the sort with a gather and sums each token's k routes in place, so forward and
+backward add in a fixed order (no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def sort_routes(index: torch.Tensor, num_experts: int):
+    """index (N, k), -1 the null expert -> (order (N k,): the routes by expert, null last, stable;
+    inverse (N k,): each route's row in that order; valid (N k, 1): sorted rows that are real
+    routes; offsets (E,) int32: the end of each expert's rows)."""
+    flat = index.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_experts)
+    order = torch.argsort(key, stable=True)
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=index.device)
+    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))  # bincount without its host read
+    offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
+    valid = (key.index_select(0, order) < num_experts).unsqueeze(1)
+    return order, inverse, valid, offsets
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype an `nn.Linear` would compute in here: autocast's, where it is on for x's device."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+
+
+def grouped_layout_ok(expert_weight_shape: torch.Size, dtype: torch.dtype) -> bool:
+    """Whether the grouped matmuls take this expert shape ((F, D), an nn.Linear weight) in `dtype`:
+    their rows must be multiples of 16 bytes (both widths of the model recipes are multiples of 8)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return all(n * size % 16 == 0 for n in expert_weight_shape)
+
+
+def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """x (N, D), index/weight (N, k), w13 (E, 2F, D): each expert's w1 then w3 (nn.Linear layout),
+    w2 (E, D, F) -> (N, D) in the compute dtype (module doc)."""
+    N, k = index.shape
+    order, inverse, valid, offsets = sort_routes(index, w13.shape[0])
+    dtype = compute_dtype(x)
+    with torch.autocast(x.device.type, enabled=False):
+        rows = x.to(dtype).unsqueeze(1).expand(N, k, x.shape[1]).reshape(N * k, -1).index_select(0, order)
+        rows = torch.where(valid, rows, 0)  # null rows: no gradient reaches the tokens through them
+        gate, up = F.grouped_mm(rows, w13.to(dtype).transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)
+        y = torch.where(valid, y, 0).index_select(0, inverse).view(N, k, -1)  # back to (token, route)
+        return (y * weight.to(dtype).unsqueeze(-1)).sum(1)
