@@ -82,11 +82,12 @@ class TriRouteSelfAttention(MegatronModule):
 
     # -- helpers ---------------------------------------------------------------------------
     def _split_qkv(self, mixed: torch.Tensor):
-        """[T, B, kv_local * (group + 2) * d] -> q [T, B, H_l, d], k, v [T, B, kv_l, d]."""
+        """[T, B, kv_local * (group + 2) * d] -> q [T, B, H_l, d], k, v [T, B, kv_l, d]. One split
+        (its backward is one concatenation; an integer index into `mixed` would give each of k and v
+        a full-size zero gradient to add)."""
         T, B = mixed.shape[:2]
-        mixed = mixed.view(T, B, self.kv_local, self.group + 2, self.d_head)
-        q = mixed[:, :, :, : self.group].reshape(T, B, self.heads_local, self.d_head)
-        return q, mixed[:, :, :, self.group], mixed[:, :, :, self.group + 1]
+        q, k, v = mixed.view(T, B, self.kv_local, self.group + 2, self.d_head).split([self.group, 1, 1], dim=3)
+        return q.reshape(T, B, self.heads_local, self.d_head), k.squeeze(3), v.squeeze(3)
 
     def _rope(self, t: torch.Tensor, rotary_pos_emb) -> torch.Tensor:
         if rotary_pos_emb is None:
