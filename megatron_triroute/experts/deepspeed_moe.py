@@ -261,7 +261,7 @@ class TriRouteExperts(nn.Module):
         output_init_method: InitMethod | None = None,
         top_k: int = 2,
         sequence_parallel: bool = False,
-        compute: str = "grouped",
+        compute: str = "auto",
     ) -> None:
         super().__init__()
         sharded_moe = importlib.import_module("deepspeed.moe.sharded_moe")
@@ -287,12 +287,14 @@ class TriRouteExperts(nn.Module):
         self.gate = PrecomputedGate(num_experts, top_k, capacity_factor)
         experts.bind_gate(self.gate)
         self.moe = sharded_moe.MOELayer(self.gate, experts, self.ep_group_name, ep, self.num_local_experts)
-        if compute not in ("grouped", "deepspeed"):
-            raise ValueError(f"expert compute {compute!r}: use grouped or deepspeed")
-        self.grouped = compute == "grouped" and ep == 1 and tp == 1 and capacity_factor is None
+        if compute not in ("auto", "grouped", "deepspeed"):
+            raise ValueError(f"expert compute {compute!r}: use auto, grouped or deepspeed")
+        self.compute = compute
+        self.grouped = compute != "deepspeed" and ep == 1 and tp == 1 and capacity_factor is None
         """One rank holds every expert, nothing is sliced and nothing dropped: there is nothing to
-        dispatch, and `experts.grouped` computes the routes in two grouped matmuls with no host read.
-        Otherwise DeepSpeed's MOELayer (capacity, all-to-all, per-expert calls)."""
+        dispatch, and `experts.grouped` can compute the routes in two grouped matmuls with no host
+        read (`compute="grouped"`, or "auto" on a GPU). Otherwise DeepSpeed's MOELayer (capacity,
+        all-to-all, per-expert calls), which "auto" also keeps on a CPU, where it is the faster."""
         if groups is not None:
             ds_groups = importlib.import_module("deepspeed.utils.groups")
             self.moe._set_ep_group(ds_groups._get_expert_parallel_group(self.ep_group_name))
@@ -325,10 +327,16 @@ class TriRouteExperts(nn.Module):
     def forward(
         self, hidden: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor
     ) -> torch.Tensor:  # (N, d), (N, k), (N, k) -> (N, d)
-        if self.grouped and grouped_layout_ok(self.experts[0].w1.weight.shape, compute_dtype(hidden)):
+        if self.uses_grouped(hidden):
             return grouped_swiglu(hidden, expert_index, expert_weight, *self._stacked_weights())
         self.gate.set_routes(expert_index, expert_weight)
         return self.moe(hidden, None)  # MOELayer reads (tokens, used_token)
+
+    def uses_grouped(self, hidden: torch.Tensor) -> bool:
+        """Whether a forward on `hidden` takes the grouped matmuls (see `grouped`); rows whose width
+        is not a multiple of 16 bytes in the compute dtype take DeepSpeed's dispatch."""
+        return (self.grouped and (self.compute == "grouped" or hidden.is_cuda)
+                and grouped_layout_ok(self.experts[0].w1.weight.shape, compute_dtype(hidden)))
 
     def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(w13 (E, 2F, D), w2 (E, D, F)) from the experts' own parameters (the state dict and the

@@ -149,8 +149,17 @@ def test_a_layer_that_shards_or_drops_or_has_unaligned_rows_takes_deepspeeds_dis
         out = layer(x, index, weight)
     assert layer.moe.exp_counts is not None and layer.moe.exp_counts.tolist() == [1, 1, 1, 0]
     torch.testing.assert_close(out.float(), layer(x, index, weight), rtol=3e-2, atol=3e-2)
-    with pytest.raises(ValueError, match="grouped or deepspeed"):
+    with pytest.raises(ValueError, match="auto, grouped or deepspeed"):
         TriRouteExperts(D, F_, E, top_k=2, compute="fast")
+
+
+def test_auto_takes_the_grouped_matmuls_on_a_gpu_only():
+    layer = _layer("auto")
+    x = torch.randn(3, D)
+    assert layer.grouped and not layer.uses_grouped(x)  # a CPU tensor: DeepSpeed's dispatch
+    assert _layer("grouped").uses_grouped(x) and not _layer("deepspeed").uses_grouped(x)
+    if torch.cuda.is_available():
+        assert layer.uses_grouped(x.cuda())
 
 
 @pytest.mark.gpu
