@@ -32,6 +32,13 @@ slot's input is zero, a SwiGLU expert (no biases) maps zero to zero and adds not
 weights' gradients, and the decode gives such slots no token. With tensor parallel (MOELayer slices
 the slots per tensor-parallel rank) the whole buffer is computed, as DeepSpeed does.
 
+One rank, every expert. Where one rank holds every expert (expert parallel 1, no tensor parallel)
+and nothing is dropped, there is nothing to dispatch: with ``compute="grouped"`` (or ``"auto"`` on a
+GPU, the default) the layer skips ``MOELayer`` and runs the routes through
+:func:`megatron_triroute.experts.grouped.grouped_swiglu` (one sort, two grouped matmuls, no host
+read) over the same expert parameters, stacked per forward. On a CPU ``"auto"`` keeps ``MOELayer``,
+which measured faster there.
+
 Tensor parallel. With tensor parallel > 1, ``MOELayer`` assumes every tensor-parallel rank holds
 the same tokens: each rank dispatches a 1/tp slice of the capacity slots and the results are
 all-gathered afterwards (capacity is padded to a multiple of tp). Under sequence parallel the
