@@ -350,10 +350,12 @@ class TriRouteExperts(nn.Module):
         gradients stay per expert). The experts' modules are not called on this path, so their
         forward pre-hooks run here: Megatron's DDP waits there for a parameter all-gather still in
         flight (overlap_param_gather)."""
-        linears = [lin for e in self.experts for lin in (e.w1, e.w3, e.w2)]
-        for module in linears:
-            for hook in module._forward_pre_hooks.values():
-                hook(module, ())
+        for module in (lin for e in self.experts for lin in (e.w1, e.w3, e.w2)):
+            for key, hook in module._forward_pre_hooks.items():
+                if key in module._forward_pre_hooks_with_kwargs:
+                    hook(module, (), {})
+                else:
+                    hook(module, ())
         w1 = torch.stack([e.w1.weight for e in self.experts])
         w3 = torch.stack([e.w3.weight for e in self.experts])
         return torch.cat([w1, w3], 1), torch.stack([e.w2.weight for e in self.experts])

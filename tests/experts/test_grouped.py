@@ -122,8 +122,11 @@ def test_the_experts_forward_pre_hooks_run_on_the_grouped_path():
     for e in layer.experts:
         for lin in (e.w1, e.w3, e.w2):
             lin.register_forward_pre_hook(lambda module, args: fired.append(module))
+    layer.experts[0].w1.register_forward_pre_hook(lambda module, args, kwargs: fired.append("kw"), with_kwargs=True)
     layer(torch.randn(3, D), torch.tensor([[0, 1], [2, NULL_EXPERT], [3, 0]]), torch.rand(3, 2))
-    assert len(fired) == 3 * E and len({id(m) for m in fired}) == 3 * E
+    assert fired.count("kw") == 1
+    modules = [m for m in fired if m != "kw"]
+    assert len(modules) == 3 * E and len({id(m) for m in modules}) == 3 * E
 
 
 def test_under_bf16_autocast_it_computes_in_bf16():
