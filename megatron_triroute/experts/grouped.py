@@ -1,14 +1,14 @@
-"""Every expert of a layer in two grouped matmuls, with no host read: the routes sorted by expert once.
+"""Every expert of a layer in two grouped matmuls after one sort of the routes by expert.
 
     out[n] = sum_j weight[n, j] * w2_e(silu(w1_e x_n) * w3_e x_n),   e = index[n, j]; -1: the null expert
 
 The N * k routes are ordered by expert (a stable sort; null routes last), the tokens gathered in that
 order, and each expert's rows multiplied by its own weights in one `torch.nn.functional.grouped_mm`
 per projection (w1 and w3 stacked into one), with the experts' row ranges given as device offsets.
-Nothing reads a count on the host, so the layer's forward and backward need no synchronisation and
-no capacity: it never drops a route, and each expert computes its own routes only. On a Hopper GPU
-in bf16 the grouped matmuls are one CUTLASS kernel each. Elsewhere PyTorch loops over the groups
-(on CUDA it reads the offsets to do so).
+None of this code reads a count on the host and nothing needs a capacity: no route is dropped, and
+each expert computes its own routes only. On a Hopper GPU in bf16 each grouped matmul is one
+CUTLASS kernel, so the layer's forward and backward never wait for the device. Elsewhere PyTorch
+loops over the groups (on CUDA, in float32, it reads the offsets to do so: one wait per matmul).
 
 Rows past the last expert's range (the null routes) are never computed by the grouped matmul: their
 values are masked out before the combine, and their gradients before they reach the tokens. The
