@@ -12,7 +12,7 @@ BITS0=16, PREC=ieee, DOT=0, ...) or an option (num_warps=2, num_stages=1).
 
 Why: decode attention on a GPU is bound by how many programs each multiprocessor keeps in flight
 (docs/gpu.md); a variant's registers and spills are its device-independent proxy, read here for
-free before a lease is spent timing it.
+free before GPU time is spent timing it.
 """
 
 from __future__ import annotations
