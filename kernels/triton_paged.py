@@ -209,7 +209,7 @@ def used_entries(page_tables: torch.Tensor) -> torch.Tensor:
     (-1 entries after it are never visited; a -1 before it is skipped by the masks). Device ops
     only, no read back."""
     entries = torch.arange(1, page_tables.shape[-1] + 1, dtype=torch.int32, device=page_tables.device)
-    return torch.where(page_tables >= 0, entries, 0).amax(-1).to(torch.int32).contiguous()
+    return torch.where(page_tables >= 0, entries, 0).amax(-1).contiguous()
 
 
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,

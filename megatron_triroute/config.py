@@ -14,7 +14,7 @@ import functools
 import types
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from .input_errors import InputError
 
@@ -69,6 +69,12 @@ class ModelConfig:
                   "choose n_kv_heads dividing n_heads (the paper uses n_heads // 4)")
         if self.expert_d_ff < 0:
             _fail(f"{path}.expert_d_ff", self.expert_d_ff, "must be >= 0", "use 0 to derive it")
+
+
+ExpertCompute = Literal["auto", "grouped", "deepspeed"]
+EXPERT_COMPUTE: tuple[str, ...] = get_args(ExpertCompute)
+"""How one rank's experts may run (`RouterConfig.expert_compute`, `experts.TriRouteExperts`)."""
+EXPERT_COMPUTE_FIX = "use " + ", ".join(EXPERT_COMPUTE[:-1]) + " or " + EXPERT_COMPUTE[-1]
 
 
 @dataclass
@@ -144,14 +150,13 @@ class RouterConfig:
     mod_predictor_width: int = 128
     """MoD: hidden width of the causal predictor MLP."""
     # --- execution ------------------------------------------------------------------------
-    expert_compute: Literal["auto", "grouped", "deepspeed"] = "auto"
+    expert_compute: ExpertCompute = "auto"
     """How the experts run where one rank holds them all (expert parallel 1, no tensor parallel, no
     capacity factor): `grouped`, every route in two grouped matmuls with no host read and no
     capacity (`experts/grouped.py`); `deepspeed`, DeepSpeed's MOELayer dispatch as with expert
-    parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU (2.38x
-    instead of 3.86x Dense's step on an H200, docs/gpu.md) and DeepSpeed's on a CPU (where the
-    grouped matmul is a loop and the step measured 5 % slower). Expert-parallel runs always take
-    DeepSpeed's."""
+    parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU and
+    DeepSpeed's on a CPU, where the grouped matmul is a loop: each measured the faster there
+    (docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
     compile: Literal["inductor", "aot_eager", "eager"] | None = None
     """torch.compile backend for the routing ops (counter-based noise and ST-Gumbel relaxation,
     `routing.compiled`); None: eager. Off by default: on a CPU it does not pay (docs/overhead.md);
@@ -207,8 +212,8 @@ class RouterConfig:
             _fail(f"{path}.mod_predictor_weight", self.mod_predictor_weight, "must be >= 0", "use 1e-2")
         if self.mod_predictor_width <= 0:
             _fail(f"{path}.mod_predictor_width", self.mod_predictor_width, "must be positive", "use 128")
-        if self.expert_compute not in ("auto", "grouped", "deepspeed"):
-            _fail(f"{path}.expert_compute", self.expert_compute, "unknown", "use auto, grouped or deepspeed")
+        if self.expert_compute not in EXPERT_COMPUTE:
+            _fail(f"{path}.expert_compute", self.expert_compute, "unknown", EXPERT_COMPUTE_FIX)
         if self.compile not in (None, "inductor", "aot_eager", "eager"):
             _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
                   "use inductor, aot_eager or eager, or leave it unset (eager)")

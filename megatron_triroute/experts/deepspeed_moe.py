@@ -58,6 +58,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from megatron_triroute.config import EXPERT_COMPUTE, EXPERT_COMPUTE_FIX
 from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu
 from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
 from megatron_triroute.routing.gating import NULL_EXPERT
@@ -294,8 +295,8 @@ class TriRouteExperts(nn.Module):
         self.gate = PrecomputedGate(num_experts, top_k, capacity_factor)
         experts.bind_gate(self.gate)
         self.moe = sharded_moe.MOELayer(self.gate, experts, self.ep_group_name, ep, self.num_local_experts)
-        if compute not in ("auto", "grouped", "deepspeed"):
-            raise ValueError(f"expert compute {compute!r}: use auto, grouped or deepspeed")
+        if compute not in EXPERT_COMPUTE:
+            raise ValueError(f"expert compute {compute!r}: {EXPERT_COMPUTE_FIX}")
         self.compute = compute
         self.grouped = compute != "deepspeed" and ep == 1 and tp == 1 and capacity_factor is None
         """One rank holds every expert, nothing is sliced and nothing dropped: there is nothing to

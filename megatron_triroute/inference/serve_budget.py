@@ -185,7 +185,6 @@ def request_from_json(line: str, where: str, default: tuple) -> tuple[str, tuple
     """One line of a `.jsonl` prompts file, {"prompt": TEXT, "target_flops": F, "target_mem": M}: its
     prompt and (target_flops, target_mem), `default`'s where absent; an InputError naming the fix
     (exit status 2 in a command line) for anything else."""
-
     try:
         obj = json.loads(line)
     except json.JSONDecodeError as error:
