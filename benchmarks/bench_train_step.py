@@ -29,12 +29,14 @@ trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at t
 (the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
 `--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
 operators by device time to `DIR/NAME_ops.txt`; `--host-profile DIR` runs two more steps of each
-under cProfile and writes the Python functions that take the host's time to `DIR/NAME_host.txt`.
+under cProfile and writes the Python functions that take the host's time to `DIR/NAME_host.txt`
+(the whole profile, callers included, to `DIR/NAME_host.pstats`).
 
 Alongside the times (median and interquartile range per model, and of the per-step ratio: the
 models alternate who goes first), one extra untimed step of each model is counted: the aten ops it
 dispatches (`aten_ops_ratio`), the host syncs among them (`host_syncs_per_step`: value reads such
-as `.item()`, data-dependent shapes such as `nonzero`, device-to-host copies) and the attention
+as `.item()`, data-dependent shapes such as `nonzero` or a boolean-mask index, `bincount`, which
+reads its input's maximum back on CUDA, device-to-host copies) and the attention
 FLOPs it executes (`attention_flops_ratio`, from the shapes every SDPA call gets; see
 `AttentionFlops`). 160m-shaped runs on a CPU, one sequence per step:
 
@@ -153,7 +155,8 @@ def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None
 def _host_profile(engines: dict, data: list, device: torch.device, out: Path) -> dict:
     """Two steps of each model under cProfile: where the host's time goes (on a GPU the step is
     bound by it), by Python function. Writes DIR/NAME_host.txt (top 40 by own time, then by
-    cumulative time) and returns each model's profiled host seconds per step."""
+    cumulative time) and the whole profile as DIR/NAME_host.pstats; returns each model's profiled
+    host seconds per step."""
     import cProfile
     import io
     import pstats
@@ -174,6 +177,7 @@ def _host_profile(engines: dict, data: list, device: torch.device, out: Path) ->
         stats.sort_stats("tottime").print_stats(40)
         stats.sort_stats("cumulative").print_stats(40)
         (out / f"{name}_host.txt").write_text(text.getvalue())
+        stats.dump_stats(out / f"{name}_host.pstats")  # the whole profile, callers included (pstats, snakeviz)
         print(f"host profile of {name}: {out / f'{name}_host.txt'}")
     return per_step
 

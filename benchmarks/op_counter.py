@@ -23,9 +23,14 @@ HOST_SYNC_OPS = frozenset({
     "aten._local_scalar_dense",  # .item(), bool(tensor), int(tensor), .tolist()
     "aten.nonzero", "aten.masked_select", "aten.is_nonzero", "aten.equal",
     "aten._unique2", "aten.unique_consecutive", "aten.unique_dim", "aten.repeat_interleave.Tensor",
+    "aten.bincount",  # reads the input's maximum back on CUDA, minlength or not
 })
 """aten ops that need a tensor's value on the host (output size or a Python scalar): on a GPU
 each waits for the device, on a CPU each is where a GPU step would wait."""
+
+MASK_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
+"""Indexing ops that sync when an index is a boolean mask (`x[mask]`, `x[mask] = v`): the mask's
+`nonzero` runs inside the op, where the dispatcher does not see it. Counted as "aten.index (mask)"."""
 
 MATMUL_OPS = frozenset({"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.mv",
                         "aten.addmv", "aten.dot", "aten.vdot"})
@@ -133,6 +138,9 @@ class StepCounter(TorchDispatchMode):
         to_host = packet in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs)
         if name in HOST_SYNC_OPS or to_host:
             self.syncs[name] = self.syncs.get(name, 0) + 1
+        elif packet in MASK_INDEX_OPS and _has_mask_index(args):
+            key = "aten.index (mask)"
+            self.syncs[key] = self.syncs.get(key, 0) + 1
         if packet in MATMUL_OPS:
             operands = args[1:3] if packet in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv") else args[:2]
             macs = _mm_macs(packet, args)
@@ -146,6 +154,11 @@ class StepCounter(TorchDispatchMode):
         if self._weight_storages and packet in DATA_MOVEMENT_OPS and args and self._is_weight(args[0]):
             self._mark(out)
         return out
+
+
+def _has_mask_index(args) -> bool:
+    indices = args[1] if len(args) > 1 and isinstance(args[1], (list, tuple)) else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices)
 
 
 def _device_to_host(func, args, kwargs) -> bool:

@@ -61,6 +61,7 @@ from torch import nn
 from megatron_triroute.config import EXPERT_COMPUTE, EXPERT_COMPUTE_FIX
 from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu
 from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
+from megatron_triroute.routing.counts import option_counts
 from megatron_triroute.routing.gating import NULL_EXPERT
 
 if TYPE_CHECKING:
@@ -133,7 +134,7 @@ class PrecomputedGate(nn.Module):
         if used_token is not None:
             index = torch.where(used_token.to(index.device).bool().unsqueeze(0), index, NULL_EXPERT)
         routed = index >= 0  # (k, N); the null expert is never dispatched
-        exp_counts = torch.bincount(index[routed], minlength=self.num_experts)  # (E,)
+        exp_counts = option_counts(torch.where(routed, index, self.num_experts), self.num_experts + 1)[:-1]  # (E,)
         locations = _slot_in_expert(index, self.num_experts)  # (k, N)
 
         capacity = self._capacity(exp_counts, num_tokens)
@@ -241,7 +242,7 @@ def _slot_in_expert(index: torch.Tensor, num_experts: int) -> torch.Tensor:
     flat = index.reshape(-1)  # (k * N,)
     key = torch.where(flat >= 0, flat, num_experts)
     order = torch.argsort(key, stable=True)
-    counts = torch.bincount(key, minlength=num_experts + 1)
+    counts = option_counts(key, num_experts + 1)
     first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
     sorted_position = torch.arange(flat.numel(), device=flat.device) - first[key[order]]
     position = torch.empty_like(sorted_position)

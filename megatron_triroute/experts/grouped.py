@@ -21,6 +21,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from megatron_triroute.routing.counts import option_counts
+
 
 def sort_routes(index: torch.Tensor, num_experts: int):
     """index (N, k), -1 the null expert -> (order (N k,): the routes by expert, null last, stable;
@@ -31,8 +33,7 @@ def sort_routes(index: torch.Tensor, num_experts: int):
     order = torch.argsort(key, stable=True)
     inverse = torch.empty_like(order)
     inverse[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int32, device=index.device)
-    counts.scatter_add_(0, key, torch.ones_like(key, dtype=torch.int32))  # bincount without its host read
+    counts = option_counts(key, num_experts + 1, torch.int32)
     offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
     valid = (key.index_select(0, order) < num_experts).unsqueeze(1)
     return order, inverse, valid, offsets

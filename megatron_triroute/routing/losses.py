@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from ..config import LossConfig
 from .controller import RouterOutput
+from .counts import option_counts
 
 
 def switch_load_loss(fraction: torch.Tensor, mean_prob: torch.Tensor) -> torch.Tensor:
@@ -49,7 +50,7 @@ def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch
     """
     n_opt = logits.shape[-1]
     probs = F.softmax(logits.float(), dim=-1).reshape(-1, n_opt)
-    counts = torch.bincount(executed.reshape(-1), minlength=n_opt).float()
+    counts = option_counts(executed, n_opt, torch.float32)
     return counts / counts.sum(), probs.mean(0)
 
 

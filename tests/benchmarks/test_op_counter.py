@@ -27,6 +27,23 @@ def test_counts_ops_and_host_syncs(oc):
     assert counter.foreign_ops == {}
 
 
+def test_counts_the_syncs_inside_ops(oc):
+    """bincount reads its input's maximum back on CUDA, and a boolean mask index runs a nonzero
+    inside the op: both are syncs though neither shows a sync op to the dispatcher. An integer
+    index, a where and a scatter_add count (the sync-free replacements) are not."""
+    x = torch.arange(6.0)
+    ids = torch.tensor([0, 2, 2, 1])
+    with oc.StepCounter() as counter:
+        torch.bincount(ids, minlength=4)
+        x[x > 2]
+        y = x.clone()
+        y[x > 4] = 0.0
+        x[ids]
+        torch.where(x > 2, x, 0.0)
+        torch.zeros(4, dtype=torch.long).scatter_add_(0, ids, torch.ones_like(ids))
+    assert counter.syncs == {"aten.bincount": 1, "aten.index (mask)": 2}
+
+
 def _attention(q, k, v, times: int):
     """A decode attention over one query per (request, head) that does its work `times` times."""
     for _ in range(times):
