@@ -118,15 +118,41 @@ class AttentionFlops(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _count_step(engine, mb, step: int) -> dict:
-    """One training step under the op, sync and attention-FLOP counters (not timed)."""
+def _count_step(engine, mb, step: int, device: torch.device) -> dict:
+    """One training step under the op, sync and attention-FLOP counters (not timed); on CUDA one
+    more step under CUDA's own synchronisation check (`cuda_syncs`)."""
     counter, flops = StepCounter(), AttentionFlops()
     with flops, counter:
         report = engine.train_step([mb], step)
     if report.skipped:
         raise RuntimeError(f"counted step {step} was skipped (non-finite loss or gradients)")
-    return {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
-            "attention_flops": flops.flops, "sdpa_calls": flops.calls}
+    counts = {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
+              "attention_flops": flops.flops, "sdpa_calls": flops.calls}
+    if device.type == "cuda":
+        counts["cuda_syncs"], counts["cuda_sync_sites"] = _cuda_syncs(engine, mb, step + 1)
+    return counts
+
+
+def _cuda_syncs(engine, mb, step: int) -> tuple[int, dict[str, int]]:
+    """Every call that synchronises the host with the device in one step, as CUDA reports it
+    (`torch.cuda.set_sync_debug_mode`): the ground truth the op counter's `host_syncs` approximates
+    from op names (it cannot see a sync inside an op, such as a blocking host-to-device copy).
+    Returns the count and the Python lines that made them, most frequent first."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            engine.train_step([mb], step)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    sites: dict[str, int] = {}
+    for w in caught:
+        if "synchroniz" in str(w.message):
+            site = f"{w.filename}:{w.lineno}"
+            sites[site] = sites.get(site, 0) + 1
+    return sum(sites.values()), dict(sorted(sites.items(), key=lambda kv: -kv[1]))
 
 
 def _spread(values: list[float]) -> dict:
@@ -235,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
                         realised.append(report.realised[0])
         if device.type == "cuda":
             peak_memory = torch.cuda.max_memory_allocated(device) / 2**30
-        counts = {name: _count_step(engine, data[0], len(data)) for name, engine in engines.items()}
+        counts = {name: _count_step(engine, data[0], len(data), device) for name, engine in engines.items()}
         if args.profile is not None:
             _profile(engines, data, device, args.profile)
         host = _host_profile(engines, data, device, args.host_profile) if args.host_profile is not None else None
@@ -265,6 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
         "host_profile_s_per_step": host,
         "aten_ops_ratio": counts[system]["aten_ops"] / counts["dense"]["aten_ops"],
         "host_syncs_per_step": {name: c["host_syncs"] for name, c in counts.items()},
+        "cuda_syncs_per_step": ({name: c["cuda_syncs"] for name, c in counts.items()} if device.type == "cuda" else None),
         "attention_flops_ratio": counts[system]["attention_flops"] / counts["dense"]["attention_flops"],
     }
     if args.out is not None:
@@ -292,6 +319,10 @@ def main(argv: list[str] | None = None) -> dict:
               f"= {result['aten_ops_ratio']:.2f}; attention FLOPs (forward, as executed) "
               f"{result['attention_flops_ratio']:.3f}; host syncs {counts[system]['host_syncs']} vs "
               f"{counts['dense']['host_syncs']} ({counts[system]['host_sync_ops']})")
+        if device.type == "cuda":
+            top = list(counts[system]["cuda_sync_sites"].items())[:8]
+            print(f"  synchronising calls per step as CUDA reports them: {system} {counts[system]['cuda_syncs']}, "
+                  f"dense {counts['dense']['cuda_syncs']}; {system}'s most frequent sites: {top}")
     return result
 
 

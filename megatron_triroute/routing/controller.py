@@ -269,7 +269,7 @@ class TriRouteController(nn.Module):
             y = one_hot(sample, z.shape[-1], z.dtype)
             log_prob = F.log_softmax(z_model, -1).gather(-1, sample.unsqueeze(-1)).squeeze(-1)
             return AxisDecision(y, F.softmax(z, -1), hard, logits=z, log_prob=log_prob)
-        y, y_cost = self.ops.relax(z_model, z, g, torch.tensor(tau, dtype=z.dtype, device=z.device) if self.ops.compiled else tau)
+        y, y_cost = self.ops.relax(z_model, z, g, torch.full((), tau, dtype=z.dtype, device=z.device) if self.ops.compiled else tau)
         return AxisDecision(y, y_cost, hard, logits=z)
 
 

@@ -26,6 +26,7 @@ import torch
 
 from ..config import ModelConfig, RouterConfig
 from .controller import RouterOutput
+from .device_values import device_constant
 from .modes import N_MODES, keys_read
 from .quant import kv_bits_per_token
 
@@ -42,7 +43,7 @@ def bit_costs(router: RouterConfig, model: ModelConfig, device: torch.device | s
     """(|bits|,) bits per token and layer for each bit option, metadata included, on `device`."""
     g = router.group_size_for(model)
     widths = router.bits if router.bit_routing else (router.uniform_bits,)
-    return torch.tensor([kv_bits_per_token(b, model.d_kv, g) for b in widths], dtype=torch.float64, device=device)
+    return device_constant([kv_bits_per_token(b, model.d_kv, g) for b in widths], torch.float64, device)
 
 
 @dataclass

@@ -37,6 +37,7 @@ from torch import nn
 from ..config import ConfigError, RouterConfig, TriRouteConfig
 from .modes import FULL, N_MODES, SKIP
 from .controller import AxisDecision, RouterOutput, _constant_axis
+from .device_values import device_constant
 from .gating import NULL_EXPERT, ExpertRoutes
 from .noise import NoiseKey
 from .side_features import N_STATIC_FEATURES, decision_feature_size
@@ -146,8 +147,8 @@ def block_attention(processed: torch.Tensor, gate: torch.Tensor, n_heads: int) -
     """Whole-block attention decision: `full * g` on every head of a processed token, `skip` on
     every head of a skipped one. No learned categorical head (logits=None)."""
     B, T = processed.shape
-    full = F.one_hot(torch.tensor(FULL), N_MODES).to(gate)  # (N_MODES,)
-    skip = F.one_hot(torch.tensor(SKIP), N_MODES).to(gate)
+    full = device_constant([float(m == FULL) for m in range(N_MODES)], gate.dtype, gate.device)  # (N_MODES,)
+    skip = device_constant([float(m == SKIP) for m in range(N_MODES)], gate.dtype, gate.device)
     y = torch.where(processed[..., None], gate[..., None] * full, skip)  # (B, T, N_MODES)
     y = y.unsqueeze(2).expand(B, T, n_heads, N_MODES)  # (B, T, H, N_MODES)
     hard = torch.where(processed, FULL, SKIP).unsqueeze(2).expand(B, T, n_heads)  # (B, T, H)

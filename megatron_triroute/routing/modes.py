@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from .device_values import device_constant
+
 ATTN_MODES = ("skip", "local", "full")
 """Attention read modes, in logit order (index 0 = skip)."""
 SKIP, LOCAL, FULL = range(len(ATTN_MODES))
@@ -26,18 +28,14 @@ READING_MODES = tuple(m for m in range(N_MODES) if m != SKIP)
 
 _FULL_REACH = 1 << 62
 """How far back `full` reaches: past position 0 for any sequence."""
-_REACH: dict = {}
 
 
 def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
     """Per mode, how many keys before the query it reaches back: skip -1 (its start is past the
-    query), local `window`, full everything; one small tensor per (window, device, dtype), kept."""
-    key = (window, like.device, like.dtype)
-    if key not in _REACH:
-        reach = [0] * N_MODES
-        reach[SKIP], reach[LOCAL], reach[FULL] = -1, window, _FULL_REACH
-        _REACH[key] = torch.tensor(reach, device=like.device, dtype=like.dtype)
-    return _REACH[key]
+    query), local `window`, full everything (a kept constant per window, device and dtype)."""
+    reach = [0] * N_MODES
+    reach[SKIP], reach[LOCAL], reach[FULL] = -1, window, _FULL_REACH
+    return device_constant(reach, like.dtype, like.device)
 
 
 def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:

@@ -28,6 +28,8 @@ from typing import Callable, Mapping, TypeVar
 
 import torch
 
+from .device_values import to_device
+
 _MASK32 = 0xFFFFFFFF
 _CHAIN = 0x85EBCA6B
 
@@ -175,7 +177,7 @@ class NoiseKey:
             raise ValueError(f"gumbel_axes: every shape must start with the same (B, T); got {dict(shapes)}")
         counts = {a: torch.Size(shapes[a][2:]).numel() for a in axes}
         device = self.sample_index.device
-        prefix = torch.tensor([self.prefix(a) for a in axes], dtype=torch.int64, device=device)
+        prefix = to_device([self.prefix(a) for a in axes], torch.int64, device)
         if self.words is not None:
             sample_words, position_words = self.words()
         else:

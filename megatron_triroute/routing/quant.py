@@ -27,6 +27,8 @@ from triroute_kernels.quant import (
 )
 from triroute_kernels.quant import group_channels as _groups
 
+from .device_values import device_constant
+
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
     "quantize_groups", "quantized_values", "relaxed_kv_write",
@@ -101,7 +103,7 @@ def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) ->
     if low:
         grouped = _groups(x.float(), group_size).unsqueeze(2)  # (B, T, 1, H_kv, d_h // g, g)
         lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
-        levels = torch.tensor([2.0**b - 1 for b in low], device=x.device).view(-1, 1, 1, 1)
+        levels = device_constant([2.0**b - 1 for b in low], torch.float32, x.device).view(-1, 1, 1, 1)
         # the arithmetic of `triroute_kernels.quant.quantize_grouped` and `dequantize_groups`, op for op
         scale = ((hi - lo) / levels).half().float()  # (B, T, |low|, H_kv, d_h // g, 1)
         zero = lo.half().float()
