@@ -12,8 +12,9 @@ loops over the groups (on CUDA, in float32, it reads the offsets to do so: one w
 
 Rows past the last expert's range (the null routes) are never computed by the grouped matmul: their
 values are masked out before the combine, and their gradients before they reach the tokens. The
-combine undoes the sort with a gather and sums each token's k routes in place, so forward and
-backward add in a fixed order (no atomics).
+combine undoes the sort with a gather and sums each token's k routes in place; the backward of
+both gathers is a gather too (`_GatherRows`), so forward and backward add in a fixed order (no
+atomics).
 """
 
 from __future__ import annotations
@@ -31,8 +32,7 @@ def sort_routes(index: torch.Tensor, num_experts: int):
     flat = index.reshape(-1)
     key = torch.where(flat >= 0, flat, num_experts)
     order = torch.argsort(key, stable=True)
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     counts = option_counts(key, num_experts + 1, torch.int32)
     offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
     valid = (key.index_select(0, order) < num_experts).unsqueeze(1)
@@ -60,9 +60,31 @@ def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w
     order, inverse, valid, offsets = sort_routes(index, w13.shape[0])
     dtype = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        rows = x.to(dtype).unsqueeze(1).expand(N, k, x.shape[1]).reshape(N * k, -1).index_select(0, order)
+        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, k)
         rows = torch.where(valid, rows, 0)  # null rows: no gradient reaches the tokens through them
         gate, up = F.grouped_mm(rows, w13.to(dtype).transpose(1, 2), offs=offsets).chunk(2, dim=-1)
         y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)
-        y = torch.where(valid, y, 0).index_select(0, inverse).view(N, k, -1)  # back to (token, route)
+        y = _GatherRows.apply(torch.where(valid, y, 0), inverse, order, 1).view(N, k, -1)  # back to (token, route)
         return (y * weight.to(dtype).unsqueeze(-1)).sum(1)
+
+
+class _GatherRows(torch.autograd.Function):
+    """out = t.index_select(0, src), where the routes' sort makes the backward a gather too:
+    `back` lists, for each of t's rows times `k`, the out row that took it (the sort's inverse
+    permutation, or its order), so the gradient is grad.index_select(0, back) summed over each
+    row's k copies. `index_select`'s own backward is an `index_add_`: atomic adds, slow in bf16
+    and not deterministic where k > 1 rows add into one token."""
+
+    @staticmethod
+    def forward(ctx, t: torch.Tensor, src: torch.Tensor, back: torch.Tensor, k: int) -> torch.Tensor:
+        ctx.save_for_backward(back)
+        ctx.k = k
+        return t.index_select(0, src)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (back,) = ctx.saved_tensors
+        rows = grad.index_select(0, back)
+        if ctx.k > 1:
+            rows = rows.view(-1, ctx.k, grad.shape[-1]).sum(1)
+        return rows, None, None, None

@@ -4,6 +4,7 @@ values, gradients, the null expert, no host read."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from benchmarks.op_counter import StepCounter
 from megatron_triroute.experts import NULL_EXPERT, TriRouteExperts
@@ -112,6 +113,23 @@ def test_the_grouped_layer_reads_nothing_back_and_deepspeeds_does():
             layer(x, index, torch.rand(4, 2, requires_grad=True)).sum().backward()
         syncs[compute] = sum(counter.syncs.values())
     assert syncs["grouped"] == 0 and syncs["deepspeed"] >= 1
+
+
+def test_the_grouped_backward_adds_without_atomics():
+    """The gathers' backward is a gather and a sum over each token's routes: no index_add_ (atomic
+    adds on a GPU) runs in the forward or the backward."""
+    index = torch.tensor([[0, 1], [NULL_EXPERT, 2], [3, 3], [1, NULL_EXPERT]])
+    layer = _layer("grouped")
+    seen = set()
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.add(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Ops():
+        layer(torch.randn(4, D, requires_grad=True), index, torch.rand(4, 2, requires_grad=True)).sum().backward()
+    assert "aten.index_select" in seen and not {"aten.index_add", "aten.index_add_", "aten.index_put_"} & seen
 
 
 def test_the_experts_forward_pre_hooks_run_on_the_grouped_path():
