@@ -75,6 +75,9 @@ ExpertCompute = Literal["auto", "grouped", "deepspeed"]
 EXPERT_COMPUTE: tuple[str, ...] = get_args(ExpertCompute)
 """How one rank's experts may run (`RouterConfig.expert_compute`, `experts.TriRouteExperts`)."""
 EXPERT_COMPUTE_FIX = "use " + ", ".join(EXPERT_COMPUTE[:-1]) + " or " + EXPERT_COMPUTE[-1]
+RouterCompile = Literal["auto", "inductor", "aot_eager", "eager"]
+ROUTER_COMPILE: tuple[str, ...] = get_args(RouterCompile)
+"""`RouterConfig.compile`'s choices besides None (eager): `routing.compiled`."""
 
 
 @dataclass
@@ -157,10 +160,11 @@ class RouterConfig:
     parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU and
     DeepSpeed's on a CPU, where the grouped matmul is a loop: each measured the faster there
     (docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
-    compile: Literal["inductor", "aot_eager", "eager"] | None = None
-    """torch.compile backend for the routing ops (counter-based noise and ST-Gumbel relaxation,
-    `routing.compiled`); None: eager. Off by default: on a CPU it does not pay (docs/overhead.md);
-    inductor is the one that fuses (a GPU's choice), aot_eager/eager only trace."""
+    compile: RouterCompile | None = None
+    """torch.compile backend for the routing ops (counter-based noise, ST-Gumbel relaxation and the
+    relaxed K/V write's quantisation, `routing.compiled`); None: eager; `auto`: inductor for a
+    model on a GPU, eager on a CPU, where compiling does not pay (docs/overhead.md). inductor is
+    the one that fuses; aot_eager/eager only trace."""
 
     @property
     def num_expert_options(self) -> int:
@@ -214,9 +218,9 @@ class RouterConfig:
             _fail(f"{path}.mod_predictor_width", self.mod_predictor_width, "must be positive", "use 128")
         if self.expert_compute not in EXPERT_COMPUTE:
             _fail(f"{path}.expert_compute", self.expert_compute, "unknown", EXPERT_COMPUTE_FIX)
-        if self.compile not in (None, "inductor", "aot_eager", "eager"):
+        if self.compile is not None and self.compile not in ROUTER_COMPILE:
             _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
-                  "use inductor, aot_eager or eager, or leave it unset (eager)")
+                  "use " + ", ".join(ROUTER_COMPILE) + ", or leave it unset (eager)")
         if self.kv_group_size <= 0:
             _fail(f"{path}.kv_group_size", self.kv_group_size, "must be positive", "use 32")
         if model is not None and model.d_head % self.group_size_for(model):

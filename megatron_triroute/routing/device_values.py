@@ -21,8 +21,12 @@ _CONSTANTS: dict[tuple, torch.Tensor] = {}
 
 
 def device_constant(values: Sequence[float | int], dtype: torch.dtype, device: torch.device | str | None) -> torch.Tensor:
-    """`torch.tensor(values, dtype=dtype, device=device)`, made once per (values, dtype, device)."""
+    """`torch.tensor(values, dtype=dtype, device=device)`, made once per (values, dtype, device).
+    Under torch.compile the graph makes it (a constant of the compiled code): the kept tensors are
+    not read there, so filling the cache never invalidates a compiled graph."""
     device = torch.device(device if device is not None else "cpu")
+    if torch.compiler.is_compiling():
+        return torch.tensor(values, dtype=dtype, device=device)
     key = (tuple(values), dtype, device)
     if key not in _CONSTANTS:
         _CONSTANTS[key] = to_device(values, dtype, device)

@@ -18,6 +18,8 @@ is defined once beside the supported widths, in `triroute_kernels.quant`; this m
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
@@ -56,7 +58,8 @@ def fake_quantize(x: torch.Tensor, bits: int, group_size: int) -> torch.Tensor:
     return q + (x - x.detach())  # exactly q forward, identity gradient
 
 
-def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
+def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int, ...], group_size: int,
+                     quantize: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
     """Written K (or V) = sum_b y_ST[b] * Q_b(x)  (Alg. 1, line 4).
 
     x: (B, T, H_kv, d_h); bit_weights: (B, T, |bits|) straight-through one-hots, so the forward
@@ -64,8 +67,10 @@ def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int
     The gradient w.r.t. x is the identity (the y_ST sum to exactly 1 in the forward). All widths
     are quantised in one pass without autograd (`quantized_values`, the values `fake_quantize`
     gives, bit for bit), and the sum over widths and its backward are one batched matmul each.
+    `quantize`: `quantized_values` (None) or its compiled twin (`routing.compiled`).
     """
-    return _RelaxedWrite.apply(x, bit_weights, quantized_values(x, bits, group_size))
+    values = (quantize or quantized_values)(x, bits, group_size)
+    return _RelaxedWrite.apply(x, bit_weights, values)
 
 
 class _RelaxedWrite(torch.autograd.Function):

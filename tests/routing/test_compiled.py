@@ -56,3 +56,45 @@ def test_compile_switch_names_the_backends():
         compiled.routing_ops("cudagraphs")
     with pytest.raises(ConfigError, match="router.compile"):
         tiny_config(compile="fast")
+
+
+def test_compiled_quantisation_equals_eager_with_one_graph_for_every_layer(monkeypatch):
+    """The relaxed write's quantisation (every width of every token) compiled gives the eager
+    values bit for bit; K/V of one shape at any layer reuse one graph."""
+    from megatron_triroute.routing.quant import quantized_values, relaxed_kv_write
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")
+    monkeypatch.setattr(compiled, "COMPILE_BACKENDS", compiled.COMPILE_BACKENDS + (counter,))
+    compiled.routing_ops.cache_clear()
+    ops = compiled.routing_ops(counter)
+    g = torch.Generator().manual_seed(3)
+    for layer in range(3):
+        x = torch.randn(2, 5, 4, 16, generator=g) * (1 + layer)
+        x[0, 0, 0, :8] = 0.25  # a constant group: scale 0
+        for bits in ((2, 4, 8, 16), (4,)):
+            assert torch.equal(ops.quantize(x, bits, 8), quantized_values(x, bits, 8))
+        y = torch.nn.functional.one_hot(torch.randint(0, 4, (2, 5), generator=g), 4).float()
+        assert torch.equal(relaxed_kv_write(x, y, (2, 4, 8, 16), 8, ops.quantize),
+                           relaxed_kv_write(x, y, (2, 4, 8, 16), 8))
+        if layer == 0:
+            first = counter.frame_count
+    assert counter.frame_count == first > 0  # graphs per width set, none per layer
+    compiled.routing_ops.cache_clear()
+
+
+def test_auto_compiles_nothing_for_a_model_on_a_cpu():
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled.routing_ops.cache_clear()
+    ops = compiled.routing_ops("auto")
+    assert ops.compiled  # the temperature reaches it as a tensor, as a compiled op wants
+    x = torch.randn(2, 3, 2, 8)
+    from megatron_triroute.routing.quant import quantized_values
+
+    assert torch.equal(ops.quantize(x, (2, 16), 8), quantized_values(x, (2, 16), 8))
+    z = torch.randn(2, 3, 4)
+    y, y_cost = ops.relax(z, z, torch.zeros_like(z), torch.tensor(1.5))
+    assert torch.equal(y, y_cost) and torch.equal(y.sum(-1), torch.ones(2, 3))
+    assert torch._dynamo.utils.counters["frames"]["total"] == 0  # nothing traced, nothing compiled
+    compiled.routing_ops.cache_clear()
