@@ -118,12 +118,36 @@ class AttentionFlops(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def flex_flops(q: torch.Tensor, block_mask) -> int:
+    """Forward FLOPs a FlexAttention call executes: 4 d per (query head, key) pair of every block
+    its mask leaves in (partial blocks are computed whole and masked inside), q (B, H, T, d)."""
+    B, H, _, d = q.shape
+    q_block, kv_block = block_mask.BLOCK_SIZE
+    blocks = int(block_mask.kv_num_blocks.sum()) + int(block_mask.full_kv_num_blocks.sum())
+    per_mask = B * H // (block_mask.kv_num_blocks.shape[0] * block_mask.kv_num_blocks.shape[1])
+    return 4 * d * blocks * q_block * kv_block * per_mask
+
+
 def _count_step(engine, mb, step: int, device: torch.device) -> dict:
     """One training step under the op, sync and attention-FLOP counters (not timed); on CUDA one
-    more step under CUDA's own synchronisation check (`cuda_syncs`)."""
+    more step under CUDA's own synchronisation check (`cuda_syncs`). The local mode's FlexAttention
+    calls reach no SDPA, so their FLOPs are counted from the block masks they run with."""
+    from megatron_triroute.model import mode_attention
+
     counter, flops = StepCounter(), AttentionFlops()
-    with flops, counter:
-        report = engine.train_step([mb], step)
+    flex = mode_attention.flex_local_attention
+
+    def counted_flex(q, k, v, window):
+        flops.flops += flex_flops(q.transpose(1, 2), mode_attention._flex_window_mask(q.shape[1], window, q.device))
+        flops.calls += 1
+        return flex(q, k, v, window)
+
+    mode_attention.flex_local_attention = counted_flex
+    try:
+        with flops, counter:
+            report = engine.train_step([mb], step)
+    finally:
+        mode_attention.flex_local_attention = flex
     if report.skipped:
         raise RuntimeError(f"counted step {step} was skipped (non-finite loss or gradients)")
     counts = {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,

@@ -13,7 +13,10 @@ warm-up steps of each, then counts one step of each: every top-level aten op dis
 
 It prints the ops per source group (the controller, the noise, the losses, the cost model, the
 statistics, attention, experts, the optimizer, the step-end commits, backward) and the top
-sources by count, for both models.
+sources by count, for both models; then the same groups by the bytes their ops read and write
+(each op's tensor arguments and results; views move none), and the top (source, op) pairs by bytes:
+on a GPU, where an elementwise op's time is its bytes over the bandwidth, that ranks the device
+time the ops cost, independent of the device it is measured on.
 """
 
 from __future__ import annotations
@@ -44,13 +47,35 @@ GROUPS = (  # (substring of the source, group), first match wins; forward source
 )
 
 
+VIEW_OPS = frozenset({
+    "aten.view", "aten._unsafe_view", "aten.t", "aten.transpose", "aten.permute", "aten.expand", "aten.select",
+    "aten.slice", "aten.unsqueeze", "aten.squeeze", "aten.as_strided", "aten.detach", "aten.alias", "aten.unbind",
+    "aten.split", "aten.split_with_sizes", "aten.chunk", "aten.narrow", "aten._reshape_alias", "aten.lift_fresh",
+})
+"""Ops that return views: they move no bytes (a `reshape` that copies reaches the dispatcher as a copy)."""
+
+
+def _tensor_bytes(values) -> int:
+    total = 0
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            total += v.numel() * v.element_size()
+        elif isinstance(v, (list, tuple)):
+            total += _tensor_bytes(v)
+    return total
+
+
 class SourceCounter(TorchDispatchMode):
-    """Counts aten ops per (phase, source, op)."""
+    """Counts aten ops per (phase, source, op), and the bytes they read and write: each op's tensor
+    arguments and results at their sizes (views excluded). On a GPU an elementwise op's time is its
+    bytes over the memory bandwidth, so bytes per source rank where the device's time goes, op
+    launches aside."""
 
     def __init__(self, tracker: ModuleTracker):
         super().__init__()
         self.tracker = tracker
         self.counts: collections.Counter = collections.Counter()
+        self.bytes: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch._C._current_graph_task_id() != -1:
@@ -59,8 +84,12 @@ class SourceCounter(TorchDispatchMode):
         else:
             phase = "forward" if any(p != "Global" for p in self.tracker.parents) else "step"
             source = _python_source(sys._getframe(1))
-        self.counts[(phase, source, str(func.overloadpacket))] += 1
-        return func(*args, **(kwargs or {}))
+        key = (phase, source, str(func.overloadpacket))
+        self.counts[key] += 1
+        out = func(*args, **(kwargs or {}))
+        if key[2] not in VIEW_OPS:
+            self.bytes[key] += _tensor_bytes(args) + _tensor_bytes((kwargs or {}).values()) + _tensor_bytes((out,))
+        return out
 
 
 def _python_source(frame) -> str:
@@ -112,15 +141,20 @@ def main(argv: list[str] | None = None) -> dict:
             counter = SourceCounter(tracker)
             with tracker, counter:
                 engine.train_step([data[2]], 2)
-            counts[name] = counter.counts
+            counts[name] = (counter.counts, counter.bytes)
     result = {}
-    for name, c in counts.items():
-        groups_, sources = collections.Counter(), collections.Counter()
+    for name, (c, b) in counts.items():
+        groups_, sources, group_bytes, source_bytes = (collections.Counter() for _ in range(4))
         for (phase, source, _), n in c.items():
             groups_[group(phase, source)] += n
             sources[f"{phase} {source}"] += n
+        for (phase, source, op), n in b.items():
+            group_bytes[group(phase, source)] += n
+            source_bytes[f"{phase} {source} {op}"] += n
         result[name] = {"ops": sum(c.values()), "groups": dict(groups_.most_common()),
-                        "sources": dict(sources.most_common(args.top))}
+                        "sources": dict(sources.most_common(args.top)),
+                        "bytes": sum(b.values()), "group_bytes": dict(group_bytes.most_common()),
+                        "source_op_bytes": dict(source_bytes.most_common(args.top))}
     if args.json:
         print(json.dumps(result, indent=2))
         return result
@@ -134,6 +168,16 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"\ntop sources, {name}:")
         for source, n in result[name]["sources"].items():
             print(f"  {n:6d}  {source}")
+    mb = 2**20
+    print(f"\nMiB read and written per step (tensor arguments and results, views excluded)")
+    print(f"| group | {system} | dense |\n|---|---|---|")
+    for g in result[system]["group_bytes"]:
+        print(f"| {g} | {result[system]['group_bytes'][g] / mb:,.0f} | {result['dense']['group_bytes'].get(g, 0) / mb:,.0f} |")
+    print(f"| total | {result[system]['bytes'] / mb:,.0f} | {result['dense']['bytes'] / mb:,.0f} |")
+    for name in result:
+        print(f"\ntop sources and ops by bytes, {name}:")
+        for source, n in result[name]["source_op_bytes"].items():
+            print(f"  {n / mb:9,.1f} MiB  {source}")
     return result
 
 

@@ -75,6 +75,9 @@ ExpertCompute = Literal["auto", "grouped", "deepspeed"]
 EXPERT_COMPUTE: tuple[str, ...] = get_args(ExpertCompute)
 """How one rank's experts may run (`RouterConfig.expert_compute`, `experts.TriRouteExperts`)."""
 EXPERT_COMPUTE_FIX = "use " + ", ".join(EXPERT_COMPUTE[:-1]) + " or " + EXPERT_COMPUTE[-1]
+LocalAttention = Literal["auto", "flex", "blocks"]
+LOCAL_ATTENTION: tuple[str, ...] = get_args(LocalAttention)
+"""How the local mode's attention runs (`RouterConfig.local_attention`, `model.mode_attention`)."""
 RouterCompile = Literal["auto", "inductor", "aot_eager", "eager"]
 ROUTER_COMPILE: tuple[str, ...] = get_args(RouterCompile)
 """`RouterConfig.compile`'s choices besides None (eager): `routing.compiled`."""
@@ -160,6 +163,11 @@ class RouterConfig:
     parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU and
     DeepSpeed's on a CPU, where the grouped matmul is a loop: each measured the faster there
     (docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
+    local_attention: LocalAttention = "auto"
+    """How the relaxed path computes the local mode (`model/mode_attention.py`): `flex`,
+    FlexAttention with a sliding-window block mask (compiled into one fused kernel; no backward on
+    a CPU); `blocks`, SDPA over query blocks of 16 and their b + w keys (copies of K/V per block,
+    runs anywhere); `auto`, flex on a GPU and blocks on a CPU. The same attention either way."""
     compile: RouterCompile | None = None
     """torch.compile backend for the routing ops (counter-based noise, ST-Gumbel relaxation and the
     relaxed K/V write's quantisation, `routing.compiled`); None: eager; `auto`: inductor for a
@@ -218,6 +226,8 @@ class RouterConfig:
             _fail(f"{path}.mod_predictor_width", self.mod_predictor_width, "must be positive", "use 128")
         if self.expert_compute not in EXPERT_COMPUTE:
             _fail(f"{path}.expert_compute", self.expert_compute, "unknown", EXPERT_COMPUTE_FIX)
+        if self.local_attention not in LOCAL_ATTENTION:
+            _fail(f"{path}.local_attention", self.local_attention, "unknown", "use " + ", ".join(LOCAL_ATTENTION))
         if self.compile is not None and self.compile not in ROUTER_COMPILE:
             _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
                   "use " + ", ".join(ROUTER_COMPILE) + ", or leave it unset (eager)")

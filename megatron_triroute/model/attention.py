@@ -41,17 +41,19 @@ class RoutedAttentionSubmodules:
     linear_proj: ModuleSpec | type
 
 
-def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int) -> torch.Tensor:
+def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int,
+                     local: str = "auto") -> torch.Tensor:
     """Relaxed routed attention, out = sum_m y[m] * Attn^(m) (Alg. 1, line 4): q (B, T, H, d),
     k/v (B, T, H_kv, d) written values, modes (B, T, H, N_MODES) -> (B, T, H, d). Same math as the
     tests' oracle `tests/oracles.reference_attention`; each mode's attention costs only the keys it
-    reads (`mode_attention`), so the mode head's gradient <dL/dout, Attn^(m)> stays exact."""
+    reads (`mode_attention`; `local`: the local mode's kernel, `router.local_attention`), so the
+    mode head's gradient <dL/dout, Attn^(m)> stays exact."""
     out = None
     for mode in READING_MODES:
         weight = modes[..., mode, None]
         if not weight.requires_grad and not bool(weight.any()):
             continue  # a mode nobody reads and no gradient needs (e.g. local in a dense model)
-        term = weight.to(q.dtype) * MODE_ATTENTION[mode](q, k, v, window)  # (B, T, H, d)
+        term = weight.to(q.dtype) * MODE_ATTENTION[mode](q, k, v, window, local)  # (B, T, H, d)
         out = term if out is None else out + term
     return torch.zeros_like(q) if out is None else out
 
@@ -114,6 +116,7 @@ class TriRouteSelfAttention(MegatronModule):
         # after K's changes no group. (B, T, 2 * kv_l, d) -> k_w, v_w (B, T, kv_l, d)
         quantize = routing_ops(self.triroute.router.compile).quantize
         k_w, v_w = relaxed_kv_write(to_bt(torch.cat([k, v], 2)), bit_weights, self._bits(), g, quantize).chunk(2, dim=2)
-        ctx = routed_attention(to_bt(q), k_w, v_w, modes, self.triroute.router.window)  # (B, T, H_l, d)
+        router = self.triroute.router
+        ctx = routed_attention(to_bt(q), k_w, v_w, modes, router.window, router.local_attention)  # (B, T, H_l, d)
         out, _ = self.linear_proj(ctx.transpose(0, 1).reshape(hidden.shape[0], hidden.shape[1], -1))
         return out

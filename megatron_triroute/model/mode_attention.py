@@ -1,9 +1,11 @@
-"""Per-mode attention of the relaxed path of the relaxed path, each at the cost of the keys its mode reads.
+"""Per-mode attention of the relaxed path, each at the cost of the keys its mode reads.
 
 Read ranges come from `routing.modes` (`read_start`): full reads keys 0..t, which is exactly
 causal attention, so it runs on SDPA's causal fast path (FlashAttention where available) with
-native GQA; local reads max(0, t - w)..t, computed blockwise at O(T (w + b)) instead of as a
-masked T x T attention:
+native GQA; local reads max(0, t - w)..t. On a GPU the local mode is FlexAttention with a
+sliding-window block mask (`flex_local_attention`, compiled: one fused kernel that skips the key
+blocks outside the window). On a CPU, where FlexAttention has no backward, it is computed blockwise
+at O(T (w + b)) instead of as a masked T x T attention:
 
     queries in blocks of b; block i (queries i*b .. i*b + b - 1) reads the b + w keys
     i*b - w .. i*b + b - 1 (positions < 0 are padding), masked to each query's own range.
@@ -77,5 +79,44 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     return ctx[:, :T]
 
 
-MODE_ATTENTION = {FULL: lambda q, k, v, window: full_attention(q, k, v), LOCAL: local_attention}
-"""The attention of each reading mode (`routing.modes.READING_MODES`): (q, k, v, window) -> ctx."""
+def flex_local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """Local mode through FlexAttention: q (B, T, H, d), k/v (B, T, H_kv, d) -> (B, T, H, d). The
+    block mask skips every key block outside each query block's window, so the work is
+    O(T (w + 128)) with no copy of K or V and native GQA; on a GPU the call is compiled into one
+    fused kernel, forward and backward. (FlexAttention has no backward on a CPU.)"""
+    T = q.shape[1]
+    mask = _flex_window_mask(T, window, q.device)
+    ctx = _flex(q.device.type)(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                               enable_gqa=True)
+    return ctx.transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=16)
+def _flex_window_mask(T: int, window: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def reads(b, h, q_idx, kv_idx):  # `read_start`'s local range [t - w, t] in FlexAttention's int32 indices
+        return (kv_idx <= q_idx) & (q_idx - kv_idx <= window)
+
+    return create_block_mask(reads, None, None, T, T, device=device)
+
+
+@functools.lru_cache(maxsize=None)
+def _flex(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
+
+
+def local_mode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
+                         local: str = "auto") -> torch.Tensor:
+    """The local mode by `router.local_attention` (`local`): flex, blocks, or auto (flex on a GPU,
+    blocks elsewhere: FlexAttention has no backward on a CPU)."""
+    if local == "flex" or (local == "auto" and q.is_cuda):
+        return flex_local_attention(q, k, v, window)
+    return local_attention(q, k, v, window)
+
+
+MODE_ATTENTION = {FULL: lambda q, k, v, window, local="auto": full_attention(q, k, v), LOCAL: local_mode_attention}
+"""The attention of each reading mode (`routing.modes.READING_MODES`): (q, k, v, window, local) -> ctx,
+`local` the local mode's kernel (`router.local_attention`)."""

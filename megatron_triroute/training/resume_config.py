@@ -50,6 +50,8 @@ MAY_CHANGE: dict[str, str] = {
     "parallel.overlap_param_gather": "when updated parameters are gathered (same math)",
     "parallel.bucket_mb": "gradient bucket size (same math)",
     "triroute.router.expert_compute": "how one rank's experts compute (the same routes and math)",
+    "triroute.router.local_attention": "how the local mode's attention is computed (the same attention)",
+    "triroute.router.compile": "whether the routing ops are compiled (the same ops)",
     "triroute.budget.flops_target": "budget target",
     "triroute.budget.mem_target": "budget target",
 }

@@ -45,6 +45,16 @@ def test_relaxed_attention_flops_are_full_plus_the_local_blocks(bench):
     assert counter.flops == 4 * d * B * H * (T * (T + 1) // 2 + (T // b) * b * (b + w))
 
 
+def test_flex_attention_flops_count_the_blocks_its_mask_runs(bench):
+    """FlexAttention computes every 128 x 128 block its mask leaves in: the local window w = 16 over
+    T = 300 keeps 1 + 2 + 2 blocks (the diagonal, and the one before it once there is one)."""
+    from megatron_triroute.model.mode_attention import _flex_window_mask
+
+    B, H, T, d = 2, 4, 300, 8
+    assert bench.flex_flops(torch.randn(B, H, T, d), _flex_window_mask(T, 16, torch.device("cpu"))) == \
+        4 * d * B * H * 5 * 128 * 128
+
+
 def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json",
                          "--host-profile", str(tmp_path), *TINY])

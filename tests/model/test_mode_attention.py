@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_triroute.model.attention import routed_attention
-from megatron_triroute.model.mode_attention import full_attention, local_attention
+from megatron_triroute.model.mode_attention import flex_local_attention, full_attention, local_attention, local_mode_attention
 from megatron_triroute.routing.gumbel import st_gumbel_softmax
 from megatron_triroute.routing.modes import FULL, LOCAL, N_MODES, read_mask
 from megatron_triroute.routing.quant import fake_quantize, relaxed_kv_write
@@ -56,11 +56,13 @@ def test_fast_path_equals_reference(T, window, group):
 
 def test_each_mode_reads_exactly_its_range():
     """One-hot values: a query's output is the mean of the values it reads, so any key read
-    outside `read_mask` (or missed inside it) changes the result."""
+    outside `read_mask` (or missed inside it) changes the result: the blockwise local kernel, full
+    attention and FlexAttention's local mask (forward only: it has no backward on a CPU)."""
     T, window, block = 23, 6, 4
     q = torch.zeros(1, T, 2, 4)  # equal scores: uniform weights over the keys read
     v = torch.randn(1, T, 1, 4)
-    for mode, attend in ((LOCAL, lambda: local_attention(q, v, v, window, block)), (FULL, lambda: full_attention(q, v, v))):
+    for mode, attend in ((LOCAL, lambda: local_attention(q, v, v, window, block)), (FULL, lambda: full_attention(q, v, v)),
+                         (LOCAL, lambda: flex_local_attention(q, v, v, window))):
         mask = read_mask(T, mode, window).float()
         expected = (mask / mask.sum(-1, keepdim=True)) @ v[0, :, 0]  # (T, 4)
         out = attend()
@@ -83,3 +85,50 @@ def test_mode_nobody_reads_without_gradient_is_skipped(monkeypatch):
     full.requires_grad_()  # a mode weight that needs its gradient runs even if nobody reads it
     with pytest.raises(AssertionError, match="local attention ran"):
         routed_attention(q, k, k, full, 0)
+
+
+@pytest.mark.parametrize("T,window,group", [(37, 5, 2), (300, 16, 1), (20, 100, 4), (200, 0, 2), (129, 128, 2), (1, 3, 1)])
+def test_flex_local_equals_the_blockwise_local(T, window, group):
+    """`router.local_attention=flex` and `blocks` compute the same attention (forward on a CPU)."""
+    torch.manual_seed(T + window)
+    q, k, v = torch.randn(2, T, 2 * group, 8), torch.randn(2, T, 2, 8), torch.randn(2, T, 2, 8)
+    torch.testing.assert_close(local_mode_attention(q, k, v, window, "flex"), local_mode_attention(q, k, v, window, "blocks"),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_auto_takes_the_blocks_on_a_cpu(monkeypatch):
+    from megatron_triroute.model import mode_attention
+
+    monkeypatch.setattr(mode_attention, "flex_local_attention", lambda *a: pytest.fail("flex on a CPU tensor"))
+    q = torch.randn(1, 9, 2, 4, requires_grad=True)
+    local_mode_attention(q, q[:, :, :1], q[:, :, :1], 3, "auto").sum().backward()  # a backward runs on a CPU
+    assert q.grad is not None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_flex_local_values_and_gradients_equal_the_blocks(dtype):
+    """FlexAttention's compiled kernel against the blockwise SDPA path at a training shape, forward
+    and backward (q, k, v), with GQA and a window that cuts."""
+    torch.manual_seed(0)
+    B, T, H_kv, G, d, window = 2, 1024, 2, 4, 64, 128
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
+    q, k, v = make(B, T, H_kv * G, d), make(B, T, H_kv, d), make(B, T, H_kv, d)
+    up = torch.randn(B, T, H_kv * G, d, device="cuda", dtype=dtype)
+    results = {}
+    for local in ("flex", "blocks"):
+        out = local_mode_attention(q, k, v, window, local)
+        results[local] = (out, *torch.autograd.grad((out * up).sum(), (q, k, v)))
+    tol = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=3e-2, atol=3e-2)
+    for a, b in zip(results["flex"], results["blocks"]):
+        torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def test_local_attention_setting_names_its_choices():
+    from megatron_triroute.config import ConfigError
+    from tests.routing.helpers import tiny_config
+
+    assert tiny_config().router.local_attention == "auto"
+    with pytest.raises(ConfigError, match="local_attention.*auto, flex, blocks"):
+        tiny_config(local_attention="fused")
