@@ -128,6 +128,24 @@ def flex_flops(q: torch.Tensor, block_mask) -> int:
     return 4 * d * blocks * q_block * kv_block * per_mask
 
 
+def counted_flex(flex, counter: StepCounter, flops: "AttentionFlops"):
+    """`flex` (`mode_attention.flex_local_attention`) with its FLOPs counted from its block mask and
+    the call counted as one foreign op of `counter`. torch.compile does not run under a dispatch
+    mode, so the call runs with the counters' modes set aside."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from megatron_triroute.model import mode_attention
+
+    def run(q, k, v, window):
+        flops.flops += flex_flops(q.transpose(1, 2), mode_attention._flex_window_mask(q.shape[1], window, q.device))
+        flops.calls += 1
+        counter.ops += 1
+        counter.foreign_ops["flex_attention"] = counter.foreign_ops.get("flex_attention", 0) + 1
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
+            return flex(q, k, v, window)
+    return run
+
+
 def _count_step(engine, mb, step: int, device: torch.device) -> dict:
     """One training step under the op, sync and attention-FLOP counters (not timed); on CUDA one
     more step under CUDA's own synchronisation check (`cuda_syncs`). The local mode's FlexAttention
@@ -136,13 +154,7 @@ def _count_step(engine, mb, step: int, device: torch.device) -> dict:
 
     counter, flops = StepCounter(), AttentionFlops()
     flex = mode_attention.flex_local_attention
-
-    def counted_flex(q, k, v, window):
-        flops.flops += flex_flops(q.transpose(1, 2), mode_attention._flex_window_mask(q.shape[1], window, q.device))
-        flops.calls += 1
-        return flex(q, k, v, window)
-
-    mode_attention.flex_local_attention = counted_flex
+    mode_attention.flex_local_attention = counted_flex(flex, counter, flops)
     try:
         with flops, counter:
             report = engine.train_step([mb], step)

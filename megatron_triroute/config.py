@@ -75,7 +75,7 @@ ExpertCompute = Literal["auto", "grouped", "deepspeed"]
 EXPERT_COMPUTE: tuple[str, ...] = get_args(ExpertCompute)
 """How one rank's experts may run (`RouterConfig.expert_compute`, `experts.TriRouteExperts`)."""
 EXPERT_COMPUTE_FIX = "use " + ", ".join(EXPERT_COMPUTE[:-1]) + " or " + EXPERT_COMPUTE[-1]
-LocalAttention = Literal["auto", "flex", "blocks"]
+LocalAttention = Literal["blocks", "flex"]
 LOCAL_ATTENTION: tuple[str, ...] = get_args(LocalAttention)
 """How the local mode's attention runs (`RouterConfig.local_attention`, `model.mode_attention`)."""
 RouterCompile = Literal["auto", "inductor", "aot_eager", "eager"]
@@ -163,11 +163,12 @@ class RouterConfig:
     parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU and
     DeepSpeed's on a CPU, where the grouped matmul is a loop: each measured the faster there
     (docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
-    local_attention: LocalAttention = "auto"
-    """How the relaxed path computes the local mode (`model/mode_attention.py`): `flex`,
-    FlexAttention with a sliding-window block mask (compiled into one fused kernel; no backward on
-    a CPU); `blocks`, SDPA over query blocks of 16 and their b + w keys (copies of K/V per block,
-    runs anywhere); `auto`, flex on a GPU and blocks on a CPU. The same attention either way."""
+    local_attention: LocalAttention = "blocks"
+    """How the relaxed path computes the local mode (`model/mode_attention.py`): `blocks`, SDPA over
+    query blocks of 16 and their b + w keys (copies of K/V per block; runs anywhere); `flex`,
+    FlexAttention with a sliding-window block mask, compiled into one fused kernel on a GPU (no
+    backward on a CPU). The same attention either way; flex is not the default until it has passed
+    the CUDA-against-CPU training test (docs/gpu.md)."""
     compile: RouterCompile | None = None
     """torch.compile backend for the routing ops (counter-based noise, ST-Gumbel relaxation and the
     relaxed K/V write's quantisation, `routing.compiled`); None: eager; `auto`: inductor for a

@@ -2,10 +2,10 @@
 
 Read ranges come from `routing.modes` (`read_start`): full reads keys 0..t, which is exactly
 causal attention, so it runs on SDPA's causal fast path (FlashAttention where available) with
-native GQA; local reads max(0, t - w)..t. On a GPU the local mode is FlexAttention with a
-sliding-window block mask (`flex_local_attention`, compiled: one fused kernel that skips the key
-blocks outside the window). On a CPU, where FlexAttention has no backward, it is computed blockwise
-at O(T (w + b)) instead of as a masked T x T attention:
+native GQA; local reads max(0, t - w)..t, computed blockwise at O(T (w + b)) instead of as a
+masked T x T attention (`router.local_attention=flex` takes FlexAttention with a sliding-window
+block mask instead, `flex_local_attention`: compiled on a GPU into one fused kernel that skips the
+key blocks outside the window; no backward on a CPU):
 
     queries in blocks of b; block i (queries i*b .. i*b + b - 1) reads the b + w keys
     i*b - w .. i*b + b - 1 (positions < 0 are padding), masked to each query's own range.
@@ -109,14 +109,11 @@ def _flex(device_type: str):
 
 
 def local_mode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                         local: str = "auto") -> torch.Tensor:
-    """The local mode by `router.local_attention` (`local`): flex, blocks, or auto (flex on a GPU,
-    blocks elsewhere: FlexAttention has no backward on a CPU)."""
-    if local == "flex" or (local == "auto" and q.is_cuda):
-        return flex_local_attention(q, k, v, window)
-    return local_attention(q, k, v, window)
+                         local: str = "blocks") -> torch.Tensor:
+    """The local mode by `router.local_attention` (`local`): blocks or flex."""
+    return flex_local_attention(q, k, v, window) if local == "flex" else local_attention(q, k, v, window)
 
 
-MODE_ATTENTION = {FULL: lambda q, k, v, window, local="auto": full_attention(q, k, v), LOCAL: local_mode_attention}
+MODE_ATTENTION = {FULL: lambda q, k, v, window, local="blocks": full_attention(q, k, v), LOCAL: local_mode_attention}
 """The attention of each reading mode (`routing.modes.READING_MODES`): (q, k, v, window, local) -> ctx,
 `local` the local mode's kernel (`router.local_attention`)."""

@@ -55,6 +55,21 @@ def test_flex_attention_flops_count_the_blocks_its_mask_runs(bench):
         4 * d * B * H * 5 * 128 * 128
 
 
+def test_a_counted_flex_call_runs_outside_the_counter_and_counts_once(bench):
+    """torch.compile refuses to run under a dispatch mode: the counted FlexAttention call steps out
+    of the op counter, which counts it as one foreign op, and its FLOPs come from its mask."""
+    from benchmarks.op_counter import StepCounter
+    from megatron_triroute.model.mode_attention import flex_local_attention, local_attention
+
+    counter, flops = StepCounter(), bench.AttentionFlops()
+    q = torch.randn(1, 40, 2, 8)
+    with torch.no_grad(), counter, flops:  # FlexAttention has no backward on a CPU
+        out = bench.counted_flex(flex_local_attention, counter, flops)(q, q[:, :, :1], q[:, :, :1], 5)
+    torch.testing.assert_close(out, local_attention(q, q[:, :, :1], q[:, :, :1], 5), rtol=1e-5, atol=1e-5)
+    assert counter.foreign_ops == {"flex_attention": 1}
+    assert flops.flops == 4 * 8 * 1 * 2 * 1 * 128 * 128 and flops.calls == 1
+
+
 def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json",
                          "--host-profile", str(tmp_path), *TINY])

@@ -96,12 +96,12 @@ def test_flex_local_equals_the_blockwise_local(T, window, group):
                                rtol=1e-5, atol=1e-5)
 
 
-def test_auto_takes_the_blocks_on_a_cpu(monkeypatch):
+def test_the_default_takes_the_blocks(monkeypatch):
     from megatron_triroute.model import mode_attention
 
-    monkeypatch.setattr(mode_attention, "flex_local_attention", lambda *a: pytest.fail("flex on a CPU tensor"))
+    monkeypatch.setattr(mode_attention, "flex_local_attention", lambda *a: pytest.fail("flex by default"))
     q = torch.randn(1, 9, 2, 4, requires_grad=True)
-    local_mode_attention(q, q[:, :, :1], q[:, :, :1], 3, "auto").sum().backward()  # a backward runs on a CPU
+    routed_attention(q, q[:, :, :1], q[:, :, :1], torch.rand(1, 9, 2, N_MODES, requires_grad=True), 3).sum().backward()
     assert q.grad is not None
 
 
@@ -129,6 +129,6 @@ def test_local_attention_setting_names_its_choices():
     from megatron_triroute.config import ConfigError
     from tests.routing.helpers import tiny_config
 
-    assert tiny_config().router.local_attention == "auto"
-    with pytest.raises(ConfigError, match="local_attention.*auto, flex, blocks"):
+    assert tiny_config().router.local_attention == "blocks"
+    with pytest.raises(ConfigError, match="local_attention.*blocks, flex"):
         tiny_config(local_attention="fused")
