@@ -159,26 +159,25 @@ def main(argv: list[str] | None = None) -> dict:
         print(json.dumps(result, indent=2))
         return result
     system = run.system
-    print(f"aten ops per step, recipe {run.name}, micro-batch {args.micro_batch}{', bf16' if args.bf16 else ''}")
-    print(f"| group | {system} | dense |\n|---|---|---|")
-    for g in result[system]["groups"]:
-        print(f"| {g} | {result[system]['groups'][g]:,} | {result['dense']['groups'].get(g, 0):,} |")
-    print(f"| total | {result[system]['ops']:,} | {result['dense']['ops']:,} |")
-    for name in result:
-        print(f"\ntop sources, {name}:")
-        for source, n in result[name]["sources"].items():
-            print(f"  {n:6d}  {source}")
     mb = 2**20
-    print(f"\nMiB read and written per step (tensor arguments and results, views excluded)")
-    print(f"| group | {system} | dense |\n|---|---|---|")
-    for g in result[system]["group_bytes"]:
-        print(f"| {g} | {result[system]['group_bytes'][g] / mb:,.0f} | {result['dense']['group_bytes'].get(g, 0) / mb:,.0f} |")
-    print(f"| total | {result[system]['bytes'] / mb:,.0f} | {result['dense']['bytes'] / mb:,.0f} |")
-    for name in result:
-        print(f"\ntop sources and ops by bytes, {name}:")
-        for source, n in result[name]["source_op_bytes"].items():
-            print(f"  {n / mb:9,.1f} MiB  {source}")
+    _print_tables(result, system, f"aten ops per step, recipe {run.name}, micro-batch {args.micro_batch}"
+                  f"{', bf16' if args.bf16 else ''}", "groups", "ops", "sources", lambda n: f"{n:,}")
+    _print_tables(result, system, "\nMiB read and written per step (tensor arguments and results, views excluded)",
+                  "group_bytes", "bytes", "source_op_bytes", lambda n: f"{n / mb:,.1f}")
     return result
+
+
+def _print_tables(result: dict, system: str, title: str, groups: str, total: str, sources: str, fmt) -> None:
+    """One measure (ops or bytes): the per-group table of both models, then each model's top sources."""
+    print(title)
+    print(f"| group | {system} | dense |\n|---|---|---|")
+    for g in result[system][groups]:
+        print(f"| {g} | {fmt(result[system][groups][g])} | {fmt(result['dense'][groups].get(g, 0))} |")
+    print(f"| total | {fmt(result[system][total])} | {fmt(result['dense'][total])} |")
+    for name in result:
+        print(f"\ntop {sources.replace('_', ' ')}, {name}:")
+        for source, n in result[name][sources].items():
+            print(f"  {fmt(n):>10}  {source}")
 
 
 if __name__ == "__main__":

@@ -32,3 +32,17 @@ def test_ops_are_attributed_to_their_phase_and_source():
     assert ops.group("forward", "megatron_triroute/routing/losses.py:router_z_loss") == "forward: balancing losses"
     assert ops.group("backward", "MmBackward0") == "backward (autograd nodes)"
     assert ops.group("step", "megatron/core/optimizer/distrib_optimizer.py:copy_group_grads").startswith("step: optimizer")
+
+
+def test_bytes_count_arguments_and_results_and_views_move_none():
+    """An elementwise op moves its inputs' and its result's bytes; a view moves none."""
+    ops = load_benchmark("op_sources")
+    x = torch.randn(8, 16)  # 512 bytes
+    tracker = ModuleTracker()
+    counter = ops.SourceCounter(tracker)
+    with tracker, counter:
+        y = x * 2.0  # reads 512, writes 512
+        y.view(16, 8).t()  # views
+        y.sum()  # reads 512, writes 4
+    moved = {op: n for (_, _, op), n in counter.bytes.items()}
+    assert moved == {"aten.mul": 1024, "aten.sum": 516}, moved
