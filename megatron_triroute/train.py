@@ -31,7 +31,8 @@ def parse_args(argv=None):
     parser.add_argument("--gpus-per-node", type=int, default=8, help="with --plan: GPUs per node")
     parser.add_argument("--gpu-memory-gib", type=float, default=80.0, help="with --plan: memory per GPU (GiB)")
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="with --plan: dense bf16 peak per GPU")
-    parser.add_argument("--mfu", type=float, default=0.35, help="with --plan: model FLOPs utilisation assumed")
+    parser.add_argument("--mfu", type=float, default=None,
+                        help="with --plan: Dense's model FLOPs utilisation (default: measured, training.planner.DENSE_MFU)")
     parser.add_argument("--overrides-only", action="store_true",
                         help="with --plan: print only the picked layout's key=value overrides (for scripts)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.steps=100")
@@ -54,7 +55,8 @@ def main(argv=None) -> int:
     if args.plan:
         from megatron_triroute.training.planner import Cluster, format_plan, on_gpus, plan
 
-        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops, args.mfu)
+        cluster = Cluster(args.nodes, args.gpus_per_node, args.gpu_memory_gib, args.peak_tflops,
+                          **({} if args.mfu is None else {"mfu": args.mfu}))
         run = on_gpus(run)
         candidates = plan(run, cluster)
         if args.overrides_only:
