@@ -28,8 +28,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
-from ..routing.modes import READING_MODES
 from ..routing.compiled import routing_ops
+from ..routing.modes import READING_MODES
 from ..routing.quant import relaxed_kv_write
 from .mode_attention import MODE_ATTENTION
 
@@ -114,9 +114,9 @@ class TriRouteSelfAttention(MegatronModule):
         to_bt = lambda t: t.transpose(0, 1)  # [T, B, ...] -> (B, T, ...)
         # K and V written in one call: quantisation groups never span heads, so stacking V's heads
         # after K's changes no group. (B, T, 2 * kv_l, d) -> k_w, v_w (B, T, kv_l, d)
-        quantize = routing_ops(self.triroute.router.compile).quantize
-        k_w, v_w = relaxed_kv_write(to_bt(torch.cat([k, v], 2)), bit_weights, self._bits(), g, quantize).chunk(2, dim=2)
         router = self.triroute.router
+        quantize = routing_ops(router.compile).quantize
+        k_w, v_w = relaxed_kv_write(to_bt(torch.cat([k, v], 2)), bit_weights, self._bits(), g, quantize).chunk(2, dim=2)
         ctx = routed_attention(to_bt(q), k_w, v_w, modes, router.window, router.local_attention)  # (B, T, H_l, d)
         out, _ = self.linear_proj(ctx.transpose(0, 1).reshape(hidden.shape[0], hidden.shape[1], -1))
         return out

@@ -4,8 +4,8 @@ and the K/V quantisation of the relaxed write (every width of every token, `quan
 All three are pure tensor functions of fixed shapes with no Python number that changes between
 steps or layers (the noise's step and layer arrive folded into a tensor, the temperature as a
 tensor), so one compiled graph serves every layer of a shape and every step. Eager, the
-quantisation is a chain of a dozen elementwise passes over float32 copies of K and V at three widths;
-compiled, it is a reduction and one pointwise pass. The controller's linear layers, whitening and
+quantisation is a chain of a dozen elementwise passes over float32 copies of K and V at three widths,
+which inductor fuses. The controller's linear layers, whitening and
 gradient balance stay eager: they are matmuls and running-statistic bookkeeping, where a compiler
 has little to fuse.
 
