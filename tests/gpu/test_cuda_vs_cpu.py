@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 SYSTEMS = ("triroute", "dense", "moe")
 
 
-def _run(rank, world_size, device_name, out_path, system):
+def _run(rank, world_size, device_name, out_path, system, local_attention="blocks"):
     from megatron_triroute.systems import system_config
     from megatron_triroute.training.calibrate import calibrate_prices
     from megatron_triroute.training.engine import MicroBatch, TrainEngine
@@ -30,6 +30,8 @@ def _run(rank, world_size, device_name, out_path, system):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = system_config(system, tiny_triroute())
+    if device_name == "cuda":  # FlexAttention has no CPU backward: the CPU side keeps the blocks
+        cfg.router.local_attention = local_attention
     cfg.budget.flops_target, cfg.budget.mem_target = 0.6, 0.5
     model, groups = build(cfg)
     device = torch.device(device_name)
@@ -55,7 +57,7 @@ def _run(rank, world_size, device_name, out_path, system):
     }, out_path)
 
 
-def _on(device: str, out_path, system: str) -> dict:
+def _on(device: str, out_path, system: str, local_attention: str = "blocks") -> dict:
     if device == "cpu":
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned child sees no GPU: the CPU path
@@ -67,14 +69,15 @@ def _on(device: str, out_path, system: str) -> dict:
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
     else:
-        run_distributed(_run, 1, "cuda", str(out_path), system, timeout=300, backend="nccl")
+        run_distributed(_run, 1, "cuda", str(out_path), system, local_attention, timeout=300, backend="nccl")
     return torch.load(out_path, weights_only=True)
 
 
-@pytest.mark.parametrize("system", SYSTEMS)
-def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, tmp_path):
+@pytest.mark.parametrize("system, local_attention", [(s, "blocks") for s in SYSTEMS] + [("triroute", "flex")])
+def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, local_attention, tmp_path):
+    """triroute with flex: FlexAttention's local mode on the GPU against the blockwise one on the CPU."""
     cpu = _on("cpu", tmp_path / "cpu.pt", system)
-    gpu = _on("cuda", tmp_path / "gpu.pt", system)
+    gpu = _on("cuda", tmp_path / "gpu.pt", system, local_attention)
     assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
     for key in ("loss", "grad_norm", "eval_loss"):
         assert gpu[key] == pytest.approx(cpu[key], rel=1e-4, abs=1e-6), key
