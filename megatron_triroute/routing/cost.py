@@ -40,7 +40,8 @@ def expert_width(model: ModelConfig, router: RouterConfig) -> int:
 
 
 def bit_costs(router: RouterConfig, model: ModelConfig, device: torch.device | str | None = None) -> torch.Tensor:
-    """(|bits|,) bits per token and layer for each bit option, metadata included, on `device`."""
+    """(|bits|,) bits per token and layer for each bit option, metadata included, on `device` (a
+    kept constant, `device_values.device_constant`: never modify it in place)."""
     g = router.group_size_for(model)
     widths = router.bits if router.bit_routing else (router.uniform_bits,)
     return device_constant([kv_bits_per_token(b, model.d_kv, g) for b in widths], torch.float64, device)
