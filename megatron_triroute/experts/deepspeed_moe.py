@@ -59,9 +59,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_triroute.config import EXPERT_COMPUTE, EXPERT_COMPUTE_FIX
-from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu
+from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu, order_by_expert
 from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
-from megatron_triroute.routing.counts import option_counts
 from megatron_triroute.routing.gating import NULL_EXPERT
 
 if TYPE_CHECKING:
@@ -134,8 +133,8 @@ class PrecomputedGate(nn.Module):
         if used_token is not None:
             index = torch.where(used_token.to(index.device).bool().unsqueeze(0), index, NULL_EXPERT)
         routed = index >= 0  # (k, N); the null expert is never dispatched
-        exp_counts = option_counts(torch.where(routed, index, self.num_experts), self.num_experts + 1)[:-1]  # (E,)
-        locations = _slot_in_expert(index, self.num_experts)  # (k, N)
+        locations, counts = _slot_in_expert(index, self.num_experts)  # (k, N), (E + 1,)
+        exp_counts = counts[: self.num_experts]  # (E,): the null expert's count is last
 
         capacity = self._capacity(exp_counts, num_tokens)
         kept = routed & (locations < capacity)
@@ -233,21 +232,19 @@ def _deepspeed_tensor_parallel_size() -> int:
     return bwc.bwc_tensor_model_parallel_world_size(ds_groups.mpu)
 
 
-def _slot_in_expert(index: torch.Tensor, num_experts: int) -> torch.Tensor:
-    """Position of every route among the routes to the same expert, in flattened (k, N) order.
+def _slot_in_expert(index: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Position of every route among the routes to the same expert, in flattened (k, N) order, and
+    the routes per expert (E + 1,: the null expert last).
 
     A stable sort by expert keeps the slot-major order inside each expert; null routes sort last
     and get meaningless positions (the caller masks them).
     """
-    flat = index.reshape(-1)  # (k * N,)
-    key = torch.where(flat >= 0, flat, num_experts)
-    order = torch.argsort(key, stable=True)
-    counts = option_counts(key, num_experts + 1)
+    key, order, counts = order_by_expert(index, num_experts)
     first = torch.cumsum(counts, 0) - counts  # first sorted position of each expert
-    sorted_position = torch.arange(flat.numel(), device=flat.device) - first[key[order]]
+    sorted_position = torch.arange(key.numel(), device=key.device) - first[key[order]]
     position = torch.empty_like(sorted_position)
     position[order] = sorted_position
-    return position.view_as(index)
+    return position.view_as(index), counts
 
 
 class TriRouteExperts(nn.Module):

@@ -25,15 +25,21 @@ import torch.nn.functional as F
 from megatron_triroute.routing.counts import option_counts
 
 
+def order_by_expert(index: torch.Tensor, num_experts: int, count_dtype: torch.dtype = torch.int64):
+    """index (any shape), -1 the null expert -> (key (n,): each flattened route's expert, num_experts
+    for the null one; order (n,): the routes by key, stable, null last; counts (num_experts + 1,):
+    routes per key). The sort both expert paths share (this module's and DeepSpeed's dispatch)."""
+    flat = index.reshape(-1)
+    key = torch.where(flat >= 0, flat, num_experts)
+    return key, torch.argsort(key, stable=True), option_counts(key, num_experts + 1, count_dtype)
+
+
 def sort_routes(index: torch.Tensor, num_experts: int):
     """index (N, k), -1 the null expert -> (order (N k,): the routes by expert, null last, stable;
     inverse (N k,): each route's row in that order; valid (N k, 1): sorted rows that are real
     routes; offsets (E,) int32: the end of each expert's rows)."""
-    flat = index.reshape(-1)
-    key = torch.where(flat >= 0, flat, num_experts)
-    order = torch.argsort(key, stable=True)
+    key, order, counts = order_by_expert(index, num_experts, torch.int32)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    counts = option_counts(key, num_experts + 1, torch.int32)
     offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
     valid = (key.index_select(0, order) < num_experts).unsqueeze(1)
     return order, inverse, valid, offsets
@@ -48,8 +54,7 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 def grouped_layout_ok(expert_weight_shape: torch.Size, dtype: torch.dtype) -> bool:
     """Whether the grouped matmuls take this expert shape ((F, D), an nn.Linear weight) in `dtype`:
     their rows must be multiples of 16 bytes (both widths of the model recipes are multiples of 8)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return all(n * size % 16 == 0 for n in expert_weight_shape)
+    return all(n * dtype.itemsize % 16 == 0 for n in expert_weight_shape)
 
 
 def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
