@@ -19,8 +19,11 @@ float64 over the global batch, committed once per optimizer step with EMA moment
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
+from .device_values import to_device
 from .running_stats import RunningStatistic
 
 
@@ -80,22 +83,17 @@ class RunningWhitening(RunningStatistic):
         torch._foreach_add_([w.steps for w in stats], list(module_seen.to(torch.int64).unbind()))
 
 
-_INDEX_CACHE: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _feature_indices(widths: tuple[int, ...], device: torch.device) -> tuple[torch.Tensor, ...]:
     """For modules of `widths` features whose accumulators [count, sum(d), sum of squares(d)] lie
     end to end: each feature's index of its module's count, of its sum and of its sum of squares,
-    and each module's index of its count (built once per layout and device)."""
-    key = (widths, str(device))
-    if key not in _INDEX_CACHE:
-        count_at, sum_at, square_at, module_count_at, start = [], [], [], [], 0
-        for d in widths:
-            module_count_at.append(start)
-            count_at += [start] * d
-            sum_at += range(start + 1, start + 1 + d)
-            square_at += range(start + 1 + d, start + 1 + 2 * d)
-            start += 1 + 2 * d
-        _INDEX_CACHE[key] = tuple(torch.tensor(i, dtype=torch.int64, device=device)
-                                  for i in (count_at, sum_at, square_at, module_count_at))
-    return _INDEX_CACHE[key]
+    and each module's index of its count (built once per layout and device, copied there without a
+    stream synchronise: `device_values.to_device`)."""
+    count_at, sum_at, square_at, module_count_at, start = [], [], [], [], 0
+    for d in widths:
+        module_count_at.append(start)
+        count_at += [start] * d
+        sum_at += range(start + 1, start + 1 + d)
+        square_at += range(start + 1 + d, start + 1 + 2 * d)
+        start += 1 + 2 * d
+    return tuple(to_device(i, torch.int64, device) for i in (count_at, sum_at, square_at, module_count_at))
