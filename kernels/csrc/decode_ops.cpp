@@ -3,7 +3,7 @@
 // - paged_attention: one query row per token over ALL precision pools with one online softmax
 //   (no per-pool partials, no merge pass). Work item = (row, kv head) with the group's query heads;
 //   each slot row of K is unpacked and dequantised once into a stack buffer and scored for every
-//   query head of the group whose range holds it; V is unpacked once when some head took the key.
+//   query head of the group whose range holds it; each V row is unpacked once for all of them.
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
 //   triroute_kernels.quant.quantize_groups + pack_codes).
 // - routed_experts: the top-k SwiGLU experts of each token, routes grouped by expert (counting
@@ -13,6 +13,10 @@
 // (token, kv head), scale = half((max - min) / levels), zero = half(min), a value dequantised as
 // float(code) * float(scale) + float(zero) in float32; code i of a byte at bit i * bits.
 // Build with -ffp-contract=off: a fused multiply-add would round differently from those two ops.
+// With AVX2 and FMA (-march=native on x86-64) the attention's inner loops are vectorised by hand:
+// eight codes unpacked by one variable shift, dequantised by the same multiply, then add; the scores
+// and the P.V accumulation by fused multiply-adds (attention is compared within a tolerance, the
+// dequantised values and the cache write bit for bit). Other builds run the scalar loops below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -26,8 +30,11 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define TRIROUTE_AVX2 1
 #endif
 
 namespace {
@@ -38,10 +45,39 @@ using at::Tensor;
 constexpr int64_t kMaxHeadDim = 1024;
 
 // Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
+#if defined(TRIROUTE_AVX2)
+// Channels i..i+7 of a packed row as float32: 8 codes of BITS bits fill BITS bytes, code k at bit
+// k * BITS of their little-endian word; one variable shift puts each in its own lane.
+template <int BITS>
+inline __m256 codes8(const uint8_t* codes, int64_t i) {
+  if constexpr (BITS == 8) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + i))));
+  } else {
+    uint32_t word = 0;
+    std::memcpy(&word, codes + i * BITS / 8, BITS);
+    const __m256i shifts = BITS == 4 ? _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28)
+                                     : _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14);
+    const __m256i lanes = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int32_t>(word)), shifts);
+    return _mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32((1 << BITS) - 1)));
+  }
+}
+#endif
+
 template <int BITS>
 inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d, int64_t gs, float* out) {
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
+#if defined(TRIROUTE_AVX2)
+  if (gs % 8 == 0) {  // the same two roundings as below: code * scale, then + zero
+    for (int64_t g0 = 0; g0 < d; g0 += gs) {
+      const __m256 sc = _mm256_set1_ps(static_cast<float>(scale[g0 / gs]));
+      const __m256 z = _mm256_set1_ps(static_cast<float>(zero[g0 / gs]));
+      for (int64_t i = g0; i < g0 + gs; i += 8)
+        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(codes8<BITS>(codes, i), sc), z));
+    }
+    return;
+  }
+#endif
   for (int64_t b = 0; b < d / per_byte; ++b) {  // unpack: code k of byte b at bit k * BITS
     const int byte = codes[b];
     for (int k = 0; k < per_byte; ++k) out[b * per_byte + k] = static_cast<float>((byte >> (k * BITS)) & mask);
@@ -54,20 +90,25 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
   }
 }
 
-inline void load_row(int bits, const uint8_t* codes, const Half* scale, const Half* zero, const Half* values,
-                     int64_t d, int64_t gs, float* out) {
-  switch (bits) {
-    case 2: dequant_row<2>(codes, scale, zero, d, gs, out); break;
-    case 4: dequant_row<4>(codes, scale, zero, d, gs, out); break;
-    case 8: dequant_row<8>(codes, scale, zero, d, gs, out); break;
-    default: {
-      int64_t i = 0;
+// Dequantise the c (slot, kv head) rows `rows` of one pool into out (row t at out + t * d).
+template <int BITS>
+void dequant_rows(const uint8_t* codes, const Half* scale, const Half* zero, const int64_t* rows, int64_t c,
+                  int64_t row_bytes, int64_t n_groups, int64_t d, int64_t gs, float* out) {
+  for (int64_t t = 0; t < c; ++t)
+    dequant_row<BITS>(codes + rows[t] * row_bytes, scale + rows[t] * n_groups, zero + rows[t] * n_groups, d, gs,
+                      out + t * d);
+}
+
+inline void f16_rows(const Half* values, const int64_t* rows, int64_t c, int64_t d, float* out) {
+  for (int64_t t = 0; t < c; ++t) {
+    const Half* src = values + rows[t] * d;
+    float* dst = out + t * d;
+    int64_t i = 0;
 #if defined(__F16C__)
-      for (; i + 8 <= d; i += 8)  // float16 -> float32 is exact: the same values, 8 at a time
-        _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values + i))));
+    for (; i + 8 <= d; i += 8)  // float16 -> float32 is exact: the same values, 8 at a time
+      _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
 #endif
-      for (; i < d; ++i) out[i] = static_cast<float>(values[i]);
-    }
+    for (; i < d; ++i) dst[i] = static_cast<float>(src[i]);
   }
 }
 
@@ -92,6 +133,51 @@ inline float exp_nonpositive(float x) {
   return x < -87.f ? 0.f : p * scale;
 }
 
+#if defined(TRIROUTE_AVX2)
+// exp_nonpositive on 8 lanes, the same operations in the same order (bit-identical).
+inline __m256 exp_nonpositive8(__m256 x) {
+  const __m256 lowest = _mm256_set1_ps(-87.f);
+  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);  // -inf too
+  const __m256 xc = _mm256_max_ps(x, lowest);
+  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
+                                                 _mm256_set1_ps(0.5f)));
+  __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
+  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+// s[t] = exp(s[t] - m) for t < c (arguments <= 0); returns their sum.
+inline float exp_shifted(float* s, int64_t c, float m) {
+  int64_t t = 0;
+  float sum = 0.f;
+#if defined(TRIROUTE_AVX2)
+  __m256 acc = _mm256_setzero_ps();
+  const __m256 mv = _mm256_set1_ps(m);
+  for (; t + 8 <= c; t += 8) {
+    const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
+    _mm256_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, e);
+  }
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  sum = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+#endif
+  for (; t < c; ++t) {
+    s[t] = exp_nonpositive(s[t] - m);  // -inf -> 0
+    sum += s[t];
+  }
+  return sum;
+}
+
 inline float dot(const float* a, const float* b, int64_t d) {
   float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int64_t i = 0;
@@ -100,6 +186,63 @@ inline float dot(const float* a, const float* b, int64_t d) {
   float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
   for (; i < d; ++i) s += a[i] * b[i];
   return s;
+}
+
+// s[t] = (q . k_t) * scale for the c rows of kbuf (row t at kbuf + t * d).
+inline void score_rows(const float* q, const float* kbuf, int64_t c, int64_t d, float scale, float* s) {
+  int64_t t = 0;
+#if defined(TRIROUTE_AVX2)
+  if (d % 8 == 0) {
+    for (; t + 4 <= c; t += 4) {  // four keys at once: q read once, four independent chains
+      const float* k0 = kbuf + t * d;
+      __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + i), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + d + i), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 2 * d + i), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * d + i), a3);
+      }
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(s + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+    }
+  }
+#endif
+  for (; t < c; ++t) s[t] = dot(q, kbuf + t * d, d) * scale;
+}
+
+// acc += sum_t p[t] * v_t over the c rows of vbuf.
+inline void accumulate_rows(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d) {
+  int64_t i = 0;
+#if defined(TRIROUTE_AVX2)
+  for (; i + 32 <= d; i += 32) {  // 32 channels in registers across all c rows
+    __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8);
+    __m256 a2 = _mm256_loadu_ps(acc + i + 16), a3 = _mm256_loadu_ps(acc + i + 24);
+    for (int64_t t = 0; t < c; ++t) {
+      const __m256 pt = _mm256_set1_ps(p[t]);
+      const float* vr = vbuf + t * d + i;
+      a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr), a0);
+      a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8), a1);
+      a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 16), a2);
+      a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 24), a3);
+    }
+    _mm256_storeu_ps(acc + i, a0);
+    _mm256_storeu_ps(acc + i + 8, a1);
+    _mm256_storeu_ps(acc + i + 16, a2);
+    _mm256_storeu_ps(acc + i + 24, a3);
+  }
+  for (; i + 8 <= d; i += 8) {
+    __m256 a = _mm256_loadu_ps(acc + i);
+    for (int64_t t = 0; t < c; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vbuf + t * d + i), a);
+    _mm256_storeu_ps(acc + i, a);
+  }
+#endif
+  for (; i < d; ++i) {
+    float a = acc[i];
+    for (int64_t t = 0; t < c; ++t) a += p[t] * vbuf[t * d + i];
+    acc[i] = a;
+  }
 }
 
 // One pool's tensors as raw pointers (all contiguous, checked by the caller).
@@ -111,6 +254,19 @@ struct PoolView {
   const int32_t* token_pos;
   int64_t kv_bytes;  // K + V bytes read for one (slot, kv head): codes + scale + zero, or the f16 values
 };
+
+// K (or V) of the c (slot, kv head) rows `rows` of one pool, as float32, row t at out + t * d.
+inline void load_rows(const PoolView& pv, bool v, const int64_t* rows, int64_t c, int64_t d, int64_t gs, float* out) {
+  const uint8_t* codes = v ? pv.v_codes : pv.k_codes;
+  const Half* scale = v ? pv.v_scale : pv.k_scale;
+  const Half* zero = v ? pv.v_zero : pv.k_zero;
+  switch (pv.bits) {
+    case 2: dequant_rows<2>(codes, scale, zero, rows, c, pv.row_bytes, pv.n_groups, d, gs, out); break;
+    case 4: dequant_rows<4>(codes, scale, zero, rows, c, pv.row_bytes, pv.n_groups, d, gs, out); break;
+    case 8: dequant_rows<8>(codes, scale, zero, rows, c, pv.row_bytes, pv.n_groups, d, gs, out); break;
+    default: f16_rows(v ? pv.v_values : pv.k_values, rows, c, d, out);
+  }
+}
 
 void check_pool_list(const char* name, const at::TensorList& ts, size_t W) {
   TORCH_CHECK(ts.size() == W, name, " holds ", ts.size(), " tensors but bits names ", W, " pools");
@@ -236,7 +392,7 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
     // and page, then its V rows dequantised into vbuf and accumulated.
     std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(G * P_max), m(G), l(G), acc(G * d);
     std::vector<int64_t> lo_h(G), rows(P_max), pos(P_max);
-    std::vector<char> reads(G);
+    std::vector<char> reads(G), took(G);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
     for (int64_t item = begin; item < end; ++item) {
@@ -255,7 +411,6 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       const float* qg = qp + (n * H + g * G) * d;
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
-        const int64_t nsc = pv.n_groups;
         const int64_t* row_pages = tab + (w * R + reqp[n]) * M;
         for (int64_t mi = 0; mi < M; ++mi) {
           const int64_t page = row_pages[mi];
@@ -276,32 +431,26 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           }
           if (c == 0) continue;
           bytes += c * pv.kv_bytes;  // each K row and V row once
-          for (int64_t t = 0; t < c; ++t) {
-            const int64_t r = rows[t];
-            if (pv.bits == 16)
-              load_row(16, nullptr, nullptr, nullptr, pv.k_values + r * d, d, group_size, kbuf.data() + t * d);
-            else
-              load_row(pv.bits, pv.k_codes + r * pv.row_bytes, pv.k_scale + r * nsc, pv.k_zero + r * nsc, nullptr,
-                       d, group_size, kbuf.data() + t * d);
-          }
+          load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
           for (int64_t j = 0; j < G; ++j) {
+            took[j] = 0;
+            if (!reads[j]) continue;
             float* sj = sbuf.data() + j * P_max;
+            score_rows(qg + j * d, kbuf.data(), c, d, scale, sj);
             float block_max = neg_inf;
             for (int64_t t = 0; t < c; ++t) {
-              if (!reads[j] || pos[t] < lo_h[j]) {
+              if (pos[t] < lo_h[j]) {
                 sj[t] = neg_inf;
                 continue;
               }
-              sj[t] = dot(qg + j * d, kbuf.data() + t * d, d) * scale;
               block_max = std::max(block_max, sj[t]);
               macs += 2 * d;
             }
             if (block_max == neg_inf) continue;  // this head took no key of the page
+            took[j] = 1;
             const float m_new = std::max(m[j], block_max);
             const float alpha = exp_nonpositive(m[j] - m_new);  // exp(-inf) = 0 before the first key
-            float sum = 0.f;
-            for (int64_t t = 0; t < c; ++t) sj[t] = exp_nonpositive(sj[t] - m_new);  // -inf -> 0
-            for (int64_t t = 0; t < c; ++t) sum += sj[t];
+            const float sum = exp_shifted(sj, c, m_new);
             l[j] = l[j] * alpha + sum;
             if (alpha != 1.f) {
               float* a = acc.data() + j * d;
@@ -309,21 +458,9 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
             }
             m[j] = m_new;
           }
-          for (int64_t t = 0; t < c; ++t) {
-            const int64_t r = rows[t];
-            float* vrow = vbuf.data() + t * d;
-            if (pv.bits == 16)
-              load_row(16, nullptr, nullptr, nullptr, pv.v_values + r * d, d, group_size, vrow);
-            else
-              load_row(pv.bits, pv.v_codes + r * pv.row_bytes, pv.v_scale + r * nsc, pv.v_zero + r * nsc, nullptr,
-                       d, group_size, vrow);
-            for (int64_t j = 0; j < G; ++j) {
-              const float pe = sbuf[j * P_max + t];
-              if (!reads[j] || pos[t] < lo_h[j]) continue;
-              float* a = acc.data() + j * d;
-              for (int64_t i = 0; i < d; ++i) a[i] += pe * vrow[i];
-            }
-          }
+          load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
+          for (int64_t j = 0; j < G; ++j)  // a key outside head j's range has weight exp(-inf) = 0
+            if (took[j]) accumulate_rows(acc.data() + j * d, sbuf.data() + j * P_max, vbuf.data(), c, d);
         }
       }
       for (int64_t j = 0; j < G; ++j) {

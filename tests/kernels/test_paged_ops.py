@@ -34,23 +34,26 @@ WIDTHS = (2, 4, 8, 16)
 D, GS = 16, 8
 
 
-def _mixed_pools(lengths, H_kv, P, gen):
-    return mixed_pools(lengths, H_kv, P, gen, WIDTHS, D, GS)
+def _mixed_pools(lengths, H_kv, P, gen, d=D, gs=GS):
+    return mixed_pools(lengths, H_kv, P, gen, WIDTHS, d, gs)
 
 
-def _rows_reference(q, stores, request, lo, hi, sm):
+def _rows_reference(q, stores, request, lo, hi, sm, gs=GS):
     """naive_attention with each query row reading its own request's tokens."""
     rows = [dataclasses.replace(s, tokens=[s.tokens[int(r)] for r in request]) for s in stores]
-    return naive_attention(q, rows, GS, lo, hi, sm)[0]
+    return naive_attention(q, rows, gs, lo, hi, sm)[0]
 
 
 @pytest.mark.parametrize("H_kv", [1, 2, 4])
 @pytest.mark.parametrize("P", [4, 16])
-def test_paged_attention_matches_reference_and_twin(H_kv, P):
+@pytest.mark.parametrize("d, gs", [(D, GS), (64, 32), (12, 4)], ids=["d16", "d64", "d12-scalar"])
+def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
+    """d 64 runs the kernel's 32-channel register blocks, d 16 its 8-channel loops, d 12 with groups
+    of 4 its scalar loops (those of a build without AVX2)."""
     gen = torch.Generator().manual_seed(100 * H_kv + P)
     H = 4
     lengths = [37, 9, 1, 20]  # requests of different lengths in one batch; partial last pages
-    stores, tables = _mixed_pools(lengths, H_kv, P, gen)
+    stores, tables = _mixed_pools(lengths, H_kv, P, gen, d, gs)
     # decode rows (one per request, at its last position) then prefill rows of request 0 at several hi
     request = torch.tensor([0, 1, 2, 3, 0, 0, 0, 0], dtype=torch.long)
     hi = torch.tensor([36, 8, 0, 19, 0, 5, 17, 30], dtype=torch.long)
@@ -61,13 +64,13 @@ def test_paged_attention_matches_reference_and_twin(H_kv, P):
     lo = torch.where(modes == 0, 0, (hi.view(N, 1) - window).clamp_min(0))
     lo = torch.where(modes == 3, hi.view(N, 1) + 1, lo)
     lo[0, 0], lo[1, H - 1], lo[2, 0] = 0, hi[1] + 1, 0  # at least one full head and one skip
-    q = torch.randn(N, H, D, generator=gen)
-    sm = 1 / math.sqrt(D)
+    q = torch.randn(N, H, d, generator=gen)
+    sm = 1 / math.sqrt(d)
     k_pools = [s.k_pool for s in stores]
     v_pools = [s.v_pool for s in stores]
     counters = torch.zeros(2, dtype=torch.long)
     out = paged_attention(q, (k_pools, v_pools), tables, request, lo, hi, sm, counters)
-    ref = _rows_reference(q, stores, request, lo, hi, sm)
+    ref = _rows_reference(q, stores, request, lo, hi, sm, gs)
     assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
     twin_counters = torch.zeros(2, dtype=torch.long)
     twin = paged_attention_torch(q, k_pools, v_pools, tables, request, lo, hi, sm, twin_counters)
