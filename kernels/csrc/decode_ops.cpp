@@ -238,10 +238,10 @@ inline void accumulate_rows(float* acc, const float* p, const float* vbuf, int64
     _mm256_storeu_ps(acc + i, a);
   }
 #endif
-  for (; i < d; ++i) {
-    float a = acc[i];
-    for (int64_t t = 0; t < c; ++t) a += p[t] * vbuf[t * d + i];
-    acc[i] = a;
+  for (int64_t t = 0; t < c && i < d; ++t) {  // row by row: the compiler vectorises over channels
+    const float pt = p[t];
+    const float* vr = vbuf + t * d;
+    for (int64_t k = i; k < d; ++k) acc[k] += pt * vr[k];
   }
 }
 
