@@ -31,7 +31,6 @@ from typing import Iterator, Sequence
 
 import torch
 import torch.distributed as dist
-from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from torch import nn
 
 from ..config import TriRouteConfig
@@ -114,6 +113,10 @@ class RoutingStep:
         router = self.state.config.router
         tau = temperature_at(step, total_steps, router.tau_start, router.tau_end)
         self.set_step(step, tau)
+        # Imported here: RouterStatistics' layout (this module) serves the planner and dry runs,
+        # which must not pay Megatron-Core's import (2 s).
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
         MoEAuxLossAutoScaler.set_loss_scale(torch.tensor(1.0 / micro_batches))
         return tau
 
