@@ -128,32 +128,34 @@ def count_attention(audit: CostAudit, layer: int, cache, rows: torch.Tensor, mod
     audit.add(layer, "v_proj", tokens * n_kv * d * d_model)
     audit.add(layer, "q_proj", pairs * d * d_model)
     audit.add(layer, "o_proj", pairs * d * d_model)
-    slot_bytes = torch.tensor([p.slot_bytes for p in pools], dtype=torch.long)
+    slot_bytes = cache.slot_bytes(layer)
     audit.add(layer, "bytes_written", int(slot_bytes[option.cpu()].sum()))
     if tokens == 0:
         return
     lo = read_start(t.view(-1, 1), mode, window)  # skip: t + 1
     requests, request = torch.unique(rows, return_inverse=True)
-    for o, pool in enumerate(pools):
-        slots, keys = slots_and_keys_read(pool.token_pos, cache.tables[layer, o][requests], request, lo, t)
-        audit.add(layer, "bytes_read", slots * pool.slot_bytes)
-        audit.add(layer, "attn", 2 * d * keys)
+    slots, keys = slots_and_keys_read([pool.token_pos for pool in pools], cache.layer_tables[layer][:, requests],
+                                      request, lo, t)
+    audit.add(layer, "bytes_read", int((slots.cpu() * slot_bytes).sum()))
+    audit.add(layer, "attn", 2 * d * keys)
 
 
-def slots_and_keys_read(token_pos: torch.Tensor, pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
-                        hi: torch.Tensor) -> tuple[int, int]:
-    """In one pool, with `pages` (B, max pages; absent -1) each request's page list and request (N,)
-    each row's request: the slots of row i's request at
-    positions <= hi[i] (the row's context in this pool, whatever its heads read), summed over rows,
-    and the keys the (row, head) ranges [lo, hi] meet, summed over rows and heads; so a prefill of n
-    tokens counts what n decode steps count. Memory O(B x positions)."""
-    pos = torch.where(pages.unsqueeze(-1) >= 0, token_pos[pages.clamp(min=0)], -1).flatten(1).long()  # (B, L)
-    if pos.shape[1] == 0:
-        return 0, 0
+def slots_and_keys_read(token_pos: list[torch.Tensor], pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
+                        hi: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """Over a layer's W pools at once, with `token_pos[o]` pool o's slot positions and `pages` (W, B,
+    max pages; absent -1) each request's page list per pool, request (N,) each row's request:
+    per pool, the slots of row i's request at positions <= hi[i] (the row's context in that pool,
+    whatever its heads read), summed over rows ((W,) tensor); and the keys the (row, head) ranges
+    [lo, hi] meet in every pool, summed over rows, heads and pools; so a prefill of n tokens counts
+    what n decode steps count. Memory O(B x W x positions); three host reads."""
+    pos = torch.stack([torch.where(pages[o].unsqueeze(-1) >= 0, tp[pages[o].clamp(min=0)], -1).flatten(1)
+                       for o, tp in enumerate(token_pos)], 1).long()  # (B, W, L)
+    if pos.shape[2] == 0:
+        return torch.zeros(pos.shape[1], dtype=torch.long, device=pos.device), 0
     size = max(int(hi.max()), int(pos.max())) + 2
-    before = torch.zeros(pos.shape[0], size, dtype=torch.long, device=pos.device)
-    before.scatter_add_(1, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
-    before = before.cumsum(1)  # before[b, p]: b's slots at positions < p
-    upto = before[request, hi + 1]  # (N,)
-    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), lo.clamp(max=size - 1)]  # (N, H); skip: lo = hi + 1
-    return int(upto.sum()), int(keys.clamp(min=0).sum())
+    before = torch.zeros(*pos.shape[:2], size, dtype=torch.long, device=pos.device)
+    before.scatter_add_(2, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
+    before = before.cumsum(2)  # before[b, o, p]: b's slots in pool o at positions < p
+    upto = before[request, :, hi + 1]  # (N, W)
+    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), :, lo.clamp(max=size - 1)]  # (N, H, W); skip: lo = hi + 1
+    return upto.sum(0), int(keys.clamp(min=0).sum())

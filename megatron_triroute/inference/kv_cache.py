@@ -164,6 +164,12 @@ class PagedKVCache:
         """Reads of the device counts by the scheduler (`sync`, `_fit`): in decode, one for the whole
         batch every `page_size` steps; in a prefill, one per layer."""
         self._one = torch.ones((), dtype=torch.long, device=self.device)
+        self._slot_bytes = [torch.tensor([pool.slot_bytes for pool in layer.pools], dtype=torch.long)
+                            for layer in self.layers]
+
+    def slot_bytes(self, layer: int) -> torch.Tensor:
+        """(pools,) int64 on the host: one token's K and V bytes in each pool of `layer` (the layout's, fixed)."""
+        return self._slot_bytes[layer]
 
     # -- rows and pages (host, outside a step) ---------------------------------------------------
     def _resize(self, rows: int, width: int) -> None:
