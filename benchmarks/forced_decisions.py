@@ -67,10 +67,16 @@ def exact_draw(probs, n: int, g: torch.Generator) -> torch.Tensor:
     return labels[torch.randperm(n, generator=g)]
 
 
-def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, batch: int) -> list[RouterOutput]:
-    """The decisions of `calls` decode steps of `batch` requests in one layer, in exact proportions."""
+def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, batch: int,
+                    tokens: list[int] | None = None) -> list[RouterOutput]:
+    """The decisions of `calls` steps of `batch` requests in one layer, in exact proportions over all
+    of them; `tokens[c]`: the tokens per request of call c (default 1: decode steps; a prefill takes
+    the prompt's length)."""
     r, m = config.router, config.model
-    H, N = m.n_heads, calls * batch
+    tokens = [1] * calls if tokens is None else list(tokens)
+    if len(tokens) != calls:
+        raise ValueError(f"tokens lists {len(tokens)} calls, not {calls}")
+    H, N = m.n_heads, sum(tokens) * batch
     g = torch.Generator().manual_seed(1000 + layer)
     block = r.kind in ("mod", "independent")
     processed = exact_draw([1 - r.mod_capacity, r.mod_capacity], N, g).bool() if block else torch.ones(N, dtype=torch.bool)
@@ -92,15 +98,16 @@ def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, b
                                       NULL_EXPERT, index[:, 0])
         if block:
             index = torch.where(processed.view(N, 1), index, NULL_EXPERT)
-    outs = []
-    for c in range(calls):
-        rows = slice(c * batch, (c + 1) * batch)
-        ya = F.one_hot(attn[rows], N_MODES).float().view(batch, 1, H, N_MODES)
-        yb = F.one_hot(bits[rows], n_bits).float().view(batch, 1, n_bits)
+    outs, start = [], 0
+    for n in tokens:
+        rows = slice(start, start + batch * n)
+        start += batch * n
+        ya = F.one_hot(attn[rows], N_MODES).float().view(batch, n, H, N_MODES)
+        yb = F.one_hot(bits[rows], n_bits).float().view(batch, n, n_bits)
         experts = None
         if index is not None:
-            i = index[rows].view(batch, 1, -1)
-            experts = ExpertRoutes(probs=torch.zeros(batch, 1, r.num_experts + int(r.null_expert)), index=i,
+            i = index[rows].view(batch, n, -1)
+            experts = ExpertRoutes(probs=torch.zeros(batch, n, r.num_experts + int(r.null_expert)), index=i,
                                    weight=torch.full(i.shape, 1.0 / i.shape[-1]),
                                    option=i + 1 if r.null_expert else i)
         outs.append(RouterOutput(attn=AxisDecision(ya, ya, ya.argmax(-1)), bits=AxisDecision(yb, yb, yb.argmax(-1)),
@@ -157,9 +164,10 @@ def realised_fractions(steps: list[tuple[torch.Tensor, list[RouterOutput]]], con
     return {"flops": flops / dflops, "mem": mem / dmem}
 
 
-def force(model, mix: dict, calls: int, batch: int) -> None:
-    """Give every ForcedController of `model` the decisions of `calls` steps of `batch` requests."""
+def force(model, mix: dict, calls: int, batch: int, tokens: list[int] | None = None) -> None:
+    """Give every ForcedController of `model` the decisions of `calls` steps of `batch` requests
+    (`tokens`: per call, as `forced_schedule`)."""
     for i, layer in enumerate(model.layers):
         if isinstance(layer.controller, ForcedController):
-            layer.controller.schedule = forced_schedule(model.config, mix, i, calls, batch)
+            layer.controller.schedule = forced_schedule(model.config, mix, i, calls, batch, tokens)
             layer.controller.calls = 0
