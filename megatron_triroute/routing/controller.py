@@ -106,6 +106,12 @@ class RouterHead(nn.Module):
             u = self.gain * self.whiten(u)
         return u + self.bias
 
+    def fold_inputs(self) -> tuple[torch.Tensor, ...]:
+        """The tensors `folded` reads (a cache of it is keyed on them)."""
+        if self.whiten is None:
+            return self.proj.weight, self.bias
+        return self.proj.weight, self.bias, self.gain, self.whiten.mean, self.whiten.var
+
     def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) of the same head as one affine map, for evaluation (statistics frozen):
         z = gain (W h - mean) / (std + eps) + bias = (a W) h + (bias - a mean), a = gain / (std + eps)."""
@@ -193,9 +199,9 @@ class TriRouteController(nn.Module):
         return {a: self.heads[a](h) for a in self.sizes}
 
     def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every head's `RouterHead.folded` map stacked into one (rebuilt when a parameter or
-        whitening statistic changes: keyed on their storage and version counters)."""
-        tensors = [t for a in self.sizes for t in (*self.heads[a].parameters(), *self.heads[a].buffers())]
+        """Every head's `RouterHead.folded` map stacked into one (rebuilt when a tensor it reads
+        changes: keyed on their storage and version counters, `RouterHead.fold_inputs`)."""
+        tensors = [t for a in self.sizes for t in self.heads[a].fold_inputs()]
         key = tuple((t.data_ptr(), t._version) for t in tensors)
         if getattr(self, "_fold_key", None) != key:
             maps = [self.heads[a].folded() for a in self.sizes]

@@ -175,3 +175,29 @@ def test_commits_keep_the_statistics_when_nothing_was_seen_and_match_the_float64
     w = RunningWhitening(2, momentum=0.5)
     w.commit(torch.zeros(5, dtype=torch.float64))
     assert w.mean.tolist() == [0.0, 0.0] and w.var.tolist() == [1.0, 1.0] and w.steps.item() == 0
+
+
+def test_evaluation_folds_the_heads_into_one_matmul_and_refolds_when_a_tensor_it_reads_changes():
+    """Under no_grad in eval mode the heads (and their whitening) run as one cached affine map; it
+    equals the heads run one by one, and follows an in-place change of a weight or a statistic."""
+    cfg = tiny_config()
+    ctrl = TriRouteController(cfg, 0).eval()
+    hidden, side = make_inputs(cfg)
+    for a in ctrl.sizes:  # statistics away from (0, 1), so that a missed whitening shows
+        ctrl.heads[a].whiten.mean.uniform_(-1, 1)
+        ctrl.heads[a].whiten.var.uniform_(0.5, 2)
+        ctrl.heads[a].gain.data.uniform_(0.5, 2)
+
+    def one_by_one():
+        with torch.enable_grad():  # the path that runs each head as a module
+            return {a: u.detach() for a, u in ctrl.logits(hidden, side).items()}
+
+    with torch.no_grad():
+        for change in (None, lambda h: h.proj.weight.add_(0.1), lambda h: h.whiten.mean.add_(0.5),
+                       lambda h: h.whiten.var.mul_(2), lambda h: h.gain.mul_(-1), lambda h: h.bias.add_(1)):
+            if change is not None:
+                change(ctrl.heads["bits"])
+            folded = ctrl.logits(hidden, side)
+            assert ctrl._fold_key is not None
+            for a, u in one_by_one().items():
+                torch.testing.assert_close(folded[a], u, rtol=1e-5, atol=1e-5)
