@@ -1,0 +1,197 @@
+"""End to end, as a user runs it: TriRoute's `generate` (the inference engine: prefill, then decode)
+against the Dense model exported to Hugging Face and run by transformers' own `generate`.
+
+    python benchmarks/bench_generate.py [--shape 160m] [--prompt-tokens 512] [--new-tokens 32]
+        [--repeats 5] [--threads 1] [--json] [--quick]
+
+Models (float32, one fixed thread count, one request):
+- **Dense on transformers**: `transformers.LlamaForCausalLM` built from the config the Dense exporter
+  writes for this shape (`export.llama.llama_config`: Dense exports as a native Llama), random
+  weights, its default attention (SDPA) and cache; `generate(do_sample=False)` with exactly
+  `--new-tokens` tokens (no end-of-sequence stop).
+- **TriRoute**: `inference.InferenceEngine.run` (what `python -m megatron_triroute.generate` calls:
+  batched prefill, then one decode step per token, the cost audit on) on the same SYNTHETIC shape with
+  random weights. Every layer runs its real controller and its decisions are replaced by FORCED
+  ones in exact proportions (`forced_decisions.budget_mix` at the final context: the mix whose
+  hard cost is the budget's, FLOPs 0.55 and KV memory 0.40 of Dense's), for the prompt's tokens as
+  for the generated ones. The engine's audit reports what was executed (`realised_fractions`).
+
+Protocol. One warm-up run of each, then `--repeats` rounds, each timing (A B A B) the whole
+generation of both (prompt + `--new-tokens` tokens) and then the prompt alone (`--new-tokens 1`:
+prefill and the first token). Per figure the median and interquartile range over the rounds, and
+the median of the per-round ratios TriRoute / transformers (below 1: TriRoute is faster). Decode
+time per token = (whole - prompt alone) / (new tokens - 1).
+
+Random weights make the text meaningless and do not change the work: both models run every
+token's full computation (TriRoute the forced decisions' share of it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+import torch  # noqa: E402
+
+from benchmarks.forced_decisions import ForcedController, budget_mix, force  # noqa: E402
+from megatron_triroute.config import TriRouteConfig  # noqa: E402
+from megatron_triroute.systems import system_config  # noqa: E402
+
+
+def spread(values: list[float]) -> dict:
+    """Median and interquartile range (the quartiles of `statistics.quantiles`, inclusive)."""
+    if len(values) == 1:
+        return {"median": values[0], "q1": values[0], "q3": values[0]}
+    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return {"median": statistics.median(values), "q1": q1, "q3": q3}
+
+
+def build_llama(config: TriRouteConfig):
+    """transformers' LlamaForCausalLM with the config the Dense exporter writes for this shape."""
+    import transformers
+
+    from megatron_triroute.export.llama import llama_config
+
+    cfg = llama_config(config, eod=0, tree={"training_step": 0})
+    for key in ("triroute", "training_config", "training_step", "prices", "eod_token_id"):
+        cfg.pop(key)
+    cfg.update(eos_token_id=None, pad_token_id=0)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
+
+
+def build_triroute(config: TriRouteConfig):
+    """The engine's model on this shape, random weights, each controller forced (`ForcedController`)."""
+    from megatron_triroute.inference.model import InferenceModel
+
+    model = InferenceModel(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() >= 2 else torch.ones(p.shape))
+    for layer in model.layers:
+        layer.controller = ForcedController(layer.controller, config)
+    return model.eval()
+
+
+class Runs:
+    """One generation of each model: `triroute(prompt, n)` and `hf(prompt, n)` return (seconds, tokens)."""
+
+    def __init__(self, config: TriRouteConfig, mix: dict):
+        self.config, self.mix = config, mix
+        self.model = build_triroute(config)
+        self.llama = build_llama(config)
+        self.realised: dict | None = None
+
+    def triroute(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
+        from megatron_triroute.inference.engine import InferenceEngine
+
+        force(self.model, self.mix, new, 1, [len(prompt)] + [1] * (new - 1))
+        start = time.perf_counter()
+        engine = InferenceEngine(self.model)
+        (request,) = engine.run([prompt], new)
+        seconds = time.perf_counter() - start
+        self.realised = {"flops": engine.audit.realised_flops(), "mem": engine.audit.realised_mem()}
+        return seconds, request.generated
+
+    @torch.no_grad()
+    def hf(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
+        ids = torch.tensor([prompt])
+        start = time.perf_counter()
+        out = self.llama.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                                  do_sample=False)
+        seconds = time.perf_counter() - start
+        return seconds, out[0, len(prompt):].tolist()
+
+
+def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
+    """The interleaved rounds (module doc); every figure is computed from the returned lists."""
+    for name in ("triroute", "hf"):  # warm-up
+        getattr(runs, name)(prompt, new)
+    times = {k: [] for k in ("triroute_whole", "hf_whole", "triroute_prompt", "hf_prompt")}
+    counts = set()
+    for r in range(repeats):
+        for label, n in (("whole", new), ("prompt", 1)):
+            for name in ("triroute", "hf"):
+                seconds, tokens = getattr(runs, name)(prompt, n)
+                times[f"{name}_{label}"].append(seconds)
+                counts.add((name, n, len(tokens)))
+        log(f"round {r + 1}/{repeats}: whole TriRoute {times['triroute_whole'][-1]:.3f} s, transformers "
+            f"{times['hf_whole'][-1]:.3f} s; prompt alone {times['triroute_prompt'][-1]:.3f} s, "
+            f"{times['hf_prompt'][-1]:.3f} s")
+    decode = {name: [(w - p) / max(new - 1, 1) for w, p in zip(times[f"{name}_whole"], times[f"{name}_prompt"])]
+              for name in ("triroute", "hf")}
+    out = {"seconds": {k: spread(v) for k, v in times.items()}, "seconds_runs": times,
+           "decode_seconds_per_token": {k: spread(v) for k, v in decode.items()},
+           "tokens_generated": [list(c) for c in sorted(counts)]}
+    for label in ("whole", "prompt"):
+        ratios = [a / b for a, b in zip(times[f"triroute_{label}"], times[f"hf_{label}"])]
+        out[f"{label}_ratio"] = spread(ratios)
+    ratios = [a / b for a, b in zip(decode["triroute"], decode["hf"])]
+    out["decode_ratio"] = spread(ratios)
+    out["realised_fractions"] = runs.realised
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default="160m", help="recipe whose backbone both models take (SYNTHETIC weights)")
+    p.add_argument("--prompt-tokens", type=int, default=512)
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--json", action="store_true", help="print one JSON object (progress to stderr)")
+    p.add_argument("--quick", action="store_true", help="the tiny shape, a short prompt: seconds, for tests")
+    a = p.parse_args(argv)
+    if a.quick:
+        a.shape, a.prompt_tokens, a.new_tokens, a.repeats = "tiny", 24, 4, 2
+    if a.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (decode time is the whole minus the prompt alone)")
+    return a
+
+
+def main(argv=None) -> dict:
+    from megatron_triroute.training.recipes import get_recipe
+
+    a = parse_args(argv)
+    torch.set_num_threads(a.threads)
+    log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else (lambda s: print(s, flush=True))
+    config = system_config("triroute", get_recipe(a.shape).triroute.validate())
+    if a.prompt_tokens + a.new_tokens > config.model.seq_len:
+        raise SystemExit(f"--prompt-tokens + --new-tokens = {a.prompt_tokens + a.new_tokens} exceeds the shape's "
+                         f"sequence length {config.model.seq_len}")
+    mix = budget_mix(config, a.prompt_tokens + a.new_tokens)
+    log(f"{a.shape} shape, SYNTHETIC weights; prompt {a.prompt_tokens} tokens, {a.new_tokens} new; {a.threads} "
+        f"thread(s); TriRoute's forced mix: {json.dumps(mix)}")
+    prompt = torch.randint(1, config.model.vocab_size, (a.prompt_tokens,), generator=torch.Generator().manual_seed(0))
+    import transformers
+
+    result = {"shape": a.shape, "prompt_tokens": a.prompt_tokens, "new_tokens": a.new_tokens, "repeats": a.repeats,
+              "threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
+              "transformers": transformers.__version__, "mix": mix,
+              "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    result |= measure(Runs(config, mix), prompt.tolist(), a.new_tokens, a.repeats, log)
+    s, r = result["seconds"], result
+    log(f"whole generation: TriRoute {s['triroute_whole']['median']:.3f} s, transformers Dense "
+        f"{s['hf_whole']['median']:.3f} s, ratio {r['whole_ratio']['median']:.2f} "
+        f"[{r['whole_ratio']['q1']:.2f}-{r['whole_ratio']['q3']:.2f}]; prompt alone ratio "
+        f"{r['prompt_ratio']['median']:.2f}; decode per token ratio {r['decode_ratio']['median']:.2f} "
+        f"(below 1: TriRoute faster); realised FLOPs {r['realised_fractions']['flops']:.3f}, KV memory "
+        f"{r['realised_fractions']['mem']:.3f}")
+    if a.json:
+        print(json.dumps(result, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()
