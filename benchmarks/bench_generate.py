@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -43,17 +42,10 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.forced_decisions import ForcedController, budget_mix, force  # noqa: E402
+from benchmarks.bench_decode import build_routed, spread  # noqa: E402
+from benchmarks.forced_decisions import budget_mix, force  # noqa: E402
 from megatron_triroute.config import TriRouteConfig  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
-
-
-def spread(values: list[float]) -> dict:
-    """Median and interquartile range (the quartiles of `statistics.quantiles`, inclusive)."""
-    if len(values) == 1:
-        return {"median": values[0], "q1": values[0], "q3": values[0]}
-    q1, _, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return {"median": statistics.median(values), "q1": q1, "q3": q3}
 
 
 def build_llama(config: TriRouteConfig):
@@ -70,26 +62,12 @@ def build_llama(config: TriRouteConfig):
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**cfg)).eval()
 
 
-def build_triroute(config: TriRouteConfig):
-    """The engine's model on this shape, random weights, each controller forced (`ForcedController`)."""
-    from megatron_triroute.inference.model import InferenceModel
-
-    model = InferenceModel(config)
-    g = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() >= 2 else torch.ones(p.shape))
-    for layer in model.layers:
-        layer.controller = ForcedController(layer.controller, config)
-    return model.eval()
-
-
 class Runs:
     """One generation of each model: `triroute(prompt, n)` and `hf(prompt, n)` return (seconds, tokens)."""
 
     def __init__(self, config: TriRouteConfig, mix: dict):
         self.config, self.mix = config, mix
-        self.model = build_triroute(config)
+        self.model = build_routed(config)
         self.llama = build_llama(config)
         self.realised: dict | None = None
 
