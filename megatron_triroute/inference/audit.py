@@ -6,11 +6,11 @@ the controller and the LM head are counted separately from the budgeted attentio
 expert MACs, so the budget fraction can be read either way (see docs/inference.md).
 
 The audited counters are computed after a step from its decision tensors and the cache
-(`count_attention`, the model's `audit_step`), never inside the timed work. Beside them,
-`executed` holds per layer what the attention kernel itself counted while it ran (`attn`: q.k and
-p.V MACs of every (head, key) it scored; `bytes_read`: the K/V bytes of every slot it unpacked),
-so audited and executed can differ visibly (page granularity, a slot scored for a head that
-then masks it).
+(`count_attention`, every layer of a step at once, from `InferenceModel.finish`), never inside
+the timed work. Beside them, `executed` holds per layer what the attention kernel itself counted
+while it ran (`attn`: q.k and p.V MACs of every (head, key) it scored; `bytes_read`: the K/V
+bytes of every slot it unpacked), so audited and executed can differ visibly (page granularity, a
+slot scored for a head that then masks it).
 """
 
 from __future__ import annotations
@@ -112,50 +112,62 @@ class CostAudit:
         } | {f"executed_{name}": self.total_executed(name) for name in EXECUTED}
 
 
-def count_attention(audit: CostAudit, layer: int, cache, rows: torch.Tensor, mode: torch.Tensor, option: torch.Tensor,
-                    t: torch.Tensor, valid: torch.Tensor, window: int, d_model: int) -> None:
-    """Add one layer's audited attention counters for N token rows, after the step that ran them:
-    rows (N,) cache rows, mode (N, H), option (N,) bit option, t (N,) positions, valid (N,). Reads
-    the cache as the step left it (a step writes each layer's tokens before reading them)."""
-    H = mode.shape[1]
-    pools = cache.layers[layer].pools
+def count_attention(audit: CostAudit, layers: list[int], cache, rows: torch.Tensor, modes: list[torch.Tensor],
+                    options: list[torch.Tensor], t: torch.Tensor, valid: torch.Tensor, window: int,
+                    d_model: int) -> None:
+    """Add the audited attention counters of `layers` for N token rows, after the step that ran
+    them, in one pass over all of them: rows (N,) cache rows, per layer mode (N, H) and option (N,)
+    bit option, t (N,) positions, valid (N,). Reads the cache as the step left it (a step writes
+    each layer's tokens before reading them). Host reads: the valid rows, the options, two maxima,
+    and one list of every layer's figures."""
+    pools = cache.layers[layers[0]].pools
     n_kv, d = pools[0].n_kv, pools[0].d_head
     keep = valid.nonzero().flatten()
-    rows, mode, option, t = rows[keep], mode[keep], option[keep], t[keep]
-    reading = mode != SKIP
-    tokens, pairs = keep.numel(), int(reading.sum())
-    audit.add(layer, "k_proj", tokens * n_kv * d * d_model)
-    audit.add(layer, "v_proj", tokens * n_kv * d * d_model)
-    audit.add(layer, "q_proj", pairs * d * d_model)
-    audit.add(layer, "o_proj", pairs * d * d_model)
-    slot_bytes = cache.slot_bytes(layer)
-    audit.add(layer, "bytes_written", int(slot_bytes[option.cpu()].sum()))
-    if tokens == 0:
-        return
-    lo = read_start(t.view(-1, 1), mode, window)  # skip: t + 1
-    requests, request = torch.unique(rows, return_inverse=True)
-    slots, keys = slots_and_keys_read([pool.token_pos for pool in pools], cache.layer_tables[layer][:, requests],
-                                      request, lo, t)
-    audit.add(layer, "bytes_read", int((slots.cpu() * slot_bytes).sum()))
-    audit.add(layer, "attn", 2 * d * keys)
+    rows, t = rows[keep], t[keep]
+    mode = torch.stack(modes)[:, keep]  # (layers, N, H)
+    option = torch.stack(options)[:, keep].cpu()  # (layers, N)
+    tokens = keep.numel()
+    slot_bytes = torch.stack([cache.slot_bytes(layer) for layer in layers])  # (layers, pools), host
+    written = slot_bytes.gather(1, option).sum(1)
+    pairs = (mode != SKIP).sum((1, 2)).cpu()
+    read, keys = torch.zeros_like(written), torch.zeros_like(written)
+    if tokens:
+        lo = read_start(t.view(1, -1, 1), mode, window)  # (layers, N, H); skip: t + 1
+        requests, request = torch.unique(rows, return_inverse=True)
+        slots, keys = slots_and_keys_read([[pool.token_pos for pool in cache.layers[layer].pools] for layer in layers],
+                                          torch.stack([cache.layer_tables[layer][:, requests] for layer in layers]),
+                                          request, lo, t)
+        read, keys = (slots.cpu() * slot_bytes).sum(1), keys.cpu()
+    for layer, (q, w, r, k) in zip(layers, torch.stack([pairs, written, read, keys], 1).tolist()):
+        audit.add(layer, "k_proj", tokens * n_kv * d * d_model)
+        audit.add(layer, "v_proj", tokens * n_kv * d * d_model)
+        audit.add(layer, "q_proj", q * d * d_model)
+        audit.add(layer, "o_proj", q * d * d_model)
+        audit.add(layer, "bytes_written", w)
+        audit.add(layer, "bytes_read", r)
+        audit.add(layer, "attn", 2 * d * k)
 
 
-def slots_and_keys_read(token_pos: list[torch.Tensor], pages: torch.Tensor, request: torch.Tensor, lo: torch.Tensor,
-                        hi: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """Over a layer's W pools at once, with `token_pos[o]` pool o's slot positions and `pages` (W, B,
-    max pages; absent -1) each request's page list per pool, request (N,) each row's request:
-    per pool, the slots of row i's request at positions <= hi[i] (the row's context in that pool,
-    whatever its heads read), summed over rows ((W,) tensor); and the keys the (row, head) ranges
-    [lo, hi] meet in every pool, summed over rows, heads and pools; so a prefill of n tokens counts
-    what n decode steps count. Memory O(B x W x positions); three host reads."""
-    pos = torch.stack([torch.where(pages[o].unsqueeze(-1) >= 0, tp[pages[o].clamp(min=0)], -1).flatten(1)
-                       for o, tp in enumerate(token_pos)], 1).long()  # (B, W, L)
-    if pos.shape[2] == 0:
-        return torch.zeros(pos.shape[1], dtype=torch.long, device=pos.device), 0
+def slots_and_keys_read(token_pos: list[list[torch.Tensor]], pages: torch.Tensor, request: torch.Tensor,
+                        lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Over Y layers' W pools at once, with `token_pos[y][o]` the slot positions of layer y's pool o
+    and `pages` (Y, W, B, max pages; absent -1) each request's page list per pool, request (N,) each
+    row's request, lo (Y, N, H) and hi (N,): per (layer, pool), the slots of row i's request at
+    positions <= hi[i] (the row's context in that pool, whatever its heads read), summed over rows
+    ((Y, W)); and per layer the keys the (row, head) ranges [lo, hi] meet in every pool, summed over
+    rows, heads and pools ((Y,)); so a prefill of n tokens counts what n decode steps count. Memory
+    O(Y x B x W x positions); two host reads."""
+    pos = torch.stack([torch.stack([torch.where(pages[y, o].unsqueeze(-1) >= 0, tp[pages[y, o].clamp(min=0)], -1)
+                                    .flatten(1) for o, tp in enumerate(pools)], 1)
+                       for y, pools in enumerate(token_pos)]).long()  # (Y, B, W, L)
+    Y, B, W, L = pos.shape
+    if L == 0:
+        return torch.zeros(Y, W, dtype=torch.long, device=pos.device), torch.zeros(Y, dtype=torch.long, device=pos.device)
     size = max(int(hi.max()), int(pos.max())) + 2
-    before = torch.zeros(*pos.shape[:2], size, dtype=torch.long, device=pos.device)
-    before.scatter_add_(2, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
-    before = before.cumsum(2)  # before[b, o, p]: b's slots in pool o at positions < p
-    upto = before[request, :, hi + 1]  # (N, W)
-    keys = upto.unsqueeze(1) - before[request.unsqueeze(1), :, lo.clamp(max=size - 1)]  # (N, H, W); skip: lo = hi + 1
-    return upto.sum(0), int(keys.clamp(min=0).sum())
+    before = torch.zeros(Y, B, W, size, dtype=torch.long, device=pos.device)
+    before.scatter_add_(3, pos + 1, (pos >= 0).long())  # a free slot (-1) adds 0 at index 0
+    before = before.cumsum(3)  # before[y, b, o, p]: b's slots in layer y's pool o at positions < p
+    y = torch.arange(Y, device=pos.device)
+    upto = before[y.view(Y, 1), request.view(1, -1), :, (hi + 1).view(1, -1)]  # (Y, N, W)
+    low = before[y.view(Y, 1, 1), request.view(1, -1, 1), :, lo.clamp(max=size - 1)]  # (Y, N, H, W); skip: lo = hi + 1
+    return upto.sum(1), (upto.unsqueeze(2) - low).clamp(min=0).sum((1, 2, 3))

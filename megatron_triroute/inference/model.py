@@ -116,22 +116,6 @@ class InferenceLayer(nn.Module):
         return routed_experts(h, index, out.experts.weight.reshape(h.shape[0], -1).to(h.dtype),
                               [x.w1.weight for x in e], [x.w3.weight for x in e], [x.w2.weight for x in e]).view(shape)
 
-    def audit_step(self, audit: CostAudit, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> None:
-        """This layer's audited counters of a finished step, from its decisions."""
-        N = batch.t.numel()
-        valid = batch.valid_mask()
-        tokens = int(valid.sum())
-        audit.add(self.layer_number, "controller", tokens * self.controller_macs)
-        rows = batch.rows.repeat_interleave(N // batch.rows.numel())
-        count_attention(audit, self.layer_number, cache, rows, out.attn.hard.reshape(N, -1), out.bits.hard.reshape(N),
-                        batch.t, valid, self.config.router.window, self.config.model.d_model)
-        if out.experts is None:
-            routes = tokens
-        else:
-            routes = int(((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum())
-        audit.add(self.layer_number, "experts", routes * self.expert_macs)
-
-
 @dataclass
 class StepBatch:
     """A step's device inputs, prepared on the host before it (`InferenceModel.prepare`); N = B n."""
@@ -269,11 +253,19 @@ class InferenceModel(nn.Module):
         if audit is None:
             return
         m = self.config.model
-        for layer, out in zip(self.layers, outs):
-            layer.audit_step(audit, out, batch, cache)
-        audit.take_executed(cache)
         valid = batch.valid_mask()
+        N = batch.t.numel()
+        rows = batch.rows.repeat_interleave(N // batch.rows.numel())
+        count_attention(audit, [layer.layer_number for layer in self.layers], cache, rows,
+                        [out.attn.hard.reshape(N, -1) for out in outs], [out.bits.hard.reshape(N) for out in outs],
+                        batch.t, valid, self.config.router.window, m.d_model)
         count = int(valid.sum())
+        routes = torch.stack([valid.sum() if out.experts is None else
+                              ((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum() for out in outs])
+        for layer, r in zip(self.layers, routes.tolist()):  # the controller on every valid token; each real route
+            audit.add(layer.layer_number, "controller", count * layer.controller_macs)
+            audit.add(layer.layer_number, "experts", r * layer.expert_macs)
+        audit.take_executed(cache)
         audit.tokens += count
         audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
         audit.dense_macs += float(dense_cost(batch.t[valid], m).flops.sum()) * m.n_layers
