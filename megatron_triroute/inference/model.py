@@ -278,11 +278,17 @@ class InferenceModel(nn.Module):
         m, r = self.config.model, self.config.router
         B, n = batch.tokens.shape
         valid = batch.valid_mask().view(B, n).double()
-        total = torch.zeros(B, 2, dtype=torch.float64, device=valid.device)
-        for out in outs:
-            cost = hard_cost(out.attn.hard, None if out.experts is None else out.experts.index, out.bits.hard,
-                             batch.positions, m, r)
-            total += torch.stack([((cost.attn_key_macs + cost.expert_macs) * valid).sum(1), (cost.kv_bits * valid).sum(1)], -1)
+        L = len(outs)
+        # every layer at once: the layers stacked along hard_cost's batch axis
+        dense_ffn = [out.experts is None for out in outs]
+        if any(dense_ffn) and not all(dense_ffn):
+            raise ValueError("every layer must route its FFN, or none")
+        index = None if dense_ffn[0] else torch.cat([out.experts.index for out in outs])
+        cost = hard_cost(torch.cat([out.attn.hard for out in outs]), index, torch.cat([out.bits.hard for out in outs]),
+                         batch.positions.repeat(L, 1), m, r)
+        valid_l = valid.repeat(L, 1)
+        total = torch.stack([((cost.attn_key_macs + cost.expert_macs) * valid_l).view(L, B, n).sum((0, 2)),
+                             (cost.kv_bits * valid_l).view(L, B, n).sum((0, 2))], -1)
         dense = dense_cost(batch.positions, m)
         per_layer = torch.stack([(dense.flops * valid).sum(1), (dense.mem * valid).sum(1)], -1) * m.n_layers
         return torch.stack([total[:, 0], per_layer[:, 0], total[:, 1], per_layer[:, 1]], -1).tolist()
