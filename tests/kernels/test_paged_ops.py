@@ -7,7 +7,6 @@ import types
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import triroute_kernels.paged_ops as paged_ops
 from tests.kernels.scenario import fill_pools, mixed_pools, naive_attention
