@@ -44,7 +44,6 @@ using at::Tensor;
 
 constexpr int64_t kMaxHeadDim = 1024;
 
-// Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
 #if defined(TRIROUTE_AVX2)
 // Channels i..i+7 of a packed row as float32: 8 codes of BITS bits fill BITS bytes, code k at bit
 // k * BITS of their little-endian word; one variable shift puts each in its own lane.
@@ -63,6 +62,7 @@ inline __m256 codes8(const uint8_t* codes, int64_t i) {
 }
 #endif
 
+// Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
 template <int BITS>
 inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d, int64_t gs, float* out) {
   constexpr int per_byte = 8 / BITS;
@@ -392,7 +392,8 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
     // and page, then its V rows dequantised into vbuf and accumulated.
     std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(G * P_max), m(G), l(G), acc(G * d);
     std::vector<int64_t> lo_h(G), rows(P_max), pos(P_max);
-    std::vector<char> reads(G), took(G);
+    std::vector<char> reads(G);
+    std::vector<int64_t> first(G);  // per head, the page's first row in its range (c: none)
     const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
     for (int64_t item = begin; item < end; ++item) {
@@ -433,24 +434,21 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           bytes += c * pv.kv_bytes;  // each K row and V row once
           load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
           for (int64_t j = 0; j < G; ++j) {
-            took[j] = 0;
-            if (!reads[j]) continue;
-            float* sj = sbuf.data() + j * P_max;
-            score_rows(qg + j * d, kbuf.data(), c, d, scale, sj);
+            // Positions increase along the page's rows, so head j's keys (pos >= lo) are the rows
+            // from first[j] on: only those are scored and accumulated.
+            int64_t t0 = 0;
+            while (t0 < c && pos[t0] < lo_h[j]) ++t0;
+            first[j] = reads[j] ? t0 : c;
+            if (first[j] == c) continue;  // this head takes no key of the page
+            float* sj = sbuf.data() + j * P_max + t0;
+            const int64_t n_keys = c - t0;
+            score_rows(qg + j * d, kbuf.data() + t0 * d, n_keys, d, scale, sj);
+            macs += 2 * d * n_keys;
             float block_max = neg_inf;
-            for (int64_t t = 0; t < c; ++t) {
-              if (pos[t] < lo_h[j]) {
-                sj[t] = neg_inf;
-                continue;
-              }
-              block_max = std::max(block_max, sj[t]);
-              macs += 2 * d;
-            }
-            if (block_max == neg_inf) continue;  // this head took no key of the page
-            took[j] = 1;
+            for (int64_t t = 0; t < n_keys; ++t) block_max = std::max(block_max, sj[t]);
             const float m_new = std::max(m[j], block_max);
             const float alpha = exp_nonpositive(m[j] - m_new);  // exp(-inf) = 0 before the first key
-            const float sum = exp_shifted(sj, c, m_new);
+            const float sum = exp_shifted(sj, n_keys, m_new);
             l[j] = l[j] * alpha + sum;
             if (alpha != 1.f) {
               float* a = acc.data() + j * d;
@@ -459,8 +457,10 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
             m[j] = m_new;
           }
           load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
-          for (int64_t j = 0; j < G; ++j)  // a key outside head j's range has weight exp(-inf) = 0
-            if (took[j]) accumulate_rows(acc.data() + j * d, sbuf.data() + j * P_max, vbuf.data(), c, d);
+          for (int64_t j = 0; j < G; ++j)
+            if (first[j] < c)
+              accumulate_rows(acc.data() + j * d, sbuf.data() + j * P_max + first[j], vbuf.data() + first[j] * d,
+                              c - first[j], d);
         }
       }
       for (int64_t j = 0; j < G; ++j) {
