@@ -7,7 +7,9 @@
 Systems (float32 compute, one fixed thread count, decode only):
 - **Dense**: the best plain PyTorch decoder, not our engine forced dense: per layer a contiguous
   K/V cache [B, H_kv, T_max, d_h] in its compute dtype (float32: no cast in the step) and
-  `scaled_dot_product_attention` (GQA) over it, a dense SwiGLU FFN of width d_ff.
+  `scaled_dot_product_attention` (GQA) over it, a dense SwiGLU FFN of width d_ff; its weight matmuls
+  are `triroute_kernels.decode_linear`, the engine's own (faster than BLAS at a few rows on this
+  CPU), so a ratio compares the routing, not two matmul libraries.
 - **KV-quant-only, MoD, Independent combo, TriRoute**: `megatron_triroute.inference` (`InferenceModel`
   with its paged cache) on `systems.system_config(name, backbone)`, through its public `step` only.
 
@@ -78,6 +80,7 @@ from megatron_triroute.routing.controller import RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import bit_costs, expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.modes import SKIP, read_start  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
+from triroute_kernels import decode_linear  # noqa: E402
 
 ROUTED = ("kvquant", "mod", "independent", "triroute")
 TARGETS = {"ops_per_layer": 120, "host_syncs_per_step": 0, "step_time_ratio_b1": 1.1, "speedup_vs_dense_b8": 0.9,
@@ -107,7 +110,8 @@ def rope_bhtd(x: torch.Tensor, t: int) -> torch.Tensor:
 
 
 class DenseDecoder(nn.Module):
-    """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU. Random weights."""
+    """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU, its matmuls by the
+    engine's `decode_linear` (as the routed systems'). Random weights."""
 
     def __init__(self, m: ModelConfig, batch: int, max_len: int, seed: int = 0, kv_dtype=torch.float32):
         super().__init__()
@@ -155,20 +159,20 @@ class DenseDecoder(nn.Module):
         x = self.emb[tokens]  # (B, D)
         for i in range(m.n_layers):
             h = F.rms_norm(x, (m.d_model,), eps=1e-5)
-            q = rope_bhtd((h @ self.wq[i].T).view(B, m.n_heads, 1, m.d_head), t)
-            k, v = (h @ self.wkv[i].T).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
+            q = rope_bhtd(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), t)
+            k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
             self.k[i, :, :, t : t + 1] = rope_bhtd(k, t).to(self.k.dtype)
             self.v[i, :, :, t : t + 1] = v.to(self.k.dtype)
             kk, vv = self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1]
             if kk.dtype != q.dtype:
                 kk, vv = kk.to(q.dtype), vv.to(q.dtype)
             o = F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)  # (B, H, 1, d)
-            x = x + o.reshape(B, -1) @ self.wo[i].T
+            x = x + decode_linear(o.reshape(B, -1), self.wo[i])
             h = F.rms_norm(x, (m.d_model,), eps=1e-5)
-            gate, up = (h @ self.fc1[i].T).chunk(2, -1)
-            x = x + (F.silu(gate) * up) @ self.fc2[i].T
+            gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
+            x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
         self.t = t + 1
-        return F.rms_norm(x, (m.d_model,), eps=1e-5) @ self.head.T
+        return decode_linear(F.rms_norm(x, (m.d_model,), eps=1e-5), self.head)
 
 
 # --- routed systems through the engine ----------------------------------------------------------

@@ -37,6 +37,10 @@ MATMUL_OPS = frozenset({"aten.mm", "aten.bmm", "aten.addmm", "aten.baddbmm", "at
 """Matmul-class ops whose MACs are read from their operand shapes (matmul, einsum and linear
 reach the dispatcher as these)."""
 
+LINEAR_KERNELS = frozenset({"triroute.decode_linear"})
+"""Custom kernels computing x w^T (x [M, K], w [N, K]): counted like the matmuls, M N K MACs, not
+listed among `foreign_ops` (their whole work is in those MACs)."""
+
 SDPA_OPS = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
                       "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
                       "aten._scaled_dot_product_attention_math"})
@@ -133,7 +137,7 @@ class StepCounter(TorchDispatchMode):
         self.ops += 1
         packet = str(func.overloadpacket)
         name = packet if func.overloadpacket.__name__ != "repeat_interleave" else str(func)
-        if not packet.startswith("aten."):
+        if not packet.startswith("aten.") and packet not in LINEAR_KERNELS:
             self.foreign_ops[packet] = self.foreign_ops.get(packet, 0) + 1
         to_host = packet in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs)
         if name in HOST_SYNC_OPS or to_host:
@@ -145,6 +149,12 @@ class StepCounter(TorchDispatchMode):
             operands = args[1:3] if packet in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv") else args[:2]
             macs = _mm_macs(packet, args)
             if any(self._is_weight(t) for t in operands):
+                self.weight_macs += macs
+            else:
+                self.activation_macs += macs
+        elif packet in LINEAR_KERNELS:
+            macs = args[0].shape[0] * args[1].shape[0] * args[0].shape[1]
+            if any(self._is_weight(t) for t in args[:2]):
                 self.weight_macs += macs
             else:
                 self.activation_macs += macs

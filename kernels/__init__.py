@@ -7,14 +7,14 @@ and the group quantisation and packing every writer uses. Each kernel has a vect
 pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_ops`, CUDA, or
 CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
 GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
-online softmax, the mixed-width cache write, the routed experts): C++ CPU kernels (`cpu_ops`,
+online softmax, the mixed-width cache write, the routed experts, the small-batch linear): C++ CPU kernels (`cpu_ops`,
 built once per machine) with PyTorch twins as the fallback. The package imports only torch (and
 triton): nothing of `megatron_triroute`.
 """
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
-from .paged_ops import PoolLists, cache_write, paged_attention, routed_experts
+from .paged_ops import PoolLists, cache_write, decode_linear, paged_attention, routed_experts
 from .pool import PagePool, allocate_kv_pools, allocate_pool
 from .quant import SUPPORTED_BITS
 from .torch_ops import (
@@ -38,6 +38,7 @@ __all__ = [
     "cpu_ops_error",
     "choose_backend",
     "decode_attention_pool",
+    "decode_linear",
     "decode_attention_pool_torch",
     "dequantize_slots",
     "merge_partials",

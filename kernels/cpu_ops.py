@@ -1,5 +1,5 @@
 """The C++ CPU decode kernels (`csrc/decode_ops.cpp`): built once per machine, registered as
-`torch.ops.triroute.{paged_attention, cache_write, routed_experts}`.
+`torch.ops.triroute.{paged_attention, cache_write, routed_experts, decode_linear}`.
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
@@ -121,5 +121,9 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::routed_experts")
     def _(x, index, weight, w1, w3, w2):
         return x.new_empty(x.shape)
+
+    @torch.library.register_fake("triroute::decode_linear")
+    def _(x, w):
+        return x.new_empty(x.shape[0], w.shape[0])
 
     _state["fakes"] = True

@@ -179,6 +179,23 @@ def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools, pool_wri
         kp.token_pos.view(-1)[at] = positions.index_select(0, sel).to(torch.int32)
 
 
+# --- linear ------------------------------------------------------------------------------------
+DECODE_LINEAR_ROWS = 16
+"""Up to this many rows of x, `decode_linear` takes the C++ kernel on the CPU (kernels/csrc)."""
+
+
+def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ w.T for w [N, K] (an nn.Linear weight), equal to F.linear(x, w) up to rounding
+    (the order of the sum). On the CPU with the C++ kernels, float32 x of at most
+    `DECODE_LINEAR_ROWS` rows (a decode step's tokens) reads w once at one thread's streaming rate:
+    eight rows of w in flight, each block of them applied to every row of x from the first-level
+    cache (BLAS's gemv and small-M gemm read it at a half to two thirds of that here,
+    benchmarks/bench_cpu_ops.py). Other shapes, devices and dtypes go to F.linear."""
+    if x.dim() == 2 and x.shape[0] <= DECODE_LINEAR_ROWS and x.dtype == torch.float32 and _use_cpp(x, w):
+        return torch.ops.triroute.decode_linear(x, w)
+    return F.linear(x, w)
+
+
 # --- experts ------------------------------------------------------------------------------------
 def routed_experts(
     x: torch.Tensor,

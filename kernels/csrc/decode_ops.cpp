@@ -571,6 +571,78 @@ void cache_write_cpu(const Tensor& k, const Tensor& v, const Tensor& option, con
   });
 }
 
+// --- decode linear ---------------------------------------------------------------------------
+// y = x w^T for a few rows of x (a decode step's tokens): x [M, K], w [N, K] float32, row-major.
+// At these shapes a matmul is bound by reading w once. BLAS's gemv reads it at about two thirds
+// of one thread's streaming rate, and its small-M gemm slower still; eight independent rows of w in
+// flight reach that rate, and each 8-row block serves every x row from the first-level cache.
+// Other shapes, dtypes and builds: at::linear.
+constexpr int64_t kDecodeLinearRows = 16;
+#if defined(TRIROUTE_AVX2)
+inline float hsum8(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// Rows n0..n0+7 of y for one x row: eight row streams of w, one accumulator each.
+inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
+  __m256 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+  const int64_t K8 = K - K % 8;
+  for (int64_t k = 0; k < K8; k += 8) {
+    const __m256 xv = _mm256_loadu_ps(x + k);
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), xv, a[r]);
+  }
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  _mm256_storeu_ps(y, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+  for (int64_t k = K8; k < K; ++k)
+    for (int r = 0; r < 8; ++r) y[r] += w[r * K + k] * x[k];
+}
+
+// One row of y per x row, for the rows a block of 8 (or 4) does not fill.
+inline void gemv_row(const float* w, const float* x, int64_t K, float* y) {
+  __m256 a = _mm256_setzero_ps();
+  const int64_t K8 = K - K % 8;
+  for (int64_t k = 0; k < K8; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
+  float s = hsum8(a);
+  for (int64_t k = K8; k < K; ++k) s += w[k] * x[k];
+  *y = s;
+}
+#endif
+
+Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "decode_linear: x [M, K] and w [N, K], got ",
+              x.sizes(), " and ", w.sizes());
+#if defined(TRIROUTE_AVX2)
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
+  if (M >= 1 && M <= kDecodeLinearRows && x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat &&
+      w.is_contiguous()) {
+    const Tensor xc = x.contiguous();
+    Tensor y = at::empty({M, N}, x.options());
+    const float* wp = w.data_ptr<float>();
+    const float* xp = xc.data_ptr<float>();
+    float* yp = y.data_ptr<float>();
+    const int64_t blocks = N / 8;
+    // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
+    // streamed it from memory), every x row: w is read from memory once whatever M.
+    at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+      float tmp[8];
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t m = 0; m < M; ++m) {
+          gemv_rows8(wp + b * 8 * K, xp + m * K, K, tmp);
+          std::memcpy(yp + m * N + b * 8, tmp, sizeof(tmp));
+        }
+    });
+    for (int64_t n = blocks * 8; n < N; ++n)
+      for (int64_t m = 0; m < M; ++m) gemv_row(wp + n * K, xp + m * K, K, yp + m * N + n);
+    return y;
+  }
+#endif
+  return at::linear(x, w);
+}
+
 Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
                           at::TensorList w3, at::TensorList w2) {
   TORCH_CHECK(x.dim() == 2, "x must be [N, D], got ", x.sizes());
@@ -603,8 +675,8 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
     const Tensor routes = route.slice(0, c0, c1);
     const Tensor rows = at::floor_divide(routes, K);
     const Tensor xe = x.index_select(0, rows);
-    const Tensor h = at::silu(at::linear(xe, w1[e])) * at::linear(xe, w3[e]);
-    const Tensor y = at::linear(h, w2[e]) * wflat.index_select(0, routes).to(x.scalar_type()).unsqueeze(1);
+    const Tensor h = at::silu(decode_linear_cpu(xe, w1[e])) * decode_linear_cpu(xe, w3[e]);
+    const Tensor y = decode_linear_cpu(h, w2[e]) * wflat.index_select(0, routes).to(x.scalar_type()).unsqueeze(1);
     out.index_add_(0, rows, y);
   }
   return out;
@@ -622,10 +694,12 @@ TORCH_LIBRARY(triroute, m) {
       "Tensor(b!)[] k_scale, Tensor(c!)[] k_zero, Tensor(d!)[] v_data, Tensor(e!)[] v_scale, Tensor(f!)[] v_zero, "
       "Tensor(g!)[] token_pos, int[] bits, int group_size) -> ()");
   m.def("routed_experts(Tensor x, Tensor index, Tensor weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
+  m.def("decode_linear(Tensor x, Tensor w) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("paged_attention", &paged_attention_cpu);
   m.impl("cache_write", &cache_write_cpu);
   m.impl("routed_experts", &routed_experts_cpu);
+  m.impl("decode_linear", &decode_linear_cpu);
 }

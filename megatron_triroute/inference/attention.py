@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from triroute_kernels import paged_attention
+from triroute_kernels import decode_linear, paged_attention
 
 from ..routing.modes import read_start
 from .audit import CostAudit, count_attention
@@ -47,10 +47,10 @@ def rope(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0) -> tor
 
 
 def projection_views(wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """wq (H, d, D), wk/wv (H_kv, d, D), wo (D, H, d) as the matrices `attend` multiplies by:
-    (D, H d), (D, H_kv d), (D, H_kv d), (H d, D). Views of the parameters, no copy."""
+    """wq (H, d, D), wk/wv (H_kv, d, D), wo (D, H, d) as the weights `attend` applies (nn.Linear's
+    layout, out x in): (H d, D), (H_kv d, D), (H_kv d, D), (D, H d). Views of the parameters, no copy."""
     D = wq.shape[2]
-    return wq.reshape(-1, D).T, wk.reshape(-1, D).T, wv.reshape(-1, D).T, wo.reshape(D, -1).T
+    return wq.reshape(-1, D), wk.reshape(-1, D), wv.reshape(-1, D), wo.reshape(D, -1)
 
 
 def attend(h: torch.Tensor, w: tuple[torch.Tensor, ...], n_heads: int, mode: torch.Tensor, option: torch.Tensor,
@@ -62,17 +62,17 @@ def attend(h: torch.Tensor, w: tuple[torch.Tensor, ...], n_heads: int, mode: tor
     rows (B,) the requests' cache rows. Returns (N, D). Tensor ops only; room reserved beforehand."""
     wq, wk, wv, wo = w
     N, H = h.shape[0], n_heads
-    d = wq.shape[1] // H
-    n_kv = wk.shape[1] // d
-    qk = apply_rope(torch.cat([h @ wq, h @ wk], -1).view(N, H + n_kv, d), cos, sin)
-    cache.write_step(layer, rows, option, t, qk[:, H:], (h @ wv).view(N, n_kv, d), valid, n)
+    d = wq.shape[0] // H
+    n_kv = wk.shape[0] // d
+    qk = apply_rope(torch.cat([decode_linear(h, wq), decode_linear(h, wk)], -1).view(N, H + n_kv, d), cos, sin)
+    cache.write_step(layer, rows, option, t, qk[:, H:], decode_linear(h, wv).view(N, n_kv, d), valid, n)
     lo = read_start(t.view(N, 1), mode, window)  # skip: t + 1, an empty range
     if valid is not None:
         lo = torch.where(valid.view(N, 1), lo, t.view(N, 1) + 1)
     request = rows.repeat_interleave(n) if n > 1 else rows
     context = paged_attention(qk[:, :H].contiguous(), cache.layers[layer].lists(), cache.layer_tables[layer], request,
                               lo, t, 1.0 / math.sqrt(d), cache.layer_executed[layer])
-    return context.view(N, H * d) @ wo
+    return decode_linear(context.view(N, H * d), wo)
 
 
 def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: torch.Tensor, wo: torch.Tensor,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from triroute_kernels import routed_experts
+from triroute_kernels import decode_linear, routed_experts
 
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
@@ -47,7 +47,9 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(width, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        """x (N, D) -> (N, D)."""
+        return decode_linear(F.silu(decode_linear(x, self.w1.weight)) * decode_linear(x, self.w3.weight),
+                             self.w2.weight)
 
 
 class InferenceLayer(nn.Module):
@@ -242,7 +244,7 @@ class InferenceModel(nn.Module):
         x = self.final_norm(x)
         if not all_logits:
             x = x[:, 0] if batch.last is None else x[torch.arange(B, device=x.device), batch.last]
-        return self.lm_head(x), outs
+        return decode_linear(x.reshape(-1, x.shape[-1]), self.lm_head.weight).view(*x.shape[:-1], -1), outs
 
     def finish(self, batch: StepBatch, outs: list[RouterOutput], cache: PagedKVCache, rids: list[int],
                audit: CostAudit | None, all_logits: bool = False) -> None:

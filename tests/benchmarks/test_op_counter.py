@@ -78,3 +78,19 @@ def test_sdpa_counts_its_pairs(oc):
     with oc.StepCounter() as counter:
         F.scaled_dot_product_attention(q, k, k, enable_gqa=True)
     assert counter.activation_macs == 2 * 8 * 2 * 4 * 1 * 10
+
+
+def test_the_decode_linear_kernel_counts_as_a_weight_matmul(oc):
+    """triroute.decode_linear is a custom op, invisible inside: its M N K MACs are read from its
+    shapes (as a weight's when w is one), and it is not listed as an uncounted foreign op."""
+    from triroute_kernels import decode_linear
+
+    w = torch.randn(24, 16)
+    x = torch.randn(2, 16)
+    with oc.StepCounter(weights=[w]) as counter:
+        decode_linear(x, w)
+    assert counter.foreign_ops == {} and counter.ops == 1
+    assert counter.weight_macs == 2 * 24 * 16 and counter.activation_macs == 0
+    with oc.StepCounter() as counter:
+        decode_linear(x, w)
+    assert counter.activation_macs == 2 * 24 * 16 and counter.weight_macs == 0

@@ -14,8 +14,10 @@ from tests.oracles import hard_experts, pack_kv, swiglu
 from triroute_kernels import allocate_kv_pools, cpu_ops_available, quantize_pack_into_torch
 from triroute_kernels import cpu_ops
 from triroute_kernels.paged_ops import (
+    DECODE_LINEAR_ROWS,
     cache_write,
     cache_write_torch,
+    decode_linear,
     paged_attention,
     paged_attention_torch,
     routed_experts,
@@ -181,6 +183,35 @@ def test_routed_experts_equals_a_loop_over_experts():
     assert torch.equal(routed_experts(x, index, weight, w1, w3, w2), out)
 
 
+@pytest.mark.parametrize("M,N,K", [(1, 50, 64), (2, 17, 24), (3, 8, 8), (8, 33, 100), (DECODE_LINEAR_ROWS, 9, 12),
+                                   (1, 7, 5), (DECODE_LINEAR_ROWS + 1, 16, 16)])
+def test_decode_linear_equals_a_float64_matmul(M, N, K):
+    """Rows of w in blocks of 8 and the rows after the last block; K with and without a tail past
+    a multiple of 8; more rows of x than the kernel takes (F.linear then)."""
+    gen = torch.Generator().manual_seed(M * 1000 + N)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
+    y = decode_linear(x, w)
+    assert y.shape == (M, N) and y.dtype == torch.float32
+    assert torch.allclose(y.double(), x.double() @ w.double().T, atol=1e-5 * math.sqrt(K), rtol=0)
+    if M <= DECODE_LINEAR_ROWS:  # the kernel itself ran, not the fallback
+        assert torch.equal(torch.ops.triroute.decode_linear(x, w), y)
+    # a transposed (non-contiguous) weight is served too, and equals the contiguous one
+    wt = w.T.contiguous().T
+    assert torch.allclose(decode_linear(x, wt), y, atol=1e-5 * math.sqrt(K))
+
+
+def test_decode_linear_reads_every_row_of_x_against_its_own_output():
+    """Row m of the result depends on row m of x only (a swapped or reused x row would show)."""
+    gen = torch.Generator().manual_seed(9)
+    x, w = torch.randn(5, 24, generator=gen), torch.randn(19, 24, generator=gen)
+    y = decode_linear(x, w)
+    for m in range(5):
+        assert torch.allclose(decode_linear(x[m : m + 1], w)[0], y[m], atol=1e-6)
+    x2 = x.clone()
+    x2[3] = 0
+    assert torch.equal(decode_linear(x2, w)[:3], y[:3]) and not decode_linear(x2, w)[3].any()
+
+
 def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
     gen = torch.Generator().manual_seed(2)
     stores, tables = _mixed_pools([12, 5], 2, 4, gen)
@@ -199,7 +230,9 @@ def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
     w = [torch.randn(6, 8, generator=gen)]
     y = torch.randn(2, 8, generator=gen)
     experts_twin = routed_experts(y, torch.tensor([[0], [-1]]), torch.ones(2, 1), w, w, [torch.randn(8, 6, generator=gen)])
+    linear_twin = decode_linear(y, w[0])
     monkeypatch.undo()
+    assert torch.allclose(linear_twin, decode_linear(y, w[0]), atol=1e-5)
     pools_cpp = _fresh_pools(2, 4, 2)
     cache_write(x, -x, torch.tensor([0, 3, 1]), torch.tensor([1, 2, 7]), torch.tensor([4, 5, 6]), pools_cpp)
     for a, b in zip(pools_twin[0] + pools_twin[1], pools_cpp[0] + pools_cpp[1]):
@@ -240,3 +273,4 @@ def test_opcheck_schemas_fakes_and_mutations():
         torch.ops.triroute.routed_experts,
         (x, torch.tensor([[0], [-1], [0]]), torch.rand(3, 1), w, w, [torch.randn(8, 6, generator=gen)]),
     )
+    torch.library.opcheck(torch.ops.triroute.decode_linear, (x, torch.randn(11, 8, generator=gen)))
