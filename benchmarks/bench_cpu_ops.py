@@ -1,11 +1,18 @@
-"""Time the one-call C++ paged attention against the per-pool PyTorch path (one
-`decode_attention_pool_torch` per width + `merge_partials`), one decode step of one layer.
+"""Time the C++ decode ops against the PyTorch paths they replace, one decode step of one layer.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cpu_ops.py [--context 2048] [--batches 1 8] [--portable]
 
-Shape: the 160m recipe's attention (12 query heads, 3 KV heads, head dim 64, group 32), pages of 16
-slots, every token's width drawn uniformly from 2/4/8/16 bits, every head full. Prints per batch the
-median of `--iters` calls (ms) of both paths and the C++ op's K/V bytes read (its counter) per second.
+Attention: the one-call C++ paged attention against the per-pool PyTorch path (one
+`decode_attention_pool_torch` per width + `merge_partials`). Shape: the 160m recipe's attention (12
+query heads, 3 KV heads, head dim 64, group 32), pages of 16 slots, every token's width drawn
+uniformly from 2/4/8/16 bits, every head full. Prints per batch the median of `--iters` calls (ms)
+of both paths and the C++ op's K/V bytes read (its counter) per second.
+
+Linear: `decode_linear` against `F.linear` (BLAS) at the 160m recipe's decode matmuls (a query
+projection 768 x 768, an expert's first matrix 1,024 x 768, the LM head 50,304 x 768), x of `batch`
+rows; each call takes the next of enough copies of the weight to fill 256 MB, so every weight comes
+from memory as in a decode step. Interleaved (A B A B), per shape the medians, the weight bytes read
+per second by each, and the median of the per-call ratios F.linear / decode_linear.
 """
 
 from __future__ import annotations
@@ -18,8 +25,9 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 
-from triroute_kernels import allocate_kv_pools, cpu_ops, quantize_pack_into_torch
+from triroute_kernels import allocate_kv_pools, decode_linear, cpu_ops, quantize_pack_into_torch
 from triroute_kernels.paged_ops import paged_attention, paged_attention_torch
 from triroute_kernels.quant import SUPPORTED_BITS
 
@@ -59,6 +67,36 @@ def median_ms(fn, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+LINEAR_SHAPES = {"q_proj": (768, 768), "expert_w1": (1024, 768), "lm_head": (50304, 768)}
+
+
+def linear_rows(batch: int, iters: int, gen: torch.Generator) -> list[dict]:
+    """`decode_linear` against F.linear per shape of LINEAR_SHAPES (module doc)."""
+    rows = []
+    for name, (N, K) in LINEAR_SHAPES.items():
+        copies = max(2, (256 << 20) // (N * K * 4))
+        weights = [torch.randn(N, K, generator=gen) for _ in range(copies)]
+        x = torch.randn(batch, K, generator=gen)
+        err = max(float((decode_linear(x, w) - F.linear(x, w)).abs().max()) for w in weights[:2])
+        times = {"decode_linear": [], "F.linear": []}
+        for i in range(max(iters, copies)):
+            for label, fn in (("decode_linear", decode_linear), ("F.linear", F.linear)):
+                w = weights[(2 * i + (label == "F.linear")) % copies]
+                t0 = time.perf_counter()
+                fn(x, w)
+                times[label].append(time.perf_counter() - t0)
+        ours, blas = (statistics.median(times[k]) for k in ("decode_linear", "F.linear"))
+        rows.append({
+            "op": "linear", "shape": name, "batch": batch, "n": N, "k": K, "threads": torch.get_num_threads(),
+            "decode_linear_ms": round(1e3 * ours, 3), "f_linear_ms": round(1e3 * blas, 3),
+            "decode_linear_gb_per_s": round(N * K * 4 / ours / 1e9, 2), "f_linear_gb_per_s": round(N * K * 4 / blas / 1e9, 2),
+            "speedup": round(statistics.median(b / a for a, b in zip(times["decode_linear"], times["F.linear"])), 2),
+            "max_abs_diff": err,
+        })
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--context", type=int, default=2048)
@@ -95,6 +133,8 @@ def main() -> None:
             "max_abs_diff_vs_torch": err,
         })
         print(json.dumps(rows[-1]), flush=True)
+    for batch in a.batches:
+        rows += linear_rows(batch, a.iters, gen)
 
 
 if __name__ == "__main__":
