@@ -157,10 +157,14 @@ def slots_and_keys_read(token_pos: list[list[torch.Tensor]], pages: torch.Tensor
     ((Y, W)); and per layer the keys the (row, head) ranges [lo, hi] meet in every pool, summed over
     rows, heads and pools ((Y,)); so a prefill of n tokens counts what n decode steps count. Memory
     O(Y x B x W x positions); two host reads."""
-    pos = torch.stack([torch.stack([torch.where(pages[y, o].unsqueeze(-1) >= 0, tp[pages[y, o].clamp(min=0)], -1)
-                                    .flatten(1) for o, tp in enumerate(pools)], 1)
-                       for y, pools in enumerate(token_pos)]).long()  # (Y, B, W, L)
-    Y, B, W, L = pos.shape
+    Y, W, B, M = pages.shape
+    tables = [tp for pools in token_pos for tp in pools]  # (pages, P) each, in (layer, pool) order
+    P = tables[0].shape[1]
+    first = torch.tensor([0] + [t.shape[0] for t in tables[:-1]], device=pages.device).cumsum(0).view(Y, W, 1, 1)
+    slot = ((first + pages.clamp(min=0)) * P).unsqueeze(-1) + torch.arange(P, device=pages.device)  # (Y, W, B, M, P)
+    pos = torch.cat([t.reshape(-1) for t in tables]).long()[slot]  # every pool's positions, one gather
+    pos = torch.where((pages >= 0).unsqueeze(-1), pos, -1).permute(0, 2, 1, 3, 4).reshape(Y, B, W, M * P)
+    L = M * P
     if L == 0:
         return torch.zeros(Y, W, dtype=torch.long, device=pos.device), torch.zeros(Y, dtype=torch.long, device=pos.device)
     size = max(int(hi.max()), int(pos.max())) + 2
