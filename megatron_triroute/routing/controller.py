@@ -185,27 +185,33 @@ class TriRouteController(nn.Module):
             return self._logits(hidden.float(), side.float())
 
     def _logits(self, hidden: torch.Tensor, side: torch.Tensor) -> dict[str, torch.Tensor]:
-        x = torch.cat([self.input_norm(hidden), side], dim=-1)
         sharing = self.config.router.sharing
+        folded = sharing == "shared_trunk" and not self.training and not torch.is_grad_enabled()
+        if folded:  # evaluation: tokens as the rows of 2-D matmuls, one matmul for every head
+            B, T = hidden.shape[:2]
+            hidden, side = hidden.reshape(B * T, hidden.shape[-1]), side.reshape(B * T, side.shape[-1])
+        x = torch.cat([self.input_norm(hidden), side], dim=-1)
         if sharing == "separate":
             return {a: self.heads[a](self.trunks[a](x)) for a in self.sizes}
         h = self.trunk(x)
         if sharing == "single_head":
             u = self.shared_head(h) if self.sizes else None
             return {a: u[..., :n] for a, n in self.sizes.items()}
-        if not self.training and not torch.is_grad_enabled():  # evaluation: one matmul for every head
-            weight, bias = self._folded_heads()
-            return dict(zip(self.sizes, F.linear(h, weight, bias).split(list(self.sizes.values()), -1)))
+        if folded:
+            weight_t, bias = self._folded_heads()
+            z = torch.addmm(bias, h, weight_t).view(B, T, -1)  # (B, T, sum of the heads' sizes)
+            return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
         return {a: self.heads[a](h) for a in self.sizes}
 
     def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every head's `RouterHead.folded` map stacked into one (rebuilt when a tensor it reads
-        changes: keyed on their storage and version counters, `RouterHead.fold_inputs`)."""
+        """Every head's `RouterHead.folded` map stacked into one, as (weight transposed (d_router,
+        sum of sizes), bias) for `addmm` (rebuilt when a tensor it reads changes: keyed on their
+        storage and version counters, `RouterHead.fold_inputs`)."""
         tensors = [t for a in self.sizes for t in self.heads[a].fold_inputs()]
         key = tuple((t.data_ptr(), t._version) for t in tensors)
         if getattr(self, "_fold_key", None) != key:
             maps = [self.heads[a].folded() for a in self.sizes]
-            self._fold = (torch.cat([w for w, _ in maps]).contiguous(), torch.cat([b for _, b in maps]))
+            self._fold = (torch.cat([w for w, _ in maps]).t().contiguous(), torch.cat([b for _, b in maps]))
             self._fold_key = key
         return self._fold
 

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 NULL_EXPERT = -1
-"""`expert_index` value of the null expert f_0 = 0 (never dispatched, costs nothing)."""
+"""`expert_index` value of the null expert f_0 = 0 (never dispatched, costs nothing): option 0 - 1,
+so `top_k_gating` maps options to experts by one subtraction."""
 
 
 @dataclass
@@ -40,7 +41,7 @@ def top_k_gating(logits: torch.Tensor, top_k: int, null_expert: bool) -> ExpertR
     chosen = probs.gather(-1, option)
     weight = chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)
     if null_expert:
-        index = torch.where(option == 0, torch.full_like(option, NULL_EXPERT), option - 1)
+        index = option - 1  # option 0, the null expert, becomes NULL_EXPERT (-1); option j >= 1, expert j - 1
     else:
         index = option
     return ExpertRoutes(probs=probs, index=index, weight=weight.to(logits.dtype), option=option)

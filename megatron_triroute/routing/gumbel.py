@@ -24,7 +24,7 @@ def one_hot(index: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> 
     """onehot(index) over n options, (*index.shape, n): `F.one_hot` without its range check, which
     reads the indices' min and max on the host (a device sync per call). Every caller passes
     options it computed itself (argmax, top-k), always in range."""
-    return (index.unsqueeze(-1) == torch.arange(n, device=index.device)).to(dtype)
+    return torch.zeros((*index.shape, n), dtype=dtype, device=index.device).scatter_(-1, index.unsqueeze(-1), 1)
 
 
 def straight_through(y_soft: torch.Tensor, dim: int = -1) -> torch.Tensor:
