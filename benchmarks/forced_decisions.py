@@ -126,8 +126,8 @@ class ForcedController(nn.Module):
         self.schedule: list[RouterOutput] = []
         self.calls = 0
 
-    def forward(self, hidden, side, noise_key=None, tau=1.0, prev=None) -> RouterOutput:
-        self.real(hidden, side, noise_key, tau, prev)
+    def forward(self, hidden, side, noise_key=None, tau=1.0, prev=None, decide=True) -> RouterOutput:
+        self.real(hidden, side, noise_key, tau, prev, **({} if decide else {"decide": False}))  # TriRoute's only
         if self.calls >= len(self.schedule):
             raise RuntimeError(f"forced schedule exhausted after {self.calls} calls; draw one for every step")
         out = self.schedule[self.calls]

@@ -80,9 +80,9 @@ class InferenceLayer(nn.Module):
         layer group's attention decision a follower reuses (RoutingState.leader_output); `prices`:
         the step's price shifts, one row per request (the model's prices, or a request's own budget,
         inference/serve_budget.py); None: the plain argmax (prices 0)."""
-        out = self.controller(x, side, None, 1.0, leader)
         if self.config.router.kind != "triroute" or prices is None:
-            return out
+            return self.controller(x, side, None, 1.0, leader)
+        out = self.controller(x, side, None, 1.0, leader, decide=False)  # the priced argmax decides every axis
         return price_decisions(out, prices, positions, self.config.model, self.config.router)
 
     def forward(self, x: torch.Tensor, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> torch.Tensor:

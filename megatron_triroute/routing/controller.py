@@ -222,25 +222,33 @@ class TriRouteController(nn.Module):
         noise_key: NoiseKey | None = None,
         tau: float = 1.0,
         prev: RouterOutput | None = None,
+        decide: bool = True,
     ) -> RouterOutput:
-        """hidden: (B, T, d) residual stream entering the layer; side: (B, T, F) psi."""
+        """hidden: (B, T, d) residual stream entering the layer; side: (B, T, F) psi.
+
+        `decide=False` (evaluation only): the routed axes carry their logits and no decision
+        (`AxisDecision.y`, `y_cost`, `hard` None; `experts` None beside `expert_logits`), for a
+        caller that takes every decision itself (`pricing.price_decisions` with per-row shifts)."""
+        if not decide and (self.training or torch.is_grad_enabled()):
+            raise ValueError("decide=False is for evaluation (eval mode, no grad): training needs the decisions")
         router = self.config.router
         B, T = hidden.shape[:2]
         raw = self.logits(hidden, side)
         if "attn" in raw:
             raw["attn"] = raw["attn"].view(B, T, self.attn_heads, N_MODES)  # (B, T, H_a, N_MODES)
         noise = self._noise(raw, noise_key)
+        undecided = lambda z: AxisDecision(None, None, None, logits=z)  # noqa: E731
 
         if "attn" in raw:
-            attn = self._categorical("attn", raw["attn"], noise, tau)
-            attn = _expand_heads(attn, self.n_heads)
+            attn = _expand_heads(self._categorical("attn", raw["attn"], noise, tau), self.n_heads) if decide \
+                else undecided(raw["attn"])
         elif router.attn_routing and prev is not None:  # layer_group follower reuses the leader's
             attn = AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard)
         else:
             attn = _constant_axis((B, T, self.n_heads), FULL, N_MODES, hidden.device)
 
         if "bits" in raw:
-            bits = self._categorical("bits", raw["bits"], noise, tau)
+            bits = self._categorical("bits", raw["bits"], noise, tau) if decide else undecided(raw["bits"])
         else:
             bits = _constant_axis((B, T), 0, 1, hidden.device)
 
@@ -249,7 +257,7 @@ class TriRouteController(nn.Module):
             expert_logits = raw["experts"]
             balanced = (self.balance["experts"](expert_logits, self._balance_reference()) if torch.is_grad_enabled()
                         else expert_logits)  # gradient balancing is the identity without a backward
-            experts = top_k_gating(balanced, router.top_k, router.null_expert)
+            experts = top_k_gating(balanced, router.top_k, router.null_expert) if decide else None
         return RouterOutput(attn=attn, bits=bits, experts=experts, expert_logits=expert_logits)
 
     def _balance_reference(self) -> torch.Tensor:

@@ -94,8 +94,8 @@ def price_decisions(out: RouterOutput, prices, positions: torch.Tensor,
         attn = _priced_axis(attn, mu_flops * c_attn.view(1, T, 1, -1), model.n_heads)
     if bits.logits is not None and mu_mem != 0.0:
         bits = _priced_axis(bits, mu_mem * c_bits, model.n_heads)
-    if experts is not None and out.expert_logits is not None and mu_flops != 0.0:
-        experts = _priced_experts(out, (mu_flops * c_expert).view(1, T, 1), router)
+    if out.expert_logits is not None and mu_flops != 0.0:
+        experts = _priced_experts(out, _option_shifts((mu_flops * c_expert).view(1, T, 1), router), router)
     return dataclasses.replace(out, attn=attn, bits=bits, experts=experts)
 
 
@@ -106,7 +106,7 @@ class PriceShifts:
     attn: torch.Tensor
     """(B, T, 1, N_MODES) mu_flops c_attn: one attention decision's modes."""
     expert: torch.Tensor
-    """(B, T, 1) mu_flops c_expert: one real expert."""
+    """(B, T, E') mu_flops c_expert for each expert option, 0 for the null expert (`_option_shifts`)."""
     bits: torch.Tensor
     """(B, 1, |bits|) mu_mem c_bits."""
 
@@ -124,21 +124,29 @@ def price_shifts(prices: torch.Tensor, positions: torch.Tensor, model: ModelConf
     c_attn, c_expert, c_bits = option_cost_fractions(pos, model, router, attn_heads)  # (B, T, M), (B, T), (|b|,)
     mu = prices.to(torch.float64)
     mu_flops, mu_mem = mu[:, 0].view(B, 1), mu[:, 1].view(B, 1)
-    return PriceShifts((mu_flops.unsqueeze(-1) * c_attn).unsqueeze(2), (mu_flops * c_expert).unsqueeze(-1),
-                       mu_mem.unsqueeze(-1) * c_bits)
+    return PriceShifts((mu_flops.unsqueeze(-1) * c_attn).unsqueeze(2),
+                       _option_shifts((mu_flops * c_expert).unsqueeze(-1), router), mu_mem.unsqueeze(-1) * c_bits)
+
+
+def _option_shifts(shift: torch.Tensor, router: RouterConfig) -> torch.Tensor:
+    """One real expert's price (..., 1) as the price of each expert option (..., E'): the null
+    expert (option 0, with `router.null_expert`) costs nothing."""
+    shift = shift.expand(*shift.shape[:-1], router.num_expert_options).clone()
+    if router.null_expert:
+        shift[..., 0] = 0.0
+    return shift
 
 
 def _priced_experts(out: RouterOutput, shift: torch.Tensor, router: RouterConfig):
-    """The experts re-chosen as TopK of the logits less `shift` ((B|1, T, 1): one real expert's
-    price), with the unpriced renormalised probabilities of the selected set as gates."""
-    z = out.expert_logits.double()
-    shift = shift.expand(*z.shape[:2], z.shape[-1]).clone()
-    if router.null_expert:
-        shift[..., 0] = 0.0  # the null expert costs nothing
-    routes = top_k_gating(z - shift, router.top_k, router.null_expert)
-    chosen = out.experts.probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
-    weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(out.experts.weight.dtype)
-    return dataclasses.replace(routes, probs=out.experts.probs, weight=weight)
+    """The experts re-chosen as TopK of the logits less `shift` ((B|1, T, E'), `_option_shifts`),
+    with the unpriced renormalised probabilities of the selected set as gates (the softmax of the
+    logits, as `top_k_gating` takes it, when `out` carries no unpriced routes)."""
+    z = out.expert_logits
+    probs = out.experts.probs if out.experts is not None else torch.softmax(z.float(), -1)
+    routes = top_k_gating(z.double() - shift, router.top_k, router.null_expert)
+    chosen = probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
+    weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(z.dtype)
+    return dataclasses.replace(routes, probs=probs, weight=weight)
 
 
 def _price_rows(out: RouterOutput, shifts: PriceShifts, model: ModelConfig, router: RouterConfig) -> RouterOutput:
@@ -149,6 +157,6 @@ def _price_rows(out: RouterOutput, shifts: PriceShifts, model: ModelConfig, rout
         attn = _priced_axis(attn, shifts.attn, n_heads)
     if bits.logits is not None:
         bits = _priced_axis(bits, shifts.bits, n_heads)
-    if experts is not None and out.expert_logits is not None:
+    if out.expert_logits is not None:
         experts = _priced_experts(out, shifts.expert, router)
     return dataclasses.replace(out, attn=attn, bits=bits, experts=experts)

@@ -46,5 +46,5 @@ def test_forced_mix_realises_the_budget_by_the_cost_model(fd):
 class Discarded(torch.nn.Module):
     """A controller whose output the forced wrapper discards."""
 
-    def forward(self, *args):
+    def forward(self, *args, **kwargs):
         return None
