@@ -201,3 +201,26 @@ def test_evaluation_folds_the_heads_into_one_matmul_and_refolds_when_a_tensor_it
             assert ctrl._fold_key is not None
             for a, u in one_by_one().items():
                 torch.testing.assert_close(folded[a], u, rtol=1e-5, atol=1e-5)
+
+
+def test_undecided_evaluation_output_carries_the_logits_and_no_decision():
+    """decide=False (the priced engine's path): the same logits as a deciding call, no decision on
+    any routed axis (so a caller cannot act on an unpriced one), and refused while training."""
+    cfg = tiny_config()
+    ctrl = TriRouteController(cfg, 0).eval()
+    hidden, side = make_inputs(cfg)
+    with torch.no_grad():
+        full = ctrl(hidden, side)
+        raw = ctrl(hidden, side, decide=False)
+    for axis in ("attn", "bits"):
+        got, want = getattr(raw, axis), getattr(full, axis)
+        assert got.y is None and got.hard is None and got.y_cost is None
+        assert torch.equal(got.logits, want.logits)
+    assert raw.experts is None and torch.equal(raw.expert_logits, full.expert_logits)
+    ctrl.train()
+    try:
+        ctrl(hidden, side, decide=False)
+    except ValueError as e:
+        assert "decide=False is for evaluation" in str(e)
+    else:
+        raise AssertionError("decide=False ran in training mode")
