@@ -323,13 +323,14 @@ def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_opt
     if out is None:
         return torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
     # One concatenation in the block's layout (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT).
-    modes = out.attn.y.detach().float().mean(2)
+    detached = lambda t: t.detach() if t.requires_grad else t  # noqa: E731  (no op where nothing tracks it)
+    modes = detached(out.attn.y).float().mean(2)
     if out.experts is not None:
-        real = (out.experts.index >= 0).sum(-1, keepdim=True).float() / top_k
+        real = (out.experts.index >= 0).sum(-1, keepdim=True, dtype=torch.float32) / top_k
     else:
         real = modes.new_ones(batch, seq, 1)
     if out.bits.y.shape[-1] == n_bits_options:
-        width = out.bits.y.detach().float()
+        width = detached(out.bits.y).float()
     else:
         width = modes.new_zeros(batch, seq, n_bits_options)
     return torch.cat([modes, real, width], -1)
