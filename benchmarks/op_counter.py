@@ -91,6 +91,8 @@ class StepCounter(TorchDispatchMode):
         self.weight_macs = 0
         self.activation_macs = 0
         self.foreign_ops: dict[str, int] = {}
+        self.linear_kernels: dict[str, int] = {}
+        """Calls of each of `LINEAR_KERNELS` (counted in `ops` and the MACs, not in `foreign_ops`)."""
         self._weight_storages = {t.untyped_storage().data_ptr() for t in weights}
         self._derived: dict[int, object] = {}  # id -> weakref of tensors derived from a weight this step
 
@@ -153,6 +155,7 @@ class StepCounter(TorchDispatchMode):
             else:
                 self.activation_macs += macs
         elif packet in LINEAR_KERNELS:
+            self.linear_kernels[packet] = self.linear_kernels.get(packet, 0) + 1
             macs = args[0].shape[0] * args[1].shape[0] * args[0].shape[1]
             if any(self._is_weight(t) for t in args[:2]):
                 self.weight_macs += macs

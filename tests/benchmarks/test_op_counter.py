@@ -89,7 +89,7 @@ def test_the_decode_linear_kernel_counts_as_a_weight_matmul(oc):
     x = torch.randn(2, 16)
     with oc.StepCounter(weights=[w]) as counter:
         decode_linear(x, w)
-    assert counter.foreign_ops == {} and counter.ops == 1
+    assert counter.foreign_ops == {} and counter.ops == 1 and counter.linear_kernels == {"triroute.decode_linear": 1}
     assert counter.weight_macs == 2 * 24 * 16 and counter.activation_macs == 0
     with oc.StepCounter() as counter:
         decode_linear(x, w)

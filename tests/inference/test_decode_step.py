@@ -54,6 +54,8 @@ def test_a_decode_step_has_no_host_read_and_few_ops(prices, own):
         assert counter.ops / L <= (PRICED_OPS_PER_LAYER if priced else OPS_PER_LAYER), counter.ops / L
         for op in KERNEL_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
             assert counter.foreign_ops.get(op) == L, counter.foreign_ops
+        # every weight matmul outside the experts by the decode kernel: Q, K, V, O per layer, the LM head
+        assert counter.linear_kernels == {"triroute.decode_linear": 4 * L + 1}, counter.linear_kernels
 
 
 def test_the_scheduler_reads_the_device_once_per_page_of_steps_and_holds_little_slack():
