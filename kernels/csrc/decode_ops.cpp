@@ -386,88 +386,119 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   int64_t P_max = 1;
   for (const auto& pv : views) P_max = std::max(P_max, pv.P);
 
-  at::parallel_for(0, N * H_kv, 1, [&](int64_t begin, int64_t end) {
-    // One page at a time: its in-range K rows dequantised into kbuf, scored for every reading
-    // head of the group (sbuf, -inf where a head's range misses the key), one rescale per head
-    // and page, then its V rows dequantised into vbuf and accumulated.
-    std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(G * P_max), m(G), l(G), acc(G * d);
-    std::vector<int64_t> lo_h(G), rows(P_max), pos(P_max);
-    std::vector<char> reads(G);
-    std::vector<int64_t> first(G);  // per head, the page's first row in its range (c: none)
+  // Work item = (chunk of consecutive rows of one request, kv head): a prefill's rows share their
+  // request's pages, so each page is dequantised once per chunk, not once per row. Chunks of at
+  // most kChunkRows rows keep the per-row state small and leave items for every thread.
+  constexpr int64_t kChunkRows = 32;
+  std::vector<int64_t> chunk_start;
+  for (int64_t n = 0; n < N; ++n)
+    if (n == 0 || reqp[n] != reqp[n - 1] || n - chunk_start.back() == kChunkRows) chunk_start.push_back(n);
+  chunk_start.push_back(N);
+  const int64_t n_chunks = static_cast<int64_t>(chunk_start.size()) - 1;
+
+  at::parallel_for(0, n_chunks * H_kv, 1, [&](int64_t begin, int64_t end) {
+    // One page at a time: its K rows in the chunk's range dequantised into kbuf once, scored for
+    // every reading (row, head) of the chunk (row r's keys: positions in lo[r, head]..hi[r], a
+    // contiguous run of the page's rows since positions increase along it), one rescale per
+    // (row, head) and page, then its V rows dequantised into vbuf once and accumulated.
+    const int64_t RG = kChunkRows * G;
+    std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(RG * P_max), m(RG), l(RG), acc(RG * d);
+    std::vector<int64_t> lo_h(RG), rows(P_max), pos(P_max), first(RG), stop(RG), row_lo(kChunkRows);
+    std::vector<char> reads(RG);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t n = item / H_kv, g = item % H_kv;
-      const int64_t hi_n = hip[n];
-      int64_t lo_min = std::numeric_limits<int64_t>::max();
-      for (int64_t j = 0; j < G; ++j) {
-        lo_h[j] = std::max<int64_t>(lop[n * H + g * G + j], 0);  // free slots (position -1) are never read
-        reads[j] = lo_h[j] <= hi_n;
-        if (reads[j]) lo_min = std::min(lo_min, lo_h[j]);
-        m[j] = neg_inf;
-        l[j] = 0.f;
+      const int64_t chunk = item / H_kv, g = item % H_kv;
+      const int64_t n0 = chunk_start[chunk], RL = chunk_start[chunk + 1] - n0;
+      int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = -1;
+      for (int64_t r = 0; r < RL; ++r) {
+        const int64_t n = n0 + r, hi_n = hip[n];
+        row_lo[r] = std::numeric_limits<int64_t>::max();  // the row's smallest reading lo (its bytes)
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t rj = r * G + j;
+          lo_h[rj] = std::max<int64_t>(lop[n * H + g * G + j], 0);  // free slots (position -1) are never read
+          reads[rj] = lo_h[rj] <= hi_n;
+          if (reads[rj]) row_lo[r] = std::min(row_lo[r], lo_h[rj]);
+          m[rj] = neg_inf;
+          l[rj] = 0.f;
+        }
+        if (row_lo[r] <= hi_n) {
+          lo_min = std::min(lo_min, row_lo[r]);
+          hi_max = std::max(hi_max, hi_n);
+        }
       }
-      if (lo_min > hi_n) continue;  // no head of the group reads: out stays 0
-      std::fill(acc.begin(), acc.end(), 0.f);
-      const float* qg = qp + (n * H + g * G) * d;
+      if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0
+      std::fill(acc.begin(), acc.begin() + RL * G * d, 0.f);
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
-        const int64_t* row_pages = tab + (w * R + reqp[n]) * M;
+        const int64_t* row_pages = tab + (w * R + reqp[n0]) * M;
         for (int64_t mi = 0; mi < M; ++mi) {
           const int64_t page = row_pages[mi];
           if (page < 0) continue;
           const int32_t* tp = pv.token_pos + page * pv.P;
           // Positions increase inside a page and unfilled slots are -1: the last filled slot holds
-          // the page's largest position, the first its smallest. A page outside [lo_min, hi] is
-          // never touched (a local head reads only the last pages).
+          // the page's largest position, the first its smallest. A page outside [lo_min, hi_max]
+          // is never touched (a local head reads only the last pages).
           int64_t last = pv.P - 1;
           while (last >= 0 && tp[last] < 0) --last;
-          if (last < 0 || tp[last] < lo_min || tp[0] > hi_n) continue;
+          if (last < 0 || tp[last] < lo_min || tp[0] > hi_max) continue;
           int64_t c = 0;
           for (int64_t slot = 0; slot <= last; ++slot) {
             const int64_t p = tp[slot];
-            if (p < lo_min || p > hi_n) continue;
+            if (p < lo_min || p > hi_max) continue;
             rows[c] = (page * pv.P + slot) * H_kv + g;  // (slot, kv head) row
             pos[c++] = p;
           }
           if (c == 0) continue;
-          bytes += c * pv.kv_bytes;  // each K row and V row once
           load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
-          for (int64_t j = 0; j < G; ++j) {
-            // Positions increase along the page's rows, so head j's keys (pos >= lo) are the rows
-            // from first[j] on: only those are scored and accumulated.
-            int64_t t0 = 0;
-            while (t0 < c && pos[t0] < lo_h[j]) ++t0;
-            first[j] = reads[j] ? t0 : c;
-            if (first[j] == c) continue;  // this head takes no key of the page
-            float* sj = sbuf.data() + j * P_max + t0;
-            const int64_t n_keys = c - t0;
-            score_rows(qg + j * d, kbuf.data() + t0 * d, n_keys, d, scale, sj);
-            macs += 2 * d * n_keys;
-            float block_max = neg_inf;
-            for (int64_t t = 0; t < n_keys; ++t) block_max = std::max(block_max, sj[t]);
-            const float m_new = std::max(m[j], block_max);
-            const float alpha = exp_nonpositive(m[j] - m_new);  // exp(-inf) = 0 before the first key
-            const float sum = exp_shifted(sj, n_keys, m_new);
-            l[j] = l[j] * alpha + sum;
-            if (alpha != 1.f) {
-              float* a = acc.data() + j * d;
-              for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+          for (int64_t r = 0; r < RL; ++r) {
+            const int64_t n = n0 + r, hi_n = hip[n];
+            int64_t t1 = c;  // the row's keys end at its own position
+            while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
+            if (row_lo[r] <= hi_n) {  // each K row and V row once per query row (the counter's unit)
+              int64_t b0 = 0;
+              while (b0 < t1 && pos[b0] < row_lo[r]) ++b0;
+              bytes += (t1 - b0) * pv.kv_bytes;
             }
-            m[j] = m_new;
+            const float* qr = qp + (n * H + g * G) * d;
+            for (int64_t j = 0; j < G; ++j) {
+              const int64_t rj = r * G + j;
+              int64_t t0 = 0;
+              while (t0 < t1 && pos[t0] < lo_h[rj]) ++t0;
+              first[rj] = t0;
+              stop[rj] = reads[rj] ? t1 : t0;
+              if (first[rj] >= stop[rj]) continue;  // this head takes no key of the page
+              float* sj = sbuf.data() + rj * P_max + t0;
+              const int64_t n_keys = t1 - t0;
+              score_rows(qr + j * d, kbuf.data() + t0 * d, n_keys, d, scale, sj);
+              macs += 2 * d * n_keys;
+              float block_max = neg_inf;
+              for (int64_t t = 0; t < n_keys; ++t) block_max = std::max(block_max, sj[t]);
+              const float m_new = std::max(m[rj], block_max);
+              const float alpha = exp_nonpositive(m[rj] - m_new);  // exp(-inf) = 0 before the first key
+              const float sum = exp_shifted(sj, n_keys, m_new);
+              l[rj] = l[rj] * alpha + sum;
+              if (alpha != 1.f) {
+                float* a = acc.data() + rj * d;
+                for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+              }
+              m[rj] = m_new;
+            }
           }
           load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
-          for (int64_t j = 0; j < G; ++j)
-            if (first[j] < c)
-              accumulate_rows(acc.data() + j * d, sbuf.data() + j * P_max + first[j], vbuf.data() + first[j] * d,
-                              c - first[j], d);
+          for (int64_t rj = 0; rj < RL * G; ++rj)
+            if (first[rj] < stop[rj])
+              accumulate_rows(acc.data() + rj * d, sbuf.data() + rj * P_max + first[rj], vbuf.data() + first[rj] * d,
+                              stop[rj] - first[rj], d);
         }
       }
-      for (int64_t j = 0; j < G; ++j) {
-        if (l[j] <= 0.f) continue;
-        float* o = op + (n * H + g * G + j) * d;
-        for (int64_t i = 0; i < d; ++i) o[i] = acc[j * d + i] / l[j];
-      }
+      for (int64_t r = 0; r < RL; ++r)
+        for (int64_t j = 0; j < G; ++j) {
+          const int64_t rj = r * G + j;
+          if (l[rj] <= 0.f) continue;
+          float* o = op + ((n0 + r) * H + g * G + j) * d;
+          for (int64_t i = 0; i < d; ++i) o[i] = acc[rj * d + i] / l[rj];
+        }
     }
     macs_total += macs;
     bytes_total += bytes;
