@@ -8,6 +8,9 @@ query heads, 3 KV heads, head dim 64, group 32), pages of 16 slots, every token'
 uniformly from 2/4/8/16 bits, every head full. Prints per batch the median of `--iters` calls (ms)
 of both paths and the C++ op's K/V bytes read (its counter) per second.
 
+Prefill: the C++ attention over one request's `--prefill-rows` prompt rows at once (row t reads
+positions 0..t, every head full), the call a prefill makes per layer.
+
 Linear: `decode_linear` against `F.linear` (BLAS) at the 160m recipe's decode matmuls (a query
 projection 768 x 768, an expert's first matrix 1,024 x 768, the LM head 50,304 x 768), x of `batch`
 rows; each call takes the next of enough copies of the weight to fill 256 MB, so every weight comes
@@ -67,6 +70,18 @@ def median_ms(fn, iters: int) -> float:
     return 1e3 * statistics.median(times)
 
 
+def prefill_row(n: int, iters: int, gen: torch.Generator) -> dict:
+    """The attention of one request's n prompt rows in one call (module doc)."""
+    k_pools, v_pools, tables = build_cache(1, n, gen)
+    q = torch.randn(n, H, D, generator=gen)
+    args = (tables, torch.zeros(n, dtype=torch.long), torch.zeros(n, H, dtype=torch.long), torch.arange(n), 1 / math.sqrt(D))
+    counters = torch.zeros(2, dtype=torch.long)
+    ms = median_ms(lambda: paged_attention(q, (k_pools, v_pools), *args, counters), iters)
+    row = {"op": "prefill_attention", "rows": n, "threads": torch.get_num_threads(), "cpp_ms": round(ms, 3)}
+    print(json.dumps(row), flush=True)
+    return row
+
+
 LINEAR_SHAPES = {"q_proj": (768, 768), "expert_w1": (1024, 768), "lm_head": (50304, 768)}
 
 
@@ -102,6 +117,7 @@ def main() -> None:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--prefill-rows", type=int, default=512, help="prompt rows of the prefill call (0: none)")
     p.add_argument("--portable", action="store_true", help="the kernels built without -march=native (own build folder)")
     a = p.parse_args()
     if a.portable:
@@ -133,6 +149,8 @@ def main() -> None:
             "max_abs_diff_vs_torch": err,
         })
         print(json.dumps(rows[-1]), flush=True)
+    if a.prefill_rows:
+        rows.append(prefill_row(a.prefill_rows, a.iters, gen))
     for batch in a.batches:
         rows += linear_rows(batch, a.iters, gen)
 

@@ -1,9 +1,11 @@
 // CPU kernels of one decode step, registered as torch.ops.triroute.*:
 //
 // - paged_attention: one query row per token over ALL precision pools with one online softmax
-//   (no per-pool partials, no merge pass). Work item = (row, kv head) with the group's query heads;
-//   each slot row of K is unpacked and dequantised once into a stack buffer and scored for every
-//   query head of the group whose range holds it; each V row is unpacked once for all of them.
+//   (no per-pool partials, no merge pass). Work item = (up to 32 consecutive rows of one request,
+//   kv head) with the group's query heads: each slot row of K is unpacked and dequantised once into
+//   a buffer and scored for every (row, query head) of the item whose range holds it; each V row is
+//   unpacked once for all of them (a decode step has one row per request; a prefill shares each page
+//   among the rows of a chunk).
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
 //   triroute_kernels.quant.quantize_groups + pack_codes).
 // - routed_experts: the top-k SwiGLU experts of each token, routes grouped by expert (counting
