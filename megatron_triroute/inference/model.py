@@ -47,7 +47,7 @@ class SwiGLU(nn.Module):
         self.w2 = nn.Linear(width, d_model, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x (N, D) -> (N, D)."""
+        """x (..., D) -> (..., D)."""
         return decode_linear(F.silu(decode_linear(x, self.w1.weight)) * decode_linear(x, self.w3.weight),
                              self.w2.weight)
 
