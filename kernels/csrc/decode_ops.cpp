@@ -9,7 +9,8 @@
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
 //   triroute_kernels.quant.quantize_groups + pack_codes).
 // - routed_experts: the top-k SwiGLU experts of each token, routes grouped by expert (counting
-//   sort), three GEMMs per expert that some token chose.
+//   sort), three GEMMs per expert that some token chose (decode_linear's kernel at up to 16 routes).
+// - decode_linear: x w^T for a decode step's few rows of x, each weight read from memory once.
 //
 // The number format is the one of triroute_kernels/quant.py: per group of g channels of one
 // (token, kv head), scale = half((max - min) / levels), zero = half(min), a value dequantised as
@@ -612,12 +613,6 @@ void cache_write_cpu(const Tensor& k, const Tensor& v, const Tensor& option, con
 // Other shapes, dtypes and builds: at::linear.
 constexpr int64_t kDecodeLinearRows = 16;
 #if defined(TRIROUTE_AVX2)
-inline float hsum8(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
 // Rows n0..n0+7 of y for one x row: eight row streams of w, one accumulator each.
 inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
   __m256 a[8];
@@ -632,16 +627,6 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
   _mm256_storeu_ps(y, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
   for (int64_t k = K8; k < K; ++k)
     for (int r = 0; r < 8; ++r) y[r] += w[r * K + k] * x[k];
-}
-
-// One row of y per x row, for the rows a block of 8 (or 4) does not fill.
-inline void gemv_row(const float* w, const float* x, int64_t K, float* y) {
-  __m256 a = _mm256_setzero_ps();
-  const int64_t K8 = K - K % 8;
-  for (int64_t k = 0; k < K8; k += 8) a = _mm256_fmadd_ps(_mm256_loadu_ps(w + k), _mm256_loadu_ps(x + k), a);
-  float s = hsum8(a);
-  for (int64_t k = K8; k < K; ++k) s += w[k] * x[k];
-  *y = s;
 }
 #endif
 
@@ -661,15 +646,11 @@ Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
     // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
     // streamed it from memory), every x row: w is read from memory once whatever M.
     at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
-      float tmp[8];
       for (int64_t b = b0; b < b1; ++b)
-        for (int64_t m = 0; m < M; ++m) {
-          gemv_rows8(wp + b * 8 * K, xp + m * K, K, tmp);
-          std::memcpy(yp + m * N + b * 8, tmp, sizeof(tmp));
-        }
+        for (int64_t m = 0; m < M; ++m) gemv_rows8(wp + b * 8 * K, xp + m * K, K, yp + m * N + b * 8);
     });
     for (int64_t n = blocks * 8; n < N; ++n)
-      for (int64_t m = 0; m < M; ++m) gemv_row(wp + n * K, xp + m * K, K, yp + m * N + n);
+      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(wp + n * K, xp + m * K, K);  // rows past the last block
     return y;
   }
 #endif
