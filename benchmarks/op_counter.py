@@ -147,17 +147,14 @@ class StepCounter(TorchDispatchMode):
         elif packet in MASK_INDEX_OPS and _has_mask_index(args):
             key = "aten.index (mask)"
             self.syncs[key] = self.syncs.get(key, 0) + 1
-        if packet in MATMUL_OPS:
-            operands = args[1:3] if packet in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv") else args[:2]
-            macs = _mm_macs(packet, args)
-            if any(self._is_weight(t) for t in operands):
-                self.weight_macs += macs
+        if packet in MATMUL_OPS or packet in LINEAR_KERNELS:
+            if packet in LINEAR_KERNELS:  # x [M, K] w^T, w [N, K]
+                self.linear_kernels[packet] = self.linear_kernels.get(packet, 0) + 1
+                operands, macs = args[:2], args[0].shape[0] * args[1].shape[0] * args[0].shape[1]
             else:
-                self.activation_macs += macs
-        elif packet in LINEAR_KERNELS:
-            self.linear_kernels[packet] = self.linear_kernels.get(packet, 0) + 1
-            macs = args[0].shape[0] * args[1].shape[0] * args[0].shape[1]
-            if any(self._is_weight(t) for t in args[:2]):
+                operands = args[1:3] if packet in ("aten.addmm", "aten.baddbmm", "aten.addbmm", "aten.addmv") else args[:2]
+                macs = _mm_macs(packet, args)
+            if any(self._is_weight(t) for t in operands):
                 self.weight_macs += macs
             else:
                 self.activation_macs += macs
