@@ -24,6 +24,11 @@ class ExpertRoutes:
     """(..., k) selected option ids in [0, E') (option 0 = null when enabled)."""
 
 
+def option_probs(logits: torch.Tensor) -> torch.Tensor:
+    """p = softmax(z^e) over the E' expert options, in float32: what the gates renormalise."""
+    return F.softmax(logits.float(), dim=-1)
+
+
 def top_k_gating(logits: torch.Tensor, top_k: int, null_expert: bool) -> ExpertRoutes:
     """FFN_t = sum_{j in S_t} (p_j / sum_{j' in S_t} p_j') f_j  (Sec. axes, Eq. for FFN_t).
 
@@ -34,7 +39,7 @@ def top_k_gating(logits: torch.Tensor, top_k: int, null_expert: bool) -> ExpertR
     p_bar_j * f_j with p_bar_j = p_j / (p_0 + p_j). Ties break toward the lower option id
     (torch.topk's order is not specified for ties; we sort first to pin it).
     """
-    probs = F.softmax(logits.float(), dim=-1)
+    probs = option_probs(logits)
     # A stable descending sort breaks ties toward the lower option id, on every rank alike.
     order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
     option = order[..., :top_k]

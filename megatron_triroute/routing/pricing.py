@@ -37,7 +37,7 @@ from ..config import ModelConfig, RouterConfig
 from .controller import AxisDecision, RouterOutput
 from .cost import bit_costs, dense_cost, expert_width
 from .modes import keys_read
-from .gating import top_k_gating
+from .gating import option_probs, top_k_gating
 from .gumbel import one_hot
 
 
@@ -140,9 +140,9 @@ def _option_shifts(shift: torch.Tensor, router: RouterConfig) -> torch.Tensor:
 def _priced_experts(out: RouterOutput, shift: torch.Tensor, router: RouterConfig):
     """The experts re-chosen as TopK of the logits less `shift` ((B|1, T, E'), `_option_shifts`),
     with the unpriced renormalised probabilities of the selected set as gates (the softmax of the
-    logits, as `top_k_gating` takes it, when `out` carries no unpriced routes)."""
+    logits, `gating.option_probs`, when `out` carries no unpriced routes)."""
     z = out.expert_logits
-    probs = out.experts.probs if out.experts is not None else torch.softmax(z.float(), -1)
+    probs = out.experts.probs if out.experts is not None else option_probs(z)
     routes = top_k_gating(z.double() - shift, router.top_k, router.null_expert)
     chosen = probs.gather(-1, routes.option)  # unpriced probabilities of the selected set
     weight = (chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)).to(z.dtype)
