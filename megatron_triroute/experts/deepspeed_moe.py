@@ -211,14 +211,16 @@ def _packed_experts_class() -> type:
             if filled is None or len(filled) != inputs.shape[0] or len(filled[0]) != self.num_local_experts:
                 return super().forward(inputs)
             capacity = inputs.shape[2]
+            # Buffers by unbind, not by indexing: an indexed select's backward writes its gradient
+            # into zeros of the whole (ep, E_local, capacity, d) buffer, once per expert (and source
+            # rank), and sums them; unbind's backward stacks the pieces once.
+            buffers = [expert_in.unbind(0) for expert_in in inputs.unbind(1)]  # [expert][rank] (capacity, d)
             outputs = []
             for i, expert in enumerate(self.deepspeed_experts):
                 rows = [per_rank[i] for per_rank in filled]  # filled slots from each source rank
-                if len(rows) == 1:
-                    outputs.append(F.pad(expert(inputs[:, i, :rows[0]]), (0, 0, 0, capacity - rows[0])))
-                    continue
                 # the expert's rows from every rank in one call
-                parts = expert(torch.cat([inputs[g, i, :r] for g, r in enumerate(rows)])).split(rows)
+                x = buffers[i][0][: rows[0]] if len(rows) == 1 else torch.cat([b[:r] for b, r in zip(buffers[i], rows)])
+                parts = expert(x).split(rows)
                 outputs.append(torch.stack([F.pad(part, (0, 0, 0, capacity - r)) for part, r in zip(parts, rows)]))
             return torch.stack(outputs, dim=1)
 
