@@ -201,7 +201,20 @@ class TriRouteController(nn.Module):
             weight_t, bias = self._folded_heads()
             z = torch.addmm(bias, h, weight_t).view(B, T, -1)  # (B, T, sum of the heads' sizes)
             return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
-        return {a: self.heads[a](h) for a in self.sizes}
+        return self._heads_together(h)
+
+    def _heads_together(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every head of the shared trunk (`RouterHead.forward` each) as one matmul over their
+        weights stacked, one whitening pass (`RunningWhitening.whiten_all`) and one gain and bias:
+        the parameters and statistics stay per head."""
+        heads = [self.heads[a] for a in self.sizes]
+        if len(heads) == 1:
+            return {a: heads[0](h) for a in self.sizes}
+        u = F.linear(h, torch.cat([hd.proj.weight for hd in heads]))
+        if heads[0].whiten is not None:
+            u = torch.cat([hd.gain for hd in heads]) * RunningWhitening.whiten_all([hd.whiten for hd in heads], u)
+        z = u + torch.cat([hd.bias for hd in heads])
+        return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
 
     def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Every head's `RouterHead.folded` map stacked into one, as (weight transposed (d_router,

@@ -49,6 +49,24 @@ class RunningWhitening(RunningStatistic):
         std = self.var.sqrt()  # buffers: no gradient to stop
         return ((u.float() - self.mean) / (std + self.eps)).to(u.dtype)
 
+    @classmethod
+    def whiten_all(cls, modules: list["RunningWhitening"], u: torch.Tensor) -> torch.Tensor:
+        """`forward` of every module in `modules` on its own features of u (their features laid end
+        to end along the last dim), as one computation: one statistics pass, one accumulation into
+        every module's accumulator, one standardisation. The modules must share `eps`."""
+        if any(m.eps != modules[0].eps for m in modules):
+            raise ValueError("whiten_all: the modules must share eps")
+        if modules[0].should_accumulate():
+            flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
+            # [count, sums(D), squares(D)] of the whole width, then each module's [count, sum(d), squares(d)]
+            stats = torch.cat([flat.new_full((1,), flat.shape[0]), flat.sum(0), flat.pow(2).sum(0)])
+            widths = tuple(m.mean.numel() for m in modules)
+            pieces = stats.index_select(0, _accumulator_order(widths, u.device)).split([1 + 2 * d for d in widths])
+            torch._foreach_add_([m._acc for m in modules], list(pieces))
+        mean = torch.cat([m.mean for m in modules])
+        std = torch.cat([m.var for m in modules]).sqrt()  # buffers: no gradient to stop
+        return ((u.float() - mean) / (std + modules[0].eps)).to(u.dtype)
+
     def pending(self) -> torch.Tensor:
         return self._acc
 
@@ -97,3 +115,15 @@ def _feature_indices(widths: tuple[int, ...], device: torch.device) -> tuple[tor
         square_at += range(start + 1 + d, start + 1 + 2 * d)
         start += 1 + 2 * d
     return tuple(to_device(i, torch.int64, device) for i in (count_at, sum_at, square_at, module_count_at))
+
+
+@functools.lru_cache(maxsize=None)
+def _accumulator_order(widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """For modules of `widths` features: where each entry of their accumulators laid end to end
+    ([count, sum(d), sum of squares(d)] per module) lies in [count, sums(D), squares(D)] of their
+    features together (D = sum of widths)."""
+    total, order, start = sum(widths), [], 0
+    for d in widths:
+        order += [0, *range(1 + start, 1 + start + d), *range(1 + total + start, 1 + total + start + d)]
+        start += d
+    return to_device(order, torch.int64, device)

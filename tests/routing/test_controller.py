@@ -177,6 +177,47 @@ def test_commits_keep_the_statistics_when_nothing_was_seen_and_match_the_float64
     assert w.mean.tolist() == [0.0, 0.0] and w.var.tolist() == [1.0, 1.0] and w.steps.item() == 0
 
 
+def heads_one_by_one(ctrl, hidden, side):
+    """Each head called as its own module on the trunk's output (the reference of the stacked and
+    folded head paths)."""
+    h = ctrl.trunk(torch.cat([ctrl.input_norm(hidden.float()), side.float()], dim=-1))
+    return {a: ctrl.heads[a](h) for a in ctrl.sizes}
+
+
+def test_training_heads_run_together_equal_each_head_run_alone():
+    """In training the heads are one matmul, one whitening pass and one gain and bias over their
+    stacked parameters; logits, every gradient and every head's accumulated statistics equal the
+    heads run one by one."""
+    cfg = tiny_config()
+    hidden, side = make_inputs(cfg)
+    ctrls = [TriRouteController(cfg, 0).train() for _ in range(2)]
+    ctrls[1].load_state_dict(ctrls[0].state_dict())
+    for ctrl in ctrls:
+        with torch.no_grad():
+            for i, a in enumerate(ctrl.sizes):  # statistics, gain and bias away from their init
+                g = torch.Generator().manual_seed(i)
+                head = ctrl.heads[a]
+                head.whiten.mean.copy_(torch.rand(head.whiten.mean.shape, generator=g) * 2 - 1)
+                head.whiten.var.copy_(torch.rand(head.whiten.var.shape, generator=g) + 0.5)
+                head.gain.copy_(torch.rand(head.gain.shape, generator=g) + 0.5)
+                head.bias.copy_(torch.rand(head.bias.shape, generator=g) - 0.5)
+    assert len(ctrls[0].sizes) == 3
+    together = ctrls[0].logits(hidden, side)
+    alone = heads_one_by_one(ctrls[1], hidden, side)
+    upstream = {a: torch.randn(u.shape, generator=torch.Generator().manual_seed(7)) for a, u in alone.items()}
+    for ctrl, out in ((ctrls[0], together), (ctrls[1], alone)):
+        sum((out[a] * upstream[a]).sum() for a in ctrl.sizes).backward()
+    for a in ctrls[0].sizes:
+        torch.testing.assert_close(together[a], alone[a], rtol=1e-6, atol=1e-6)
+        for (name, p0), p1 in zip(ctrls[0].heads[a].named_parameters(), ctrls[1].heads[a].parameters()):
+            torch.testing.assert_close(p0.grad, p1.grad, rtol=1e-5, atol=1e-6, msg=f"{a}.{name}")
+        torch.testing.assert_close(ctrls[0].heads[a].whiten.pending(), ctrls[1].heads[a].whiten.pending(),
+                                   rtol=1e-5, atol=1e-6)  # sums of float32 logits that differ by rounding
+    for (name, p0), p1 in zip(ctrls[0].trunk.named_parameters(), ctrls[1].trunk.parameters()):
+        torch.testing.assert_close(p0.grad, p1.grad, rtol=1e-5, atol=1e-6, msg=f"trunk.{name}")
+    assert ctrls[0].heads["attn"].whiten.pending()[0] == hidden.shape[0] * hidden.shape[1]
+
+
 def test_evaluation_folds_the_heads_into_one_matmul_and_refolds_when_a_tensor_it_reads_changes():
     """Under no_grad in eval mode the heads (and their whitening) run as one cached affine map; it
     equals the heads run one by one, and follows an in-place change of a weight or a statistic."""
@@ -189,8 +230,7 @@ def test_evaluation_folds_the_heads_into_one_matmul_and_refolds_when_a_tensor_it
         ctrl.heads[a].gain.data.uniform_(0.5, 2)
 
     def one_by_one():
-        with torch.enable_grad():  # the path that runs each head as a module
-            return {a: u.detach() for a, u in ctrl.logits(hidden, side).items()}
+        return {a: u.detach() for a, u in heads_one_by_one(ctrl, hidden, side).items()}
 
     with torch.no_grad():
         for change in (None, lambda h: h.proj.weight.add_(0.1), lambda h: h.whiten.mean.add_(0.5),
