@@ -109,13 +109,16 @@ def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) ->
         grouped = _groups(x.float(), group_size).unsqueeze(2)  # (B, T, 1, H_kv, d_h // g, g)
         lo, hi = grouped.amin(-1, keepdim=True), grouped.amax(-1, keepdim=True)
         levels = device_constant([2.0**b - 1 for b in low], torch.float32, x.device).view(-1, 1, 1, 1)
-        # the arithmetic of `triroute_kernels.quant.quantize_grouped` and `dequantize_groups`, op for op
+        # the arithmetic of `triroute_kernels.quant.quantize_grouped` and `dequantize_groups`, op for op,
+        # in place on one buffer of every width's values
         scale = ((hi - lo) / levels).half().float()  # (B, T, |low|, H_kv, d_h // g, 1)
         zero = lo.half().float()
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes = torch.minimum(torch.round((grouped - zero) / safe).clamp_(min=0), levels)
-        codes = torch.where(scale > 0, codes, torch.zeros_like(codes))
-        q = (codes * scale + zero).to(x.dtype).view(B, T, len(low), -1)
+        q = ((grouped - zero) / safe).round_().clamp_(min=0)  # (B, T, |low|, H_kv, d_h // g, g)
+        torch.minimum(q, levels, out=q)
+        # A constant group (scale 0) stores code 0; here any finite code gives the same value:
+        # code * 0 + zero = zero, bit for bit, so the stored codes' select is not needed.
+        q = q.mul_(scale).add_(zero).to(x.dtype).view(B, T, len(low), -1)
         parts.update({b: q[:, :, i : i + 1] for i, b in enumerate(low)})
     for b in bits:
         if b >= 16:
