@@ -123,6 +123,13 @@ def test_one_pass_quantiser_is_bit_exact_at_every_width():
     # a subset of the widths, in the config's order, and 16 alone (the uniform-width systems)
     assert torch.equal(quantized_values(x, (4,), 4).view_as(x), fake_quantize(x, 4, 4))
     assert torch.equal(quantized_values(x, (16,), 4).view_as(x), fake_quantize(x, 16, 4))
+    # widths in any order: the quantised ones after 16, or apart from each other
+    for order in ((16, 8, 2), (2, 16, 8)):
+        for dtype in (torch.float32, torch.bfloat16):
+            xd = x.to(dtype)
+            values = quantized_values(xd, order, 4)
+            for i, b in enumerate(order):
+                assert torch.equal(values[:, :, i].view_as(xd), fake_quantize(xd, b, 4)), (order, dtype, b)
 
 
 def test_relaxed_write_keeps_its_values_under_autocast():
