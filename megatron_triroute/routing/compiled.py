@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..config import ROUTER_COMPILE
-from .gumbel import soft_gumbel_sample, straight_through
+from .gumbel import straight_through_pair
 from .noise import counter_gumbel
 from .quant import quantized_values
 
@@ -35,10 +35,9 @@ inductor on a GPU, eager elsewhere."""
 def relaxed_decision(z_model: torch.Tensor, z: torch.Tensor, noise: torch.Tensor,
                      tau: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
     """The ST-Gumbel sample of both views of an axis (Sec. relax): the model path from the
-    gradient-balanced logits, the budget path from the raw ones; the same forward value."""
-    y = straight_through(soft_gumbel_sample(z_model, noise, tau))
-    y_cost = straight_through(soft_gumbel_sample(z, noise, tau))
-    return y, y_cost
+    gradient-balanced logits, the budget path from the raw ones; the same forward value
+    (`gumbel.straight_through_pair`: one sample, each view's own gradient)."""
+    return straight_through_pair(z_model, z, noise, tau)
 
 
 @dataclass(frozen=True)

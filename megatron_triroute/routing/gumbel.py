@@ -37,6 +37,37 @@ def straight_through(y_soft: torch.Tensor, dim: int = -1) -> torch.Tensor:
     return y_hard + (y_soft - y_soft.detach())
 
 
+class _StraightThroughPair(torch.autograd.Function):
+    """Both views of one ST-Gumbel sample, `straight_through(soft_gumbel_sample(., noise, tau))`
+    of each, as one node: one relaxed sample and one argmax forward (the views' logits are equal in
+    value), and each view's gradient through that sample's softmax backward to its own logits."""
+
+    @staticmethod
+    def forward(ctx, z_model, z, noise, tau):
+        y_soft = soft_gumbel_sample(z, noise, tau)
+        index = y_soft.argmax(dim=-1, keepdim=True)
+        ctx.save_for_backward(y_soft)
+        ctx.tau = tau
+        return tuple(torch.zeros_like(y_soft).scatter_(-1, index, 1.0) for _ in range(2))
+
+    @staticmethod
+    def backward(ctx, grad_y, grad_y_cost):
+        (y_soft,) = ctx.saved_tensors
+        # what autograd runs through y_hard + (y~ - sg(y~)), y~ = softmax((z + g) / tau): the
+        # softmax's backward, then the division's
+        through = lambda g: torch._softmax_backward_data(g, y_soft, -1, y_soft.dtype) / ctx.tau  # noqa: E731
+        return (through(grad_y) if ctx.needs_input_grad[0] else None,
+                through(grad_y_cost) if ctx.needs_input_grad[1] else None, None, None)
+
+
+def straight_through_pair(z_model: torch.Tensor, z: torch.Tensor, noise: torch.Tensor,
+                          tau: torch.Tensor | float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(y, y_cost): `straight_through(soft_gumbel_sample(z_model, noise, tau))` and the same of z,
+    bit for bit, in one autograd node. z_model must equal z in value (a gradient-only transform of
+    it, as gradient balancing is): the forward reads z alone."""
+    return _StraightThroughPair.apply(z_model, z, noise, tau)
+
+
 def st_gumbel_softmax(
     logits: torch.Tensor,
     tau: float = 1.0,

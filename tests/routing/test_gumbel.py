@@ -4,7 +4,13 @@ import torch
 import torch.nn.functional as F
 
 from megatron_triroute import st_gumbel_softmax
-from megatron_triroute.routing.gumbel import soft_gumbel_sample, temperature_at
+from megatron_triroute.routing.gumbel import (
+    soft_gumbel_sample,
+    straight_through,
+    straight_through_pair,
+    temperature_at,
+)
+from megatron_triroute.routing.grad_balance import GradBalance
 from megatron_triroute.routing.noise import NoiseKey, uniform_from_keys
 
 
@@ -23,6 +29,35 @@ def test_straight_through_gradient_equals_soft_sample_gradient():
     (g_soft,) = torch.autograd.grad((w * soft_gumbel_sample(logits, noise, 0.9)).sum(), logits)
     assert torch.equal(g_st, g_soft)
     assert g_st.abs().sum() > 0
+
+
+def test_straight_through_pair_equals_each_view_alone_bit_for_bit():
+    """One node for both views (model path through gradient balancing, budget path from the raw
+    logits): forward values and each view's gradient equal two separate straight-through samples,
+    bit for bit, with the temperature a float or a 0-d tensor, and with one view unused."""
+    torch.manual_seed(3)
+    z0 = torch.randn(6, 5, 3, 4)
+    noise = -torch.log(-torch.log(torch.rand(6, 5, 3, 4)))
+    w_model, w_cost = torch.randn(6, 5, 3, 4), torch.randn(6, 5, 3, 4)
+    balance = GradBalance(momentum=0.9).train()
+    balance.rho.fill_(2.5)
+    for tau in (0.7, torch.tensor(0.7)):
+        for use_cost in (True, False):
+            grads = []
+            for pair in (True, False):
+                z = z0.clone().requires_grad_(True)
+                z_model = balance(z, torch.tensor(1.0))
+                if pair:
+                    y, y_cost = straight_through_pair(z_model, z, noise, tau)
+                else:
+                    y = straight_through(soft_gumbel_sample(z_model, noise, tau))
+                    y_cost = straight_through(soft_gumbel_sample(z, noise, tau))
+                loss = (w_model * y).sum() + ((w_cost * y_cost).sum() if use_cost else 0)
+                loss.backward()
+                grads.append((y.detach(), y_cost.detach(), z.grad))
+            (y_a, c_a, g_a), (y_b, c_b, g_b) = grads
+            assert torch.equal(y_a, y_b) and torch.equal(c_a, c_b) and torch.equal(g_a, g_b), (tau, use_cost)
+            assert set(y_a.unique().tolist()) == {0.0, 1.0} and g_a.abs().sum() > 0
 
 
 def test_argmax_frequencies_match_softmax_chi_square():
