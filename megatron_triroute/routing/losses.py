@@ -48,10 +48,53 @@ def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch
 
     logits: (..., O); executed: (...,) option ids, or (..., k) for top-k (counted per slot).
     """
+    f, probs = _fractions_and_probs(logits, executed)
+    return f, probs.mean(0)
+
+
+def _fractions_and_probs(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(f (O,), each decision's probabilities (N, O)): `axis_statistics` before the mean."""
     n_opt = logits.shape[-1]
     probs = F.softmax(logits.float(), dim=-1).reshape(-1, n_opt)
     counts = option_counts(executed, n_opt, torch.float32)
-    return counts / counts.sum(), probs.mean(0)
+    return counts / counts.sum(), probs
+
+
+class _BalancingTerms(torch.autograd.Function):
+    """(L_bal, L_z, L_ent, H(p_bar)) of one axis from its logits: the values by the functions above,
+    and their gradient to the logits written out as one expression per decision n,
+
+        dz_n = p_n * ((g - p_n . g) / N + dL/dL_z * 2 lse_n / N),
+        g = dL/dL_bal * |O| f + dL/dL_ent * [L_ent > 0] * (log max(P, 1e-12) + 1) * [P >= 1e-12],
+
+    (the chain autograd would run through softmax, mean, logsumexp, pow, clamp, log and relu,
+    including their masks), instead of about thirty small ops per axis. H(p_bar) is not
+    differentiable (logging only); L_ent and H are zeros where not asked for."""
+
+    @staticmethod
+    def forward(ctx, logits, executed, zeta: float, floor: bool, entropy: bool):
+        f, probs = _fractions_and_probs(logits, executed)
+        p = probs.mean(0)
+        bal, z = switch_load_loss(f, p), router_z_loss(logits)
+        h = marginal_entropy(p) if floor or entropy else None
+        ent = entropy_floor_loss(p, zeta, h) if floor else None
+        ctx.save_for_backward(logits, f, probs, p, ent if floor else None)
+        ctx.floor = floor
+        ctx.mark_non_differentiable(*((h,) if h is not None else ()))
+        return bal, z, ent if ent is not None else bal.new_zeros(()), h if h is not None else bal.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, grad_bal, grad_z, grad_ent, _grad_entropy):
+        logits, f, probs, p, ent = ctx.saved_tensors
+        n, n_opt = probs.shape
+        g = grad_bal * (n_opt * f)  # dL/dP
+        if ctx.floor:
+            clamped = p.clamp_min(1e-12)
+            active = (ent > 0) & (p >= 1e-12)
+            g = g + torch.where(active, grad_ent * (clamped.log() + 1.0), 0.0)
+        lse = torch.logsumexp(logits.float(), dim=-1).reshape(n, 1)
+        inner = (g - probs @ g.unsqueeze(-1)).add_(lse * (grad_z * 2.0)).div_(n)
+        return (probs * inner).view(logits.shape).to(logits.dtype), None, None, None, None
 
 
 def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
@@ -73,13 +116,10 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
     if out.bits.logits is not None:
         axes.append(("bits", out.bits.logits, out.bits.y.argmax(-1)))
     for name, logits, executed in axes:
-        f, p = axis_statistics(logits, executed)
-        bal = switch_load_loss(f, p)
-        z = router_z_loss(logits)
-        entropy = marginal_entropy(p) if cfg.use_entropy_floor or with_terms else None
+        bal, z, ent, entropy = _BalancingTerms.apply(logits, executed, cfg.entropy_floor, cfg.use_entropy_floor,
+                                                     with_terms)
         parts = [cfg.load_weight * bal, cfg.z_weight * z]
         if cfg.use_entropy_floor:  # without the floor its term is an exact zero: not added
-            ent = entropy_floor_loss(p, cfg.entropy_floor, entropy)
             parts.append(cfg.entropy_weight * ent)
         for part in parts:  # summed in Eq. total's order, term by term
             total = part if total is None else total + part
