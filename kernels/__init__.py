@@ -8,7 +8,9 @@ pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_
 CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
 GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
 online softmax, the mixed-width cache write, the routed experts, the small-batch linear): C++ CPU kernels (`cpu_ops`,
-built once per machine) with PyTorch twins as the fallback. The package imports only torch (and
+built once per machine) with PyTorch twins as the fallback. Training's one kernel is the routing
+noise's counter hash (`torch.ops.triroute.counter_uniform` in C++, `triton_noise` on a GPU), whose
+definition is the tensor chain of `megatron_triroute.routing.noise`. The package imports only torch (and
 triton): nothing of `megatron_triroute`.
 """
 

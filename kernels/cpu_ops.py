@@ -1,5 +1,6 @@
-"""The C++ CPU decode kernels (`csrc/decode_ops.cpp`): built once per machine, registered as
-`torch.ops.triroute.{paged_attention, cache_write, routed_experts, decode_linear}`.
+"""The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/noise_ops.cpp`): built once per machine,
+registered as `torch.ops.triroute.{paged_attention, cache_write, routed_experts, decode_linear}`
+(a decode step's) and `torch.ops.triroute.counter_uniform` (the routing noise's hash, training).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
@@ -20,6 +21,8 @@ from pathlib import Path
 import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
+NOISE_SOURCE = "noise_ops.cpp"
+"""Built into the same library, from SOURCE's folder."""
 EXTENSION_NAME = "triroute_decode_ops"
 CFLAGS = ["-O3", "-ffp-contract=off"]
 """-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
@@ -46,18 +49,23 @@ def _cpu_signature() -> str:
 def build_directory(flags: list[str]) -> Path:
     """Where the library is built: torch's extension root, one folder per (source, flags, torch,
     Python, machine), so a changed source or toolchain builds afresh and nothing stale is loaded."""
-    key = hashlib.sha256(SOURCE.read_bytes())
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in _sources()))
     key.update(repr((flags, torch.__version__, sys.version, platform.machine(), _cpu_signature())).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
+
+
+def _sources() -> list[Path]:
+    return [SOURCE, SOURCE.parent / NOISE_SOURCE]
 
 
 def _build() -> None:
     if os.environ.get("TRIROUTE_NO_CPU_OPS"):
         raise RuntimeError("TRIROUTE_NO_CPU_OPS is set. Fix: unset it to build the C++ kernels")
     if not hasattr(torch.ops.triroute, "paged_attention"):
-        if not SOURCE.is_file():  # e.g. an exported model's code, which ships the Python modules only
-            raise RuntimeError(f"the C++ source {SOURCE.name} is not beside this module ({SOURCE.parent}). Fix: "
+        missing = [path.name for path in _sources() if not path.is_file()]
+        if missing:  # e.g. an exported model's code, which ships the Python modules only
+            raise RuntimeError(f"the C++ source {', '.join(missing)} is not beside this module ({SOURCE.parent}). Fix: "
                                "serve from an installed megatron-triroute to use the C++ kernels")
         native = not os.environ.get("TRIROUTE_CPU_OPS_PORTABLE")
         try:
@@ -82,7 +90,7 @@ def _load(flags: list[str]) -> None:
     where.mkdir(parents=True, exist_ok=True)
     load(
         name=EXTENSION_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(path) for path in _sources()],
         extra_cflags=flags,
         build_directory=str(where),
         is_python_module=False,
@@ -125,5 +133,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::decode_linear")
     def _(x, w):
         return x.new_empty(x.shape[0], w.shape[0])
+
+    @torch.library.register_fake("triroute::counter_uniform")
+    def _(prefix, sample_words, position_words, counters):
+        shape = (prefix.shape[0], sample_words.shape[0], position_words.shape[1], counters.shape[0])
+        return prefix.new_empty(shape, dtype=torch.float64)
 
     _state["fakes"] = True

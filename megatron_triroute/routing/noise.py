@@ -18,7 +18,9 @@ chain's value, a tensor (no Python integer a compiled graph would specialise on)
 adds to its link (its chain word) does not depend on the step or layer: the sample's and the
 position's are computed once per micro-batch (`token_words`, shared by every layer through
 `NoiseKey.words`), the counters' once per count (`counter_words`). A layer's tensor work is the
-three links, once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`).
+three links, once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`): one kernel call
+where `triroute_kernels` has one for the device (C++ on a CPU, Triton on a GPU; the same bits, tested
+against the chain), the chain itself otherwise.
 """
 
 from __future__ import annotations
@@ -126,11 +128,69 @@ def counter_gumbel(prefix: torch.Tensor, sample_words: torch.Tensor, position_wo
     Pure tensor code with no Python integer from the step or layer: the function `router.compile`
     compiles.
     """
+    return -torch.log(-torch.log(counter_uniform(prefix, sample_words, position_words, counters)))
+
+
+def counter_uniform(prefix: torch.Tensor, sample_words: torch.Tensor, position_words: torch.Tensor,
+                    counters: torch.Tensor) -> torch.Tensor:
+    """float64 uniforms (A, B, T, n) in (0, 1): the chain's last three links (sample, position,
+    counter) and `_uniform`, from `counter_gumbel`'s arguments. Where a kernel of the same bits runs
+    (`triroute_kernels`: C++ on a CPU where built, Triton on a GPU) it computes them in one pass
+    instead of about sixty tensor ops; under torch.compile, and elsewhere, the tensor chain does."""
+    kernel = None if torch.compiler.is_compiling() else _hash_kernel(prefix.device)
+    if kernel is not None:
+        return kernel(prefix, sample_words, position_words, counters)
+    return counter_uniform_torch(prefix, sample_words, position_words, counters)
+
+
+def counter_uniform_torch(prefix: torch.Tensor, sample_words: torch.Tensor, position_words: torch.Tensor,
+                          counters: torch.Tensor) -> torch.Tensor:
+    """`counter_uniform` as tensor ops: the definition."""
     A, B, (_, T), n = prefix.shape[0], sample_words.shape[0], position_words.shape, counters.shape[0]
     h = _mix32(prefix.view(A, 1, 1, 1) ^ sample_words.view(1, B, 1, 1))  # sample's link, (A, B, 1, 1)
     h = _mix32(h ^ position_words.view(1, -1, T, 1))  # position's link, (A, B, T, 1)
     h = _mix32(h ^ counters.view(1, 1, 1, n))  # the counter's link, (A, B, T, n)
-    return -torch.log(-torch.log(_uniform(h)))
+    return _uniform(h)
+
+
+def _hash_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The kernel of `counter_uniform` on `device` here, or None: the C++ op on a CPU (the kernels
+    are built once per machine), the Triton kernel on a GPU where triton is installed."""
+    try:
+        import triroute_kernels
+    except ImportError:  # exported model code without the kernels: the tensor chain
+        return None
+    if device.type == "cpu":
+        return torch.ops.triroute.counter_uniform if triroute_kernels.cpu_ops_available() else None
+    if device.type == "cuda" and triroute_kernels.HAS_TRITON:
+        key = str(device)
+        if key not in _TRITON_CHECKED:
+            _TRITON_CHECKED[key] = _checked_triton_kernel(device)
+        return _TRITON_CHECKED[key]
+    return None
+
+
+_TRITON_CHECKED: dict[str, Callable[..., torch.Tensor] | None] = {}
+
+
+def _checked_triton_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton kernel once it has given the chain's bits on a probe on `device` (one comparison
+    per process), else None with a warning: the chain serves instead, the noise never changes."""
+    import warnings
+
+    try:
+        from triroute_kernels.triton_noise import counter_uniform_triton
+
+        words = torch.arange(7, dtype=torch.int64, device=device) * 0x9E3779B9 % 2**32
+        probe = (words[:2], words[2:5], words.view(1, 7), counter_words(5, device))
+        if torch.equal(counter_uniform_triton(*probe), counter_uniform_torch(*probe)):
+            return counter_uniform_triton
+        reason = "its values differ from the tensor chain's"
+    except Exception as e:  # a Triton build that fails on this GPU
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"the Triton kernel of the routing noise's hash is not used on {device} ({reason}); the "
+                  "tensor chain computes the same noise. Fix: report it with your triton and GPU versions")
+    return None
 
 
 @dataclass(frozen=True)

@@ -186,3 +186,34 @@ def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group
     want = naive_attention(q, [st], GS, lo, hi, 0.25)[0]
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert c.tolist()[0] == 2 * D * (6 + 10)
+
+
+@pytest.mark.parametrize("position_rows", [1, 3])
+def test_triton_noise_hash_equals_the_tensor_chain_bit_for_bit(position_rows):
+    from megatron_triroute.routing.noise import counter_uniform_torch, counter_words
+    from triroute_kernels.triton_noise import counter_uniform_triton
+
+    gen = torch.Generator().manual_seed(position_rows)
+    words = lambda *shape: torch.randint(0, 2**32, shape, generator=gen, dtype=torch.int64)  # noqa: E731
+    prefix, sample, positions = words(2), words(3), words(position_rows, 70)  # 420 rows: several blocks
+    prefix[0], sample[1] = 2**32 - 1, 0
+    counters = counter_words(5, "cpu")  # n below the block's power of two
+    out = counter_uniform_triton(prefix, sample, positions, counters)
+    assert out.shape == (2, 3, 70, 5) and out.dtype == torch.float64
+    assert torch.equal(out, counter_uniform_torch(prefix, sample, positions, counters))
+
+
+def test_triton_noise_is_taken_only_after_its_first_use_check(monkeypatch):
+    """The probe comparison the GPU path runs once per device: the kernel passes it; a kernel that
+    gives other bits, or fails to build, is left out with a warning naming why."""
+    import triroute_kernels.triton_noise as tn
+
+    from megatron_triroute.routing import noise
+
+    assert noise._checked_triton_kernel(torch.device("cpu")) is tn.counter_uniform_triton
+    monkeypatch.setattr(tn, "counter_uniform_triton", lambda *a: noise.counter_uniform_torch(*a) + 1e-9)
+    with pytest.warns(UserWarning, match="values differ"):
+        assert noise._checked_triton_kernel(torch.device("cpu")) is None
+    monkeypatch.setattr(tn, "counter_uniform_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert noise._checked_triton_kernel(torch.device("cpu")) is None

@@ -102,3 +102,15 @@ def test_paged_attention_on_cuda_is_one_triton_launch_equal_to_the_cpu_op():
     got = paged_attention(q.cuda(), on("cuda"), tables.cuda(), request.cuda(), lo.cuda(), hi.cuda(), d**-0.5, c_gpu)
     assert torch.allclose(got.cpu(), want, atol=1e-4, rtol=1e-4), (got.cpu() - want).abs().max()
     assert torch.equal(c_gpu.cpu(), c_cpu)
+
+
+def test_gpu_noise_hash_takes_triton_and_equals_the_cpu_chain():
+    pytest.importorskip("triton")
+    from megatron_triroute.routing import noise
+
+    gen = torch.Generator().manual_seed(0)
+    words = lambda *shape: torch.randint(0, 2**32, shape, generator=gen, dtype=torch.int64)  # noqa: E731
+    args = (words(2), words(8), words(8, 1000), noise.counter_words(36, "cpu"))
+    assert noise._hash_kernel(torch.device("cuda")) is not None  # its first-use check passed
+    on_gpu = noise.counter_uniform(*(a.cuda() for a in args))
+    assert torch.equal(on_gpu.cpu(), noise.counter_uniform_torch(*args))

@@ -63,3 +63,29 @@ def test_a_key_given_its_token_words_draws_the_same_noise():
             assert all(torch.equal(a[k], b[k]) for k in shapes)
     wrong = NoiseKey(11, 3, 1, sample, torch.arange(5), lambda: token_words(sample, torch.arange(1, 6)))
     assert not torch.equal(wrong.gumbel((2, 5, 3), 0), NoiseKey(11, 3, 1, sample, torch.arange(5)).gumbel((2, 5, 3), 0))
+
+
+def test_the_hash_kernel_equals_the_tensor_chain_bit_for_bit(monkeypatch):
+    """`counter_uniform` through the C++ kernel (where built) and through the tensor chain: the same
+    float64 bits, for words at the ends of the 32-bit range, one position row or one per sample; the
+    pinned noise of the test above holds with the kernel off too."""
+    from triroute_kernels import cpu_ops_available
+
+    from megatron_triroute.routing import noise
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+    g = torch.Generator().manual_seed(0)
+    words = lambda *shape: torch.randint(0, 2**32, shape, generator=g, dtype=torch.int64)  # noqa: E731
+    prefix, sample = words(3), words(4)
+    sample[0], prefix[0] = 0, 2**32 - 1
+    for positions in (words(1, 7), words(4, 7)):
+        counters = counter_words(5, "cpu")
+        via_kernel = noise.counter_uniform(prefix, sample, positions, counters)
+        chain = noise.counter_uniform_torch(prefix, sample, positions, counters)
+        assert via_kernel.shape == (3, 4, 7, 5) and via_kernel.dtype == torch.float64
+        assert torch.equal(via_kernel, chain)
+        assert torch.equal(torch.ops.triroute.counter_uniform(prefix, sample, positions, counters), chain)
+    calls = []
+    monkeypatch.setattr(noise, "_hash_kernel", lambda device: calls.append(device))  # None: no kernel
+    test_noise_is_pinned_and_all_axes_at_once_equal_one_call_per_axis()
+    assert calls  # the chain ran
