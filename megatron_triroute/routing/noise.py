@@ -157,12 +157,12 @@ def _hash_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
     """The kernel of `counter_uniform` on `device` here, or None: the C++ op on a CPU (the kernels
     are built once per machine), the Triton kernel on a GPU where triton is installed."""
     try:
-        import triroute_kernels
-    except ImportError:  # exported model code without the kernels: the tensor chain
+        from triroute_kernels import HAS_TRITON, cpu_ops_available
+    except ImportError:  # model code without the kernels: the tensor chain
         return None
     if device.type == "cpu":
-        return torch.ops.triroute.counter_uniform if triroute_kernels.cpu_ops_available() else None
-    if device.type == "cuda" and triroute_kernels.HAS_TRITON:
+        return torch.ops.triroute.counter_uniform if cpu_ops_available() else None
+    if device.type == "cuda" and HAS_TRITON:
         key = str(device)
         if key not in _TRITON_CHECKED:
             _TRITON_CHECKED[key] = _checked_triton_kernel(device)
