@@ -38,7 +38,7 @@ from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
 from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
-from ..routing.cost import budget_fractions, dense_cost, expected_cost, noise_free_cost
+from ..routing.cost import MicroBatchCosts, budget_fractions, expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.gumbel import one_hot
@@ -114,10 +114,11 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         x = x + ffn
 
         # --- losses and statistics (lines 5-6) -------------------------------------------------
+        costs = inputs.costs(cfg.model, cfg.router)  # the cost model's per-micro-batch constants
         if self.training:
-            x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions))
+            x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions, costs))
         if step.should_record(self.training):
-            self._record(out, positions, observe_budget=self.training)
+            self._record(out, positions, costs, observe_budget=self.training)
 
         # --- the routing state the next layer reads -------------------------------------------
         reward = state.reward
@@ -125,7 +126,7 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             reward = reward_tap(reward, out, self.reward_baseline)
         return x, state.after(out, cfg, reward)
 
-    def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor) -> torch.Tensor:
+    def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor, costs: MicroBatchCosts) -> torch.Tensor:
         """alpha L_bal + beta L_z + gamma L_ent of this layer, plus its share of
         sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so each layer adds
         lambda_r * sum_t c_r / (L * sum_t dense_r)."""
@@ -137,12 +138,13 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             return aux
         # This layer's share of C_r (Appendix A): its surrogate cost over the dense cost of all L layers.
         # penalty() also subtracts lambda_r C*_r for each layer: a constant with no gradient.
-        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router)], positions, cfg.model)
+        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router, costs)], positions, cfg.model,
+                                costs)
         share = self.step_state.budget.penalty(frac / cfg.model.n_layers)
         return aux + share.to(aux.dtype)
 
     @torch.no_grad()
-    def _record(self, out: RouterOutput, positions: torch.Tensor, observe_budget: bool) -> None:
+    def _record(self, out: RouterOutput, positions: torch.Tensor, costs: MicroBatchCosts, observe_budget: bool) -> None:
         cfg, stats = self.triroute, self.step_state.statistics
         sl = stats.slices()
         B, T = out.attn.y.shape[:2]
@@ -158,10 +160,9 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         parts["bits/fraction"] = one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
         if out.bits.logits is not None:
             parts["bits/prob"] = out.bits.logits.double().softmax(-1).sum((0, 1))
-        hard = noise_free_cost(out, positions, cfg.model, cfg.router)
-        dense = dense_cost(positions, cfg.model)
+        hard = noise_free_cost(out, positions, cfg.model, cfg.router, costs)
         cost = torch.stack([hard.flops.sum(), hard.kv_bits.sum()])
-        dense_sums = torch.stack([dense.flops.sum() * B, dense.mem.sum() * B])
+        dense_sums = costs.dense_sums
         parts["cost"], parts["dense"] = cost, dense_sums
         # one add over the layer's row; a slice nothing recorded this micro-batch adds zeros
         stats.sums[self.layer_number - 1].add_(torch.cat(

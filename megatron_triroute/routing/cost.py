@@ -55,6 +55,35 @@ class LayerCost:
     """(B, T) bits written to this layer's KV cache."""
 
 
+@dataclass(frozen=True)
+class MicroBatchCosts:
+    """What the cost model reads that is the same at every layer of a micro-batch: computed once
+    (`micro_batch_costs`; `state.RoutingInputs.costs` keeps it), passed to `expected_cost`,
+    `hard_cost` and `budget_fractions` in place of recomputing it per layer."""
+
+    keys: torch.Tensor
+    """(B or 1, T, N_MODES) float64: keys a query reads in each mode (`modes.keys_read`)."""
+    dense: LayerCost
+    """The dense reference per token (`dense_cost`)."""
+    dense_sums: torch.Tensor
+    """(2,) float64: the dense [flops, mem] summed over the micro-batch's B x T tokens (sums of
+    integers below 2^53: exact)."""
+
+
+def micro_batch_costs(positions: torch.Tensor, batch: int, model: ModelConfig, router: RouterConfig) -> MicroBatchCosts:
+    """`MicroBatchCosts` of `batch` sequences at `positions` (T,) or (B, T)."""
+    T = positions.shape[-1]
+    dense = dense_cost(positions, model)
+    return MicroBatchCosts(keys_read(positions, router.window).view(-1, T, N_MODES), dense,
+                           _dense_sums(dense, positions, batch))
+
+
+def _dense_sums(dense: LayerCost, positions: torch.Tensor, batch: int) -> torch.Tensor:
+    """`MicroBatchCosts.dense_sums` from the dense cost at `positions` (T,) (every sequence alike)
+    or (B, T)."""
+    return torch.stack([dense.flops.sum(), dense.mem.sum()]) * (batch if positions.dim() == 1 else 1)
+
+
 def dense_cost(positions: torch.Tensor, model: ModelConfig) -> LayerCost:
     """Dense reference per token and layer (Appendix A): 2 d (t+1) + 3 d d_f MACs; 2 d_kv 16 bits."""
     t = positions.to(torch.float64)
@@ -63,16 +92,17 @@ def dense_cost(positions: torch.Tensor, model: ModelConfig) -> LayerCost:
     return LayerCost(flops, mem)
 
 
-def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig) -> LayerCost:
+def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig,
+                  batch: MicroBatchCosts | None = None) -> LayerCost:
     """Differentiable per-token cost of one layer under the relaxed policy (Eq. cost).
 
     c_flops = sum_heads sum_m y_cost[m] * 2 d_h keys_m(t)  +  kappa_e * expert_count_surrogate(z^e, S)
     c_mem   = sum_b y_cost[b] * bits_per_token(b)
-    positions: (T,) or (B, T) 0-based positions in the sequence.
+    positions: (T,) or (B, T) 0-based positions in the sequence; `batch`: their `micro_batch_costs`.
     """
     B, T = out.attn.y.shape[:2]
-    pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
-    kappa = 2.0 * model.d_head * keys_read(pos, router.window)  # (B, T, N_MODES)
+    keys = (batch or micro_batch_costs(positions, B, model, router)).keys
+    kappa = 2.0 * model.d_head * keys  # (B or 1, T, N_MODES)
     attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
     flops = attn + _expert_flops(out, model, router)
     mem = (out.bits.y_cost.double() * bit_costs(router, model, out.bits.y_cost.device)).sum(-1)
@@ -147,13 +177,13 @@ def hard_cost(
     positions: torch.Tensor,
     model: ModelConfig,
     router: RouterConfig,
+    batch: MicroBatchCosts | None = None,
 ) -> HardCost:
     """Hard accounting from integer decisions: attn_modes (B, T, H) in ATTN_MODES order,
     expert_index (B, T, k) with -1 = null (None = dense FFN), bit_option (B, T) index into
-    router.bits (or 0 = the uniform width)."""
+    router.bits (or 0 = the uniform width); `batch`: the positions' `micro_batch_costs`."""
     B, T, _ = attn_modes.shape
-    pos = positions.expand(B, T) if positions.dim() == 2 else positions.view(1, T).expand(B, T)
-    keys = keys_read(pos, router.window)  # (B, T, N_MODES)
+    keys = (batch or micro_batch_costs(positions, B, model, router)).keys  # (B or 1, T, N_MODES)
     per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], N_MODES).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
     attn = 2.0 * model.d_head * per_head.sum(-1)
     if expert_index is None:
@@ -166,20 +196,21 @@ def hard_cost(
     return HardCost(attn, ffn, mem, runs)
 
 
-def noise_free_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig) -> HardCost:
+def noise_free_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig, router: RouterConfig,
+                    batch: MicroBatchCosts | None = None) -> HardCost:
     """Hard cost of the noise-free argmax decisions (what the budget is judged on)."""
     index = None if out.experts is None else out.experts.index
-    return hard_cost(out.attn.hard, index, out.bits.hard, positions, model, router)
+    return hard_cost(out.attn.hard, index, out.bits.hard, positions, model, router, batch)
 
 
-def budget_fractions(costs: list[LayerCost], positions: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+def budget_fractions(costs: list[LayerCost], positions: torch.Tensor, model: ModelConfig,
+                     batch: MicroBatchCosts | None = None) -> torch.Tensor:
     """C_bar = sum_{l,t} c_t^(l) / C_dense per resource (Appendix A), as a (2,) [flops, mem] tensor.
 
-    `costs` holds one LayerCost per layer on this rank (all layers: the budget spans the model).
+    `costs` holds one LayerCost per layer on this rank (all layers: the budget spans the model);
+    `batch`: the positions' `micro_batch_costs` (its dense sums are the denominator).
     """
-    dense = dense_cost(positions, model)
-    B = costs[0].flops.shape[0]
-    n = len(costs)
-    flops = sum(c.flops.sum() for c in costs) / (dense.flops.expand(B, -1).sum() * n)
-    mem = sum(c.mem.sum() for c in costs) / (dense.mem.expand(B, -1).sum() * n)
-    return torch.stack([flops, mem])
+    sums = _dense_sums(dense_cost(positions, model), positions, costs[0].flops.shape[0]) if batch is None \
+        else batch.dense_sums
+    totals = torch.stack([sum(c.flops.sum() for c in costs), sum(c.mem.sum() for c in costs)])
+    return totals / (sums * len(costs))

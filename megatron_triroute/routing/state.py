@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..config import TriRouteConfig
+from ..config import ModelConfig, RouterConfig, TriRouteConfig
 from .controller import AxisDecision, RouterOutput, decision_features
+from .cost import MicroBatchCosts, micro_batch_costs
 from .modes import N_MODES
 from .noise import token_words
 from .side_features import TokenTables, decision_feature_size, static_side_features
@@ -45,6 +46,15 @@ class RoutingInputs:
     def noise_words(self) -> tuple[torch.Tensor, torch.Tensor]:
         """`routing.noise.token_words` of (sample_index, positions): every layer's noise key shares them."""
         return token_words(self.sample_index, self.positions)
+
+    def costs(self, model: ModelConfig, router: RouterConfig) -> MicroBatchCosts:
+        """`cost.micro_batch_costs` of these tokens, computed once and kept: every layer's cost
+        model reads it."""
+        kept = self.__dict__.get("_costs")
+        if kept is None or kept[0] is not model or kept[1] is not router:
+            kept = (model, router, micro_batch_costs(self.positions, self.psi.shape[0], model, router))
+            self.__dict__["_costs"] = kept  # frozen dataclass: kept beside the fields, as cached_property does
+        return kept[2]
 
     @classmethod
     def of(cls, tokens: torch.Tensor, sample_index: torch.Tensor, tables: TokenTables,

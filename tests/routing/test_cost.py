@@ -151,3 +151,36 @@ def test_all_skip_all_null_costs_no_attention_or_expert_work():
     assert torch.all(out == 0) and torch.all(ffn == 0)
     acc = hard_cost(modes, routes.index, torch.zeros(B, T, dtype=torch.long), torch.arange(T), cfg.model, cfg.router)
     assert acc.flops.sum().item() == 0
+
+
+def test_micro_batch_constants_give_every_cost_bit_for_bit_and_are_computed_once():
+    """`micro_batch_costs` (what every layer of a micro-batch shares: keys read per mode, the dense
+    cost and its sums) passed in or recomputed: the same expected cost, hard cost and budget
+    fractions bit for bit, for shared (T,) and per-sequence (B, T) positions; `RoutingInputs`
+    computes them once."""
+    from megatron_triroute.routing.cost import micro_batch_costs
+    from megatron_triroute.routing.state import RoutingInputs
+
+    cfg = small_config()
+    g = torch.Generator().manual_seed(1)
+    B, T = 3, 9
+    modes = torch.randint(0, 3, (B, T, 2), generator=g)
+    logits = torch.randn(B, T, 5, generator=g, requires_grad=True)
+    out = hand_output(modes, logits, torch.randint(0, 4, (B, T), generator=g))
+    for positions in (torch.arange(T), torch.arange(T).expand(B, T) + torch.tensor([[0], [4], [11]])):
+        batch = micro_batch_costs(positions, B, cfg.model, cfg.router)
+        alone, shared = (expected_cost(out, positions, cfg.model, cfg.router, b) for b in (None, batch))
+        assert torch.equal(alone.flops, shared.flops) and torch.equal(alone.mem, shared.mem)
+        h_alone, h_shared = (hard_cost(modes, out.experts.index, out.bits.hard, positions, cfg.model, cfg.router, b)
+                             for b in (None, batch))
+        assert torch.equal(h_alone.flops, h_shared.flops) and torch.equal(h_alone.kv_bits, h_shared.kv_bits)
+        f_alone, f_shared = (budget_fractions([alone, alone], positions, cfg.model, b) for b in (None, batch))
+        assert torch.equal(f_alone, f_shared)
+        dense = dense_cost(positions, cfg.model)  # the denominator as written in Appendix A
+        expected = torch.stack([alone.flops.sum() * 2 / (dense.flops.expand(B, -1).sum() * 2),
+                                alone.mem.sum() * 2 / (dense.mem.expand(B, -1).sum() * 2)])
+        torch.testing.assert_close(f_shared, expected, rtol=1e-15, atol=0)
+    inputs = RoutingInputs(torch.zeros(B, T, 4), torch.arange(B))
+    first = inputs.costs(cfg.model, cfg.router)
+    assert inputs.costs(cfg.model, cfg.router) is first
+    assert torch.equal(first.keys, micro_batch_costs(torch.arange(T), B, cfg.model, cfg.router).keys)
