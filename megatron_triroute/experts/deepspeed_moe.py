@@ -357,9 +357,10 @@ class TriRouteExperts(nn.Module):
                     hook(module, (), {})
                 else:
                     hook(module, ())
-        w1 = torch.stack([e.w1.weight for e in self.experts])
-        w3 = torch.stack([e.w3.weight for e in self.experts])
-        return torch.cat([w1, w3], 1), torch.stack([e.w2.weight for e in self.experts])
+        F_, D = self.experts[0].w1.weight.shape
+        # one concatenation writes each expert's w1 then w3 in place: no stacked copies in between
+        w13 = torch.cat([w for e in self.experts for w in (e.w1.weight, e.w3.weight)]).view(len(self.experts), 2 * F_, D)
+        return w13, torch.stack([e.w2.weight for e in self.experts])
 
 
 def _init_per_expert(
