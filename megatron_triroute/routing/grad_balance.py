@@ -57,7 +57,8 @@ class GradBalance(RunningStatistic):
         """Identity; backward divides by rho / reference (reference None: by rho itself)."""
         if not self.enabled or not torch.is_grad_enabled():
             return z
-        divisor = self.rho.detach() if reference is None else self.rho.detach() / reference.detach()
+        # rho and the reference are buffers and their functions: nothing tracks a gradient to stop
+        divisor = self.rho if reference is None else self.rho / reference
         return _GradBalanceFn.apply(z, divisor, self._acc)
 
     def pending(self) -> torch.Tensor:
