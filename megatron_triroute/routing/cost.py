@@ -134,13 +134,12 @@ def expert_count_surrogate(expert_logits: torch.Tensor, index: torch.Tensor, nul
     if not null_expert or not expert_logits.requires_grad:
         return runs
     z = expert_logits.double()
-    option = torch.where(real, index + 1, torch.zeros_like(index))  # option ids of the selected set
-    z_sel = z.gather(-1, option).masked_fill(~real, float("inf"))
-    z_weakest = z_sel.amin(-1)  # the real expert the null would replace (logit order = p order)
-    has_null = (~real).any(-1)
-    q = torch.sigmoid(torch.where(has_null, torch.zeros_like(z_weakest), z_weakest) - z[..., 0])
-    swap = torch.where(has_null, torch.zeros_like(q), q - q.detach())
-    return runs + swap
+    option = index + 1  # option ids of the selected set: expert e is option e + 1, the null (-1) option 0
+    null = ~real
+    z_weakest = z.gather(-1, option).masked_fill(null, float("inf")).amin(-1)  # the real expert the null
+    has_null = null.any(-1)  # would replace (logit order = p order)
+    q = torch.sigmoid(torch.where(has_null, 0.0, z_weakest) - z[..., 0])
+    return runs + torch.where(has_null, 0.0, q - q.detach())
 
 
 def _expert_flops(out: RouterOutput, model: ModelConfig, router: RouterConfig) -> torch.Tensor:
