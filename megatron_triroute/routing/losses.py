@@ -93,7 +93,8 @@ class _BalancingTerms(torch.autograd.Function):
             active = (ent > 0) & (p >= 1e-12)
             g = g + torch.where(active, grad_ent * (clamped.log() + 1.0), 0.0)
         lse = torch.logsumexp(logits.float(), dim=-1).reshape(n, 1)
-        inner = (g - probs @ g.unsqueeze(-1)).add_(lse * (grad_z * 2.0)).div_(n)
+        # elementwise, not a matmul: the backward can run under the step's bf16 autocast
+        inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse * (grad_z * 2.0)).div_(n)
         return (probs * inner).view(logits.shape).to(logits.dtype), None, None, None, None
 
 

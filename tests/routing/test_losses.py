@@ -118,3 +118,21 @@ def test_balancing_terms_backward_equals_autograd_through_their_definitions():
             (theirs,) = torch.autograd.grad(sum(w * t for w, t in zip(weights, ref)), z)
             torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-9)
             assert (ent > 0) == (floor and zeta > 1.0) and mine.abs().sum() > 0
+
+
+def test_balancing_terms_gradient_keeps_float32_under_the_steps_bf16_autocast():
+    """The trainer runs forward and backward inside one bf16 autocast context: the written-out
+    backward must not drop to bf16 there (a matmul would)."""
+    from megatron_triroute.routing.losses import _BalancingTerms
+
+    g = torch.Generator().manual_seed(9)
+    logits = torch.randn(64, 4, 6, generator=g)
+    executed = torch.randint(0, 6, (64, 4), generator=g)
+    grads = []
+    for bf16 in (False, True):
+        z = logits.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            bal, zl, ent, _ = _BalancingTerms.apply(z, executed, 2.0, True, False)
+            (0.3 * bal + 0.7 * zl + 1.3 * ent).backward()
+        grads.append(z.grad)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-9)
