@@ -63,8 +63,6 @@ class MicroBatchCosts:
 
     keys: torch.Tensor
     """(B or 1, T, N_MODES) float64: keys a query reads in each mode (`modes.keys_read`)."""
-    dense: LayerCost
-    """The dense reference per token (`dense_cost`)."""
     dense_sums: torch.Tensor
     """(2,) float64: the dense [flops, mem] summed over the micro-batch's B x T tokens (sums of
     integers below 2^53: exact)."""
@@ -72,15 +70,18 @@ class MicroBatchCosts:
 
 def micro_batch_costs(positions: torch.Tensor, batch: int, model: ModelConfig, router: RouterConfig) -> MicroBatchCosts:
     """`MicroBatchCosts` of `batch` sequences at `positions` (T,) or (B, T)."""
-    T = positions.shape[-1]
-    dense = dense_cost(positions, model)
-    return MicroBatchCosts(keys_read(positions, router.window).view(-1, T, N_MODES), dense,
-                           _dense_sums(dense, positions, batch))
+    return MicroBatchCosts(_keys(positions, router), _dense_sums(positions, batch, model))
 
 
-def _dense_sums(dense: LayerCost, positions: torch.Tensor, batch: int) -> torch.Tensor:
-    """`MicroBatchCosts.dense_sums` from the dense cost at `positions` (T,) (every sequence alike)
+def _keys(positions: torch.Tensor, router: RouterConfig) -> torch.Tensor:
+    """`MicroBatchCosts.keys` of `positions` (T,) or (B, T)."""
+    return keys_read(positions, router.window).view(-1, positions.shape[-1], N_MODES)
+
+
+def _dense_sums(positions: torch.Tensor, batch: int, model: ModelConfig) -> torch.Tensor:
+    """`MicroBatchCosts.dense_sums` of `batch` sequences at `positions` (T,) (every sequence alike)
     or (B, T)."""
+    dense = dense_cost(positions, model)
     return torch.stack([dense.flops.sum(), dense.mem.sum()]) * (batch if positions.dim() == 1 else 1)
 
 
@@ -101,7 +102,7 @@ def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig
     positions: (T,) or (B, T) 0-based positions in the sequence; `batch`: their `micro_batch_costs`.
     """
     B, T = out.attn.y.shape[:2]
-    keys = (batch or micro_batch_costs(positions, B, model, router)).keys
+    keys = _keys(positions, router) if batch is None else batch.keys
     kappa = 2.0 * model.d_head * keys  # (B or 1, T, N_MODES)
     attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
     flops = attn + _expert_flops(out, model, router)
@@ -182,7 +183,7 @@ def hard_cost(
     expert_index (B, T, k) with -1 = null (None = dense FFN), bit_option (B, T) index into
     router.bits (or 0 = the uniform width); `batch`: the positions' `micro_batch_costs`."""
     B, T, _ = attn_modes.shape
-    keys = (batch or micro_batch_costs(positions, B, model, router)).keys  # (B or 1, T, N_MODES)
+    keys = _keys(positions, router) if batch is None else batch.keys  # (B or 1, T, N_MODES)
     per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], N_MODES).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
     attn = 2.0 * model.d_head * per_head.sum(-1)
     if expert_index is None:
@@ -209,7 +210,6 @@ def budget_fractions(costs: list[LayerCost], positions: torch.Tensor, model: Mod
     `costs` holds one LayerCost per layer on this rank (all layers: the budget spans the model);
     `batch`: the positions' `micro_batch_costs` (its dense sums are the denominator).
     """
-    sums = _dense_sums(dense_cost(positions, model), positions, costs[0].flops.shape[0]) if batch is None \
-        else batch.dense_sums
+    sums = _dense_sums(positions, costs[0].flops.shape[0], model) if batch is None else batch.dense_sums
     totals = torch.stack([sum(c.flops.sum() for c in costs), sum(c.mem.sum() for c in costs)])
     return totals / (sums * len(costs))
