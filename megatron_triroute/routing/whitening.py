@@ -41,13 +41,7 @@ class RunningWhitening(RunningStatistic):
         self.register_buffer("_acc", torch.zeros(1 + 2 * num_features, dtype=torch.float64), persistent=False)
 
     def forward(self, u: torch.Tensor) -> torch.Tensor:
-        if self.should_accumulate():
-            flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
-            d = u.shape[-1]
-            self._acc[0].add_(flat.shape[0])
-            self._acc[1:].view(2, d).add_(torch.stack([flat.sum(0), flat.pow(2).sum(0)]))  # sums, squares
-        std = self.var.sqrt()  # buffers: no gradient to stop
-        return ((u.float() - self.mean) / (std + self.eps)).to(u.dtype)
+        return RunningWhitening.whiten_all([self], u)
 
     @classmethod
     def whiten_all(cls, modules: list["RunningWhitening"], u: torch.Tensor) -> torch.Tensor:
@@ -56,16 +50,20 @@ class RunningWhitening(RunningStatistic):
         every module's accumulator, one standardisation. The modules must share `eps`."""
         if any(m.eps != modules[0].eps for m in modules):
             raise ValueError("whiten_all: the modules must share eps")
+        one = len(modules) == 1
         if modules[0].should_accumulate():
             flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
-            # [count, sums(D), squares(D)] of the whole width, then each module's [count, sum(d), squares(d)]
+            # [count, sums(D), squares(D)] of the whole width: one module's accumulator layout
             stats = torch.cat([flat.new_full((1,), flat.shape[0]), flat.sum(0), flat.pow(2).sum(0)])
-            widths = tuple(m.mean.numel() for m in modules)
-            pieces = stats.index_select(0, _accumulator_order(widths, u.device)).split([1 + 2 * d for d in widths])
-            torch._foreach_add_([m._acc for m in modules], list(pieces))
-        mean = torch.cat([m.mean for m in modules])
-        std = torch.cat([m.var for m in modules]).sqrt()  # buffers: no gradient to stop
-        return ((u.float() - mean) / (std + modules[0].eps)).to(u.dtype)
+            if one:
+                modules[0]._acc.add_(stats)
+            else:  # each module's [count, sum(d), squares(d)], end to end
+                widths = tuple(m.mean.numel() for m in modules)
+                pieces = stats.index_select(0, _accumulator_order(widths, u.device)).split([1 + 2 * d for d in widths])
+                torch._foreach_add_([m._acc for m in modules], list(pieces))
+        mean = modules[0].mean if one else torch.cat([m.mean for m in modules])
+        var = modules[0].var if one else torch.cat([m.var for m in modules])
+        return ((u.float() - mean) / (var.sqrt() + modules[0].eps)).to(u.dtype)  # buffers: no gradient to stop
 
     def pending(self) -> torch.Tensor:
         return self._acc
