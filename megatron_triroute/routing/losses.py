@@ -24,9 +24,12 @@ def switch_load_loss(fraction: torch.Tensor, mean_prob: torch.Tensor) -> torch.T
     return fraction.numel() * (fraction.detach() * mean_prob).sum()
 
 
-def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
-    """L_z = mean over decisions of (log sum_o exp z_o)^2  (Sec. balance)."""
-    return torch.logsumexp(logits.float(), dim=-1).pow(2).mean()
+def router_z_loss(logits: torch.Tensor, lse: torch.Tensor | None = None) -> torch.Tensor:
+    """L_z = mean over decisions of (log sum_o exp z_o)^2  (Sec. balance); `lse`: the decisions'
+    log-sum-exp in float32 when already computed."""
+    if lse is None:
+        lse = torch.logsumexp(logits.float(), dim=-1)
+    return lse.pow(2).mean()
 
 
 def marginal_entropy(mean_prob: torch.Tensor) -> torch.Tensor:
@@ -60,42 +63,56 @@ def _fractions_and_probs(logits: torch.Tensor, executed: torch.Tensor) -> tuple[
     return counts / counts.sum(), probs
 
 
-class _BalancingTerms(torch.autograd.Function):
-    """(L_bal, L_z, L_ent, H(p_bar)) of one axis from its logits: the values by the functions above,
-    and their gradient to the logits written out as one expression per decision n,
+class _BalancingLoss(torch.autograd.Function):
+    """sum over a layer's routed axes of alpha L_bal + beta L_z + gamma L_ent (Eq. total's middle
+    term) from the axes' logits, through one autograd node: the values by the term functions above,
+    summed in Eq. total's order (bit for bit what autograd through them gives), and their gradient
+    to each axis's logits written out as one expression per decision n,
 
-        dz_n = p_n * ((g - p_n . g) / N + dL/dL_z * 2 lse_n / N),
-        g = dL/dL_bal * |O| f + dL/dL_ent * [L_ent > 0] * (log max(P, 1e-12) + 1) * [P >= 1e-12],
+        dz_n = G p_n * ((g - p_n . g) / N + beta * 2 lse_n / N),
+        g = alpha |O| f + gamma * [L_ent > 0] * (log max(P, 1e-12) + 1) * [P >= 1e-12],
 
-    (the chain autograd would run through softmax, mean, logsumexp, pow, clamp, log and relu,
-    including their masks), instead of about thirty small ops per axis. H(p_bar) is not
-    differentiable (logging only); L_ent and H are zeros where not asked for."""
-
-    @staticmethod
-    def forward(ctx, logits, executed, zeta: float, floor: bool, entropy: bool):
-        f, probs = _fractions_and_probs(logits, executed)
-        p = probs.mean(0)
-        bal, z = switch_load_loss(f, p), router_z_loss(logits)
-        h = marginal_entropy(p) if floor or entropy else None
-        ent = entropy_floor_loss(p, zeta, h) if floor else None
-        ctx.save_for_backward(logits, f, probs, p, ent if floor else None)
-        ctx.floor = floor
-        ctx.mark_non_differentiable(*((h,) if h is not None else ()))
-        return bal, z, ent if ent is not None else bal.new_zeros(()), h if h is not None else bal.new_zeros(())
+    (G the upstream gradient; the chain autograd would run through softmax, mean, logsumexp, pow,
+    clamp, log, relu and the weighted sum, including their masks), instead of about forty small
+    ops per axis. Also returns the (axes, 4) terms [L_bal, L_z, L_ent, H(p_bar)] for logging when
+    asked (not differentiable; L_ent 0 without the floor), else an empty tensor."""
 
     @staticmethod
-    def backward(ctx, grad_bal, grad_z, grad_ent, _grad_entropy):
-        logits, f, probs, p, ent = ctx.saved_tensors
-        n, n_opt = probs.shape
-        g = grad_bal * (n_opt * f)  # dL/dP
-        if ctx.floor:
-            clamped = p.clamp_min(1e-12)
-            active = (ent > 0) & (p >= 1e-12)
-            g = g + torch.where(active, grad_ent * (clamped.log() + 1.0), 0.0)
-        lse = torch.logsumexp(logits.float(), dim=-1).reshape(n, 1)
-        # elementwise, not a matmul: the backward can run under the step's bf16 autocast
-        inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse * (grad_z * 2.0)).div_(n)
-        return (probs * inner).view(logits.shape).to(logits.dtype), None, None, None, None
+    def forward(ctx, cfg: LossConfig, with_terms: bool, executed: tuple[torch.Tensor, ...], *logits: torch.Tensor):
+        floor = cfg.use_entropy_floor
+        total, terms, saved = None, [], []
+        for z, ex in zip(logits, executed):
+            f, probs = _fractions_and_probs(z, ex)
+            p = probs.mean(0)
+            lse = torch.logsumexp(z.float(), dim=-1)
+            bal, zl = switch_load_loss(f, p), router_z_loss(z, lse)
+            h = marginal_entropy(p) if floor or with_terms else None
+            ent = entropy_floor_loss(p, cfg.entropy_floor, h) if floor else None
+            parts = [cfg.load_weight * bal, cfg.z_weight * zl] + ([cfg.entropy_weight * ent] if floor else [])
+            for part in parts:  # summed in Eq. total's order, term by term
+                total = part if total is None else total + part
+            g = (cfg.load_weight * z.shape[-1]) * f  # alpha dL_bal/dP
+            if floor:  # + gamma dL_ent/dP: the hinge and the clamp pass a gradient only where active
+                active = (ent > 0) & (p >= 1e-12)
+                g = g + torch.where(active, cfg.entropy_weight * (p.clamp_min(1e-12).log() + 1.0), 0.0)
+            if with_terms:
+                terms.append(torch.stack([bal, zl, ent if floor else torch.zeros_like(bal), h]))
+            saved += [probs, lse, g]
+        ctx.save_for_backward(*saved)
+        ctx.z_weight, ctx.dtypes, ctx.shapes = cfg.z_weight, [z.dtype for z in logits], [z.shape for z in logits]
+        out_terms = torch.stack(terms) if terms else total.new_zeros(0)
+        ctx.mark_non_differentiable(out_terms)
+        return total, out_terms
+
+    @staticmethod
+    def backward(ctx, grad_total, _grad_terms):
+        saved, grads = ctx.saved_tensors, []
+        for i, (dtype, shape) in enumerate(zip(ctx.dtypes, ctx.shapes)):
+            probs, lse, g = saved[3 * i: 3 * i + 3]
+            # elementwise, not a matmul: the backward can run under the step's bf16 autocast
+            inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse.view(-1, 1), alpha=2.0 * ctx.z_weight)
+            grads.append((probs * inner).mul_(grad_total / probs.shape[0]).view(shape).to(dtype))
+        return None, None, None, *grads
 
 
 def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
@@ -105,8 +122,6 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
     Returns the total and a dict of detached per-axis terms for logging (`with_terms=False`: an
     empty dict, and none of their ops run; the total is the same bit for bit).
     """
-    terms: dict[str, torch.Tensor] = {}
-    total: torch.Tensor | None = None
     axes = []
     if out.attn.logits is not None:
         # Token-granular attention has one logit group (H_a = 1) whose decision every head copies.
@@ -116,17 +131,13 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
         axes.append(("experts", out.expert_logits, out.experts.option))
     if out.bits.logits is not None:
         axes.append(("bits", out.bits.logits, out.bits.y.argmax(-1)))
-    for name, logits, executed in axes:
-        bal, z, ent, entropy = _BalancingTerms.apply(logits, executed, cfg.entropy_floor, cfg.use_entropy_floor,
-                                                     with_terms)
-        parts = [cfg.load_weight * bal, cfg.z_weight * z]
-        if cfg.use_entropy_floor:  # without the floor its term is an exact zero: not added
-            parts.append(cfg.entropy_weight * ent)
-        for part in parts:  # summed in Eq. total's order, term by term
-            total = part if total is None else total + part
-        if with_terms:
-            terms[f"{name}/load"] = bal.detach()
-            terms[f"{name}/z"] = z.detach()
-            terms[f"{name}/entropy_floor"] = ent.detach() if cfg.use_entropy_floor else torch.zeros(())
-            terms[f"{name}/marginal_entropy"] = entropy.detach() / math.log(logits.shape[-1])
-    return (torch.zeros(()) if total is None else total), terms
+    if not axes:
+        return torch.zeros(()), {}
+    total, values = _BalancingLoss.apply(cfg, with_terms, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))
+    terms: dict[str, torch.Tensor] = {}
+    if with_terms:
+        for (name, logits, _), (bal, z, ent, entropy) in zip(axes, values):
+            terms[f"{name}/load"], terms[f"{name}/z"] = bal, z
+            terms[f"{name}/entropy_floor"] = ent if cfg.use_entropy_floor else torch.zeros(())
+            terms[f"{name}/marginal_entropy"] = entropy / math.log(logits.shape[-1])
+    return total, terms

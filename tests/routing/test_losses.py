@@ -88,51 +88,61 @@ def test_router_aux_loss_equals_eq_total_term_by_term_with_or_without_its_logged
         assert grads[0].abs().sum() > 0
 
 
-def test_balancing_terms_backward_equals_autograd_through_their_definitions():
-    """`_BalancingTerms`' written-out gradient against autograd through the term functions (both in
-    float32 inside, as the terms are defined; float64 logits): floor active and not, an option whose mean probability is clamped (1e-12), top-k slots,
-    a different upstream weight on each term."""
-    from megatron_triroute.routing.losses import _BalancingTerms
+def test_balancing_loss_backward_equals_autograd_through_the_term_functions():
+    """`_BalancingLoss`' written-out gradient against autograd through the term functions and Eq.
+    total's weighted sum (both in float32 inside, as the terms are defined; float64 logits): floor
+    active and not, an option whose mean probability is clamped (1e-12), top-k slots, several axes
+    through one node; its logged terms equal the term functions."""
+    import dataclasses
+
+    from megatron_triroute.config import LossConfig
+    from megatron_triroute.routing.losses import _BalancingLoss
 
     g = torch.Generator().manual_seed(4)
     cases = []
     logits = torch.randn(5, 7, 4, generator=g, dtype=torch.float64) * 2
-    cases.append((logits, torch.randint(0, 4, (5, 7), generator=g), 2.0))  # the floor active
-    cases.append((logits, torch.randint(0, 4, (5, 7), generator=g), 0.1))  # inactive
+    cases.append([(logits, torch.randint(0, 4, (5, 7), generator=g))])
     collapsed = logits.clone()
     collapsed[..., 2] = -80.0  # P_2 ~ 1e-35: below the clamp
-    cases.append((collapsed, torch.randint(0, 4, (5, 7), generator=g), 2.0))
-    cases.append((torch.randn(6, 9, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (6, 9, 2), generator=g), 1.5))
-    weights = torch.tensor([0.3, 0.7, 1.3], dtype=torch.float64)
-    for logits, executed, zeta in cases:
-        for floor in (True, False):
-            z = logits.clone().requires_grad_(True)
-            bal, zl, ent, h = _BalancingTerms.apply(z, executed, zeta, floor, True)
-            f, p = axis_statistics(z, executed)
-            ref = [switch_load_loss(f, p), router_z_loss(z).double(),
-                   entropy_floor_loss(p, zeta) if floor else torch.zeros((), dtype=torch.float64)]
-            for mine, theirs in zip((bal, zl, ent), ref):
-                torch.testing.assert_close(mine.double(), theirs.double(), rtol=1e-12, atol=1e-12)
-            torch.testing.assert_close(h.double(), marginal_entropy(p).double(), rtol=1e-12, atol=1e-12)
-            (mine,) = torch.autograd.grad(sum(w * t for w, t in zip(weights, (bal, zl, ent))), z)
-            (theirs,) = torch.autograd.grad(sum(w * t for w, t in zip(weights, ref)), z)
-            torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-9)
-            assert (ent > 0) == (floor and zeta > 1.0) and mine.abs().sum() > 0
+    cases.append([(collapsed, torch.randint(0, 4, (5, 7), generator=g))])
+    cases.append([(torch.randn(6, 9, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (6, 9, 2), generator=g)),
+                  (logits, torch.randint(0, 4, (5, 7), generator=g))])  # top-2 slots, and two axes at once
+    base = LossConfig(load_weight=0.3, z_weight=0.7, entropy_weight=1.3)
+    for axes in cases:
+        for zeta, floor in ((2.0, True), (0.1, True), (2.0, False)):  # the floor active, inactive, off
+            cfg = dataclasses.replace(base, entropy_floor=zeta, use_entropy_floor=floor)
+            zs = [z.clone().requires_grad_(True) for z, _ in axes]
+            mine, terms = _BalancingLoss.apply(cfg, True, tuple(ex for _, ex in axes), *zs)
+            theirs = 0.0
+            for z, (_, executed), row in zip(zs, axes, terms):
+                f, p = axis_statistics(z, executed)
+                ref = [switch_load_loss(f, p), router_z_loss(z),
+                       entropy_floor_loss(p, zeta) if floor else torch.zeros(())]
+                theirs = theirs + 0.3 * ref[0] + 0.7 * ref[1] + 1.3 * ref[2]
+                torch.testing.assert_close(row.double(), torch.stack(ref + [marginal_entropy(p)]).double(),
+                                           rtol=1e-12, atol=1e-12)
+                assert (row[2] > 0) == (floor and zeta > 1.0)
+            torch.testing.assert_close(mine.double(), theirs.double(), rtol=1e-6, atol=0)
+            # an upstream gradient other than 1 (the layer's loss scale reaches it so)
+            for a, b in zip(torch.autograd.grad(2.5 * mine, zs), torch.autograd.grad(2.5 * theirs, zs)):
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-9)
+                assert a.abs().sum() > 0
 
 
-def test_balancing_terms_gradient_keeps_float32_under_the_steps_bf16_autocast():
+def test_balancing_loss_gradient_keeps_float32_under_the_steps_bf16_autocast():
     """The trainer runs forward and backward inside one bf16 autocast context: the written-out
     backward must not drop to bf16 there (a matmul would)."""
-    from megatron_triroute.routing.losses import _BalancingTerms
+    from megatron_triroute.config import LossConfig
+    from megatron_triroute.routing.losses import _BalancingLoss
 
     g = torch.Generator().manual_seed(9)
     logits = torch.randn(64, 4, 6, generator=g)
     executed = torch.randint(0, 6, (64, 4), generator=g)
+    cfg = LossConfig(load_weight=0.3, z_weight=0.7, entropy_weight=1.3, entropy_floor=1.0)
     grads = []
     for bf16 in (False, True):
         z = logits.clone().requires_grad_(True)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-            bal, zl, ent, _ = _BalancingTerms.apply(z, executed, 2.0, True, False)
-            (0.3 * bal + 0.7 * zl + 1.3 * ent).backward()
+            _BalancingLoss.apply(cfg, False, (executed,), z)[0].backward()
         grads.append(z.grad)
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=1e-9)
