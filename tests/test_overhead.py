@@ -124,14 +124,14 @@ def test_configuration_errors_exit_2_with_one_line():
 
 
 def test_a_process_group_of_one_leaves_the_environment_as_it_was(monkeypatch):
-    """Built in a test process, it must not leave its rendezvous port behind for the processes the
-    next tests start (they would all try the same port)."""
+    """Built in a test process, it must not leave its rank behind for the processes the next tests
+    start, nor take a rendezvous port (a world of one meets through an in-process store)."""
     import os
 
     from megatron_triroute.distributed.one_process import single_process_parallel
 
     monkeypatch.setenv("RANK", "7")
-    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("MASTER_PORT", "1")  # unusable: a TCP rendezvous here would fail
     with single_process_parallel():
-        assert os.environ["RANK"] == "0" and os.environ["MASTER_PORT"]
-    assert os.environ["RANK"] == "7" and "MASTER_PORT" not in os.environ
+        assert os.environ["RANK"] == "0" and os.environ["MASTER_PORT"] == "1"
+    assert os.environ["RANK"] == "7" and os.environ["MASTER_PORT"] == "1"

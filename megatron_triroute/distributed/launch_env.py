@@ -105,6 +105,20 @@ def export_torch_env(env: LaunchEnv, environ: MutableMapping[str, str] = os.envi
     environ["MASTER_PORT"] = str(env.master_port)
 
 
+def init_process_group(backend: str, rank: int, world_size: int, **kwargs) -> None:
+    """`torch.distributed.init_process_group` for `rank` of `world_size`. A world of one rendezvouses
+    through an in-process store, not a TCP port: nothing else needs to reach it, and two
+    one-process runs on one machine (or a port another program holds) cannot collide on
+    `MASTER_PORT`. Larger worlds meet at `MASTER_ADDR:MASTER_PORT` (`env://`, after
+    `export_torch_env`)."""
+    import torch.distributed as dist
+
+    if world_size == 1:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, **kwargs)
+
+
 # ---------------------------------------------------------------------------------------- torchrun
 
 

@@ -23,23 +23,23 @@ def single_process_parallel(backend: str = "gloo") -> Iterator[object]:
     """torch.distributed (`backend`, world of one: gloo for CPU tensors, nccl for CUDA ones) and
     Megatron/DeepSpeed parallel state for building a model in this process, inside the CPU shim;
     torn down on exit (torch.distributed only if this call created it). The rendezvous variables are
-    set for the call only, on a fresh port, and restored after: a caller's environment (and every
-    process it starts later) keeps what it had."""
+    set for the call only and restored after: a caller's environment (and every process it starts
+    later) keeps what it had; the group meets through an in-process store (no port to collide on,
+    `launch_env.init_process_group`)."""
     import torch.distributed as dist
 
-    from .launch_env import free_local_port
+    from .launch_env import init_process_group
     from ..parallel import cpu_shim, destroy_parallel, initialize_parallel
 
     created = not dist.is_initialized()
     saved = {}
     if created:
-        for name, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_local_port())),
-                            ("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+        for name, value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             saved[name] = os.environ.get(name)
             os.environ[name] = value
     try:
         if created:
-            dist.init_process_group(backend, rank=0, world_size=1)
+            init_process_group(backend, 0, 1)
         with cpu_shim():  # the CPU workarounds for as long as the models built here run
             try:
                 yield initialize_parallel(1, 1, 1)

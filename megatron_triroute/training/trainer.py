@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from ..distributed.launch_env import init_process_group
 from ..durability import write_text_atomic
 from . import signals
 from .config import RunConfig
@@ -65,7 +66,7 @@ def train(run: RunConfig, env, tables) -> int:
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     # Long enough for a slow first index build or a large checkpoint; a dead rank is caught by
     # the launcher (torchrun's agent, srun --kill-on-bad-exit), not by this timeout.
-    dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timedelta(minutes=30))
+    init_process_group(backend, env.rank, env.world_size, timeout=timedelta(minutes=30))
     try:
         status = run_loop(setup(run, env, tables))
         dist.barrier()  # leave together: no collective of any group is in flight past this point

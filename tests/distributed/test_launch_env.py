@@ -314,3 +314,28 @@ def test_real_mpirun_two_ranks(tmp_path):
     via_mpi4py = [line.split()[1:] for line in lines if line.startswith("MPI4PY")]
     assert len(via_mpi4py) == 2 and via_mpi4py[0] == via_mpi4py[1]  # rank 0's port, broadcast
     assert via_mpi4py[0][:2] == ["mpi", "127.0.0.1"]
+
+
+def test_a_world_of_one_needs_no_port(tmp_path):
+    """Two one-process runs on one machine, or a port another program holds, cannot collide: a
+    world of one meets through an in-process store. MASTER_PORT names a port held by a listening
+    socket here; the env:// rendezvous would fail on it (EADDRINUSE)."""
+    import socket
+
+    script = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        from megatron_triroute.distributed.launch_env import init_process_group
+        init_process_group("gloo", 0, 1)
+        t = torch.ones(3)
+        dist.all_reduce(t)
+        print("SUM", t.sum().item(), dist.get_world_size(), flush=True)
+        dist.destroy_process_group()
+    """)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+        env |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(held.getsockname()[1]), "PYTHONPATH": str(REPO)}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "SUM 3.0 1" in out.stdout
