@@ -184,3 +184,33 @@ def test_micro_batch_constants_give_every_cost_bit_for_bit_and_are_computed_once
     first = inputs.costs(cfg.model, cfg.router)
     assert inputs.costs(cfg.model, cfg.router) is first
     assert torch.equal(first.keys, micro_batch_costs(torch.arange(T), B, cfg.model, cfg.router).keys)
+
+
+def test_expert_count_surrogate_gradient_equals_autograd_through_its_formula():
+    """The written-out node against autograd through n_t + [null not in S_t] (q_t - sg q_t) on random
+    logits, top-2 with and without the null selected, an upstream gradient other than one, float32
+    logits (the gradient comes back in their dtype)."""
+    g = torch.Generator().manual_seed(5)
+    z = torch.randn(6, 9, 5, generator=g) * 2
+
+    def reference(logits, index):
+        real = index >= 0
+        zz = logits.double()
+        weakest = zz.gather(-1, index + 1).masked_fill(~real, float("inf")).amin(-1)
+        has_null = (~real).any(-1)
+        q = torch.sigmoid(torch.where(has_null, 0.0, weakest) - zz[..., 0])
+        return real.sum(-1).double() + torch.where(has_null, 0.0, q - q.detach())
+
+    index = top_k_gating(z, 2, True).index
+    assert (index < 0).any() and (index >= 0).all(-1).any()  # both kinds of token present
+    upstream = torch.rand(6, 9, generator=g, dtype=torch.float64) + 0.5
+    grads = []
+    for fn in (expert_count_surrogate, lambda lg, ix, _: reference(lg, ix)):
+        logits = z.clone().requires_grad_(True)
+        n = fn(logits, index, True)
+        assert torch.equal(n, (index >= 0).sum(-1).double())
+        (n * upstream).sum().backward()
+        assert logits.grad.dtype == torch.float32
+        grads.append(logits.grad)
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-9)
+    assert grads[0].abs().sum() > 0
