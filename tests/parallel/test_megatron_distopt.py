@@ -319,3 +319,60 @@ def test_fp32_shards_are_their_buffer_slots_so_the_copies_are_skipped():
         group[0] = group[0].detach().clone().fill_(0.5)
         opt._copy_main_params_to_model_params()
         assert any(bool((p.detach() == 0.5).all()) for p in model.parameters())
+
+
+def test_a_world_of_one_skips_its_identity_collectives_and_steps_the_same(monkeypatch):
+    """In a data-parallel group of one the shard is the bucket: the gradient reduce-scatter and the
+    parameter all-gather are the identity. With the skip they are not called at all, and two steps
+    (gradient reduction overlapped with the backward, so the asynchronous path's wait runs too)
+    leave every parameter bit for bit where the same steps through the collectives leave it."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import param_and_grad_buffer as buffers
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from megatron_triroute.distributed.one_process import single_process_parallel
+    from megatron_triroute.parallel.megatron_ddp import skip_world_of_one_collectives
+
+    calls = {"dist_all_gather_func": 0, "dist_reduce_scatter_func": 0}
+
+    def counted(name):
+        collective = getattr(buffers, name)
+        collective = getattr(collective, "__wrapped__", collective)  # under the skip, if applied already
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return collective(*args, **kwargs)
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(buffers, name, counted(name))
+
+    def two_steps() -> dict[str, torch.Tensor]:
+        from megatron.core import tensor_parallel
+
+        tensor_parallel.model_parallel_cuda_manual_seed(7)
+        config, model = _tiny_gpt()
+        start.update({n: p.detach().clone() for n, p in model.named_parameters()})
+        ddp = DistributedDataParallel(config, DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, use_distributed_optimizer=True, overlap_grad_reduce=True), model)
+        chained = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=LR, use_distributed_optimizer=True),
+                                         [ddp])
+        for step in range(2):
+            ddp.zero_grad_buffer()
+            chained.zero_grad()
+            _loss(ddp, _batch(0, step)).backward()
+            ddp.finish_grad_sync()
+            assert chained.step()[0]
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    start: dict[str, torch.Tensor] = {}
+    with single_process_parallel("gloo"):
+        through = two_steps()
+        assert all(n > 0 for n in calls.values()), calls
+        seen = dict(calls)
+        assert skip_world_of_one_collectives()
+        skipped = two_steps()
+        assert calls == seen, calls  # not one call more
+    assert through.keys() == skipped.keys()
+    assert all(torch.equal(through[n], skipped[n]) for n in through)
+    assert all(not torch.equal(through[n], start[n]) for n in through)  # every parameter stepped
