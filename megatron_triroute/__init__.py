@@ -3,9 +3,14 @@ trained on Megatron-Core with DeepSpeed-MoE expert parallelism.
 
 The top-level names are resolved lazily: `import megatron_triroute.training.signals` must not
 import torch, so stop signals can be handled from the first line of a launched process.
+Importing it defers Megatron-Core's fusion compiles to their first call (`lazy_fuser`).
 """
 
 from importlib import import_module
+
+from .lazy_fuser import install as _defer_megatron_fusion_compiles
+
+_defer_megatron_fusion_compiles()
 
 __version__ = "0.1.0"
 
