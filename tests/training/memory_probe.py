@@ -10,6 +10,9 @@ planner models a GPU's allocated bytes. With glibc's default the heap keeps free
 the resident size creeps up step after step (at the held-out shape: 0.20, 0.22, 0.24, 0.30, 0.31
 GiB after steps 1-5, while the live tensors after each step stay at 62 MiB), so the figure would
 depend on the number of steps measured.
+
+The idle process has already imported every library the steps load, TorchDynamo included (torch.optim
+imports it when the first optimizer is built): their code and tables are not the step's memory.
 """
 
 import ctypes
@@ -49,6 +52,7 @@ def main(rank: int, world: int, overrides: list[str]) -> None:
     from megatron_triroute.training.planner import estimate_rank_memory
     from megatron_triroute.training.recipes import get_recipe
     from megatron_triroute.training.trainer import build_optimizer
+    import torch._dynamo  # noqa: F401  (torch.optim imports it at the first optimizer: a library, not the step's)
 
     shim = cpu_shim()
     shim.__enter__()  # for the life of this probe process
