@@ -46,6 +46,9 @@ class _Loader(importlib.abc.Loader):
     def __init__(self, inner):
         self.inner = inner
 
+    def __getattr__(self, name):  # get_source, get_filename, is_package...: the file's own loader's
+        return getattr(self.inner, name)
+
     def create_module(self, spec):
         return self.inner.create_module(spec)
 
