@@ -11,10 +11,9 @@ first call. torch.compile compiles on the first call anyway; only the import mov
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import importlib.machinery
-import inspect
 import sys
+import types
 
 MODULE = "megatron.core.jit"
 
@@ -26,7 +25,7 @@ def deferred_compile(compile_):
     def compile_later(model=None, **kwargs):
         if model is None:  # used as @torch.compile(**options)
             return lambda fn: compile_later(fn, **kwargs)
-        if not inspect.isfunction(model):
+        if not isinstance(model, types.FunctionType):
             return compile_(model, **kwargs)
         compiled = None
 
@@ -40,8 +39,10 @@ def deferred_compile(compile_):
     return compile_later
 
 
-class _Loader(importlib.abc.Loader):
-    """Runs `megatron.core.jit` with torch.compile deferred; its `jit_fuser` keeps the deferred one."""
+class _Loader:
+    """Runs `megatron.core.jit` with torch.compile deferred; its `jit_fuser` keeps the deferred one.
+    (The import protocol's loader and finder, duck-typed: `importlib.abc` alone would add about
+    10 ms to a launch before its stop-signal handlers are installed.)"""
 
     def __init__(self, inner):
         self.inner = inner
@@ -63,7 +64,7 @@ class _Loader(importlib.abc.Loader):
             torch.compile = real
 
 
-class _Finder(importlib.abc.MetaPathFinder):
+class _Finder:
     def find_spec(self, name, path, target=None):
         if name != MODULE:
             return None
