@@ -20,7 +20,8 @@ MODULE = "megatron.core.jit"
 
 def deferred_compile(compile_):
     """`compile_` (torch.compile) applied to a plain function at that function's first call, with
-    the same arguments; anything else (a module, a method) is passed to `compile_` at once."""
+    the same arguments (a method too, decorated in its class body); anything else (a module, a bound
+    method) is passed to `compile_` at once."""
     @functools.wraps(compile_)
     def compile_later(model=None, **kwargs):
         if model is None:  # used as @torch.compile(**options)
@@ -47,11 +48,8 @@ class _Loader:
     def __init__(self, inner):
         self.inner = inner
 
-    def __getattr__(self, name):  # get_source, get_filename, is_package...: the file's own loader's
+    def __getattr__(self, name):  # create_module, get_source, get_filename...: the file's own loader's
         return getattr(self.inner, name)
-
-    def create_module(self, spec):
-        return self.inner.create_module(spec)
 
     def exec_module(self, module):
         import torch

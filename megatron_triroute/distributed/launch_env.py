@@ -37,7 +37,8 @@ collision with a client socket is possible but rare; set MASTER_PORT to rule it 
 PORT_SPAN = 20000
 
 DEFAULT_SINGLE_PORT = 29500
-"""torchrun's default port, used when one process initialises a group of one."""
+"""torchrun's default port, exported as MASTER_PORT for a process without a launcher; its group of
+one meets through an in-process store and never opens it (`init_process_group`)."""
 
 
 class LaunchEnvError(RuntimeError):

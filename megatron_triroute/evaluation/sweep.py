@@ -193,8 +193,6 @@ def train_points(sweep: Sweep, planned: list[PlannedPoint], jobs: int) -> int:
     """Train every planned run not finished earlier, `jobs` at a time (each its own process, its log
     next to its run directory); stops starting new runs after a failure. Returns the first failed
     run's exit status, else 0."""
-    from ..distributed.launch_env import free_local_port
-
     start, done, failed = time.time(), 0, []
     running: list[tuple[subprocess.Popen, str, Path, object]] = []
     todo = []
@@ -210,7 +208,7 @@ def train_points(sweep: Sweep, planned: list[PlannedPoint], jobs: int) -> int:
             name, run_dir, cmd = todo.pop(0)
             run_dir.mkdir(parents=True, exist_ok=True)
             log = open(run_dir.parent / f"{run_dir.name}.log", "ab")
-            env = dict(os.environ, MASTER_PORT=str(free_local_port()))  # runs side by side: one rendezvous port each
+            env = dict(os.environ)  # runs side by side need no port each: a world of one meets in-process
             if jobs > 1 and "OMP_NUM_THREADS" not in os.environ:  # and a share of the cores each
                 env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
             running.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), name, run_dir, log))
