@@ -1,12 +1,20 @@
 """Time the C++ decode ops against the PyTorch paths they replace, one decode step of one layer.
 
     OMP_NUM_THREADS=1 python benchmarks/bench_cpu_ops.py [--context 2048] [--batches 1 8] [--portable]
+    OMP_NUM_THREADS=1 python benchmarks/bench_cpu_ops.py --baseline HEAD~1 --prefill-rows 0
 
 Attention: the one-call C++ paged attention against the per-pool PyTorch path (one
 `decode_attention_pool_torch` per width + `merge_partials`). Shape: the 160m recipe's attention (12
 query heads, 3 KV heads, head dim 64, group 32), pages of 16 slots, every token's width drawn
 uniformly from 2/4/8/16 bits, every head full. Prints per batch the median of `--iters` calls (ms)
 of both paths and the C++ op's K/V bytes read (its counter) per second.
+
+`--baseline REV`: the attention op built from `kernels/csrc/decode_ops.cpp` as of git revision REV
+too (its library renamed `triroute_baseline`, built with the same flags in its own folder), called
+interleaved with this tree's op on the same inputs (A B A B, `--iters` pairs): per batch the medians,
+the median and quartiles of the per-call ratios (this tree / baseline) and the largest difference of
+their outputs. A change to the kernel is measured against the code it replaces in one process, where
+both see the same machine load.
 
 Prefill: the C++ attention over one request's `--prefill-rows` prompt rows at once (row t reads
 positions 0..t, every head full), the call a prefill makes per layer.
@@ -21,11 +29,14 @@ per second by each, and the median of the per-call ratios F.linear / decode_line
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -85,6 +96,48 @@ def prefill_row(n: int, iters: int, gen: torch.Generator) -> dict:
 LINEAR_SHAPES = {"q_proj": (768, 768), "expert_w1": (1024, 768), "lm_head": (50304, 768)}
 
 
+def baseline_ops(rev: str):
+    """torch.ops.triroute_baseline: the decode ops of `decode_ops.cpp` at git revision `rev` (module doc)."""
+    from torch.utils.cpp_extension import load
+
+    root = Path(__file__).resolve().parents[1]
+    source = subprocess.run(["git", "show", f"{rev}:kernels/csrc/decode_ops.cpp"], cwd=root, check=True,
+                            capture_output=True, text=True).stdout
+    source = source.replace("TORCH_LIBRARY(triroute,", "TORCH_LIBRARY(triroute_baseline,")
+    source = source.replace("TORCH_LIBRARY_IMPL(triroute,", "TORCH_LIBRARY_IMPL(triroute_baseline,")
+    flags = cpu_ops.CFLAGS + ([] if os.environ.get("TRIROUTE_CPU_OPS_PORTABLE") else cpu_ops.NATIVE_CFLAGS)
+    key = hashlib.sha256(source.encode() + repr(flags).encode()).hexdigest()[:16]
+    where = cpu_ops.build_directory(flags).parent / f"triroute_baseline_{key}"
+    where.mkdir(parents=True, exist_ok=True)
+    (where / "decode_ops.cpp").write_text(source)
+    load(name=f"triroute_baseline_{key}", sources=[str(where / "decode_ops.cpp")], extra_cflags=flags,
+         build_directory=str(where), is_python_module=False, verbose=False)
+    return torch.ops.triroute_baseline
+
+
+def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
+    """This tree's attention and the baseline's, interleaved on the same inputs (module doc)."""
+    from triroute_kernels.paged_ops import _lists
+
+    lists = _lists((k_pools, v_pools))
+    base_args = (q, *lists.tensors, lists.bits, lists.group_size, *args)
+    ours_out = paged_attention(q, (k_pools, v_pools), *args, torch.zeros(2, dtype=torch.long))
+    diff = float((ours_out - ops.paged_attention(*base_args, torch.zeros(2, dtype=torch.long))).abs().max())
+    ours, base = [], []
+    for _ in range(iters):
+        for times, fn in ((ours, lambda c: paged_attention(q, (k_pools, v_pools), *args, c)),
+                          (base, lambda c: ops.paged_attention(*base_args, c))):
+            counters = torch.zeros(2, dtype=torch.long)
+            t0 = time.perf_counter()
+            fn(counters)
+            times.append(time.perf_counter() - t0)
+    ratios = [a / b for a, b in zip(ours, base)]
+    q1, _, q3 = statistics.quantiles(ratios, n=4)
+    return {"baseline_ms": round(1e3 * statistics.median(base), 3), "this_tree_ms": round(1e3 * statistics.median(ours), 3),
+            "ratio_median": round(statistics.median(ratios), 3), "ratio_q1": round(q1, 3), "ratio_q3": round(q3, 3),
+            "max_abs_diff_vs_baseline": diff}
+
+
 def linear_rows(batch: int, iters: int, gen: torch.Generator) -> list[dict]:
     """`decode_linear` against F.linear per shape of LINEAR_SHAPES (module doc)."""
     rows = []
@@ -119,12 +172,14 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--prefill-rows", type=int, default=512, help="prompt rows of the prefill call (0: none)")
     p.add_argument("--portable", action="store_true", help="the kernels built without -march=native (own build folder)")
+    p.add_argument("--baseline", metavar="REV", help="also time the attention op of git revision REV, interleaved")
     a = p.parse_args()
     if a.portable:
         os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
     if not cpu_ops.cpu_ops_available():
         raise SystemExit(f"the C++ CPU kernels are unavailable: {cpu_ops.cpu_ops_error()}")
     gen = torch.Generator().manual_seed(0)
+    base = baseline_ops(a.baseline) if a.baseline else None
     rows = []
     for batch in a.batches:
         k_pools, v_pools, tables = build_cache(batch, a.context, gen)
@@ -148,6 +203,8 @@ def main() -> None:
             "bytes_read": int(per_call[1]), "attn_macs": int(per_call[0]), "cpp_gb_per_s": round(int(per_call[1]) / cpp / 1e6, 2),
             "max_abs_diff_vs_torch": err,
         })
+        if base is not None:
+            rows[-1] |= {"baseline": a.baseline} | against_baseline(base, q, k_pools, v_pools, args, a.iters)
         print(json.dumps(rows[-1]), flush=True)
     if a.prefill_rows:
         rows.append(prefill_row(a.prefill_rows, a.iters, gen))

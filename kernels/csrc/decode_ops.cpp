@@ -191,12 +191,32 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
-// s[t] = (q . k_t) * scale for the c rows of kbuf (row t at kbuf + t * d).
-inline void score_rows(const float* q, const float* kbuf, int64_t c, int64_t d, float scale, float* s) {
+// s[t] = (q . k_t) * scale for the c rows of kbuf (row t at kbuf + t * d); returns max(m, s[0..c)).
+// The maximum is taken from the registers the scores are stored from: reading them back at once
+// would wait on the stores (and a wide load over two narrower stores is not forwarded).
+inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d, float scale, float* s, float m) {
   int64_t t = 0;
 #if defined(TRIROUTE_AVX2)
   if (d % 8 == 0) {
-    for (; t + 4 <= c; t += 4) {  // four keys at once: q read once, four independent chains
+    __m256 mv = _mm256_set1_ps(m);
+    for (; t + 8 <= c; t += 8) {  // eight keys at once: q read once, eight independent chains
+      const float* k0 = kbuf + t * d;
+      __m256 a[8];
+      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+      for (int64_t i = 0; i < d; i += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + i);
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * d + i), a[j]);
+      }
+      // lanes 0-3 of h0: keys 0-3's low halves, 4-7 their high halves (h1: keys 4-7)
+      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+      const __m256 sums = _mm256_mul_ps(
+          _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)), _mm256_set1_ps(scale));
+      _mm256_storeu_ps(s + t, sums);
+      mv = _mm256_max_ps(mv, sums);
+    }
+    __m128 mq = _mm_max_ps(_mm256_castps256_ps128(mv), _mm256_extractf128_ps(mv, 1));
+    for (; t + 4 <= c; t += 4) {  // four keys at once, the same sums
       const float* k0 = kbuf + t * d;
       __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
       for (int64_t i = 0; i < d; i += 8) {
@@ -207,12 +227,20 @@ inline void score_rows(const float* q, const float* kbuf, int64_t c, int64_t d, 
         a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + 3 * d + i), a3);
       }
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-      const __m128 sums = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(s + t, _mm_mul_ps(sums, _mm_set1_ps(scale)));
+      const __m128 sums = _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1)), _mm_set1_ps(scale));
+      _mm_storeu_ps(s + t, sums);
+      mq = _mm_max_ps(mq, sums);
     }
+    float lanes[4];
+    _mm_storeu_ps(lanes, mq);
+    m = std::max(std::max(lanes[0], lanes[1]), std::max(lanes[2], lanes[3]));
   }
 #endif
-  for (; t < c; ++t) s[t] = dot(q, kbuf + t * d, d) * scale;
+  for (; t < c; ++t) {
+    s[t] = dot(q, kbuf + t * d, d) * scale;
+    m = std::max(m, s[t]);
+  }
+  return m;
 }
 
 // acc += sum_t p[t] * v_t over the c rows of vbuf.
@@ -386,8 +414,14 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   const float scale = static_cast<float>(sm_scale);
   std::atomic<int64_t> macs_total{0}, bytes_total{0};
 
+  // Keys are scored, softmaxed and accumulated in blocks of whole pages of one pool: up to
+  // kBlockFloats / d slots (16 KB of dequantised K, and as much V, in the first-level cache), at
+  // least one page. The per-block work (the running maximum's rescale, the loops' set-up) is paid
+  // once per block rather than once per page: 15 % of the op's time at the 160m shape.
+  constexpr int64_t kBlockFloats = 4096;
   int64_t P_max = 1;
   for (const auto& pv : views) P_max = std::max(P_max, pv.P);
+  const int64_t B_max = std::max(P_max, kBlockFloats / d);
 
   // Work item = (chunk of consecutive rows of one request, kv head): a prefill's rows share their
   // request's pages, so each page is dequantised once per chunk, not once per row. Chunks of at
@@ -400,13 +434,14 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   const int64_t n_chunks = static_cast<int64_t>(chunk_start.size()) - 1;
 
   at::parallel_for(0, n_chunks * H_kv, 1, [&](int64_t begin, int64_t end) {
-    // One page at a time: its K rows in the chunk's range dequantised into kbuf once, scored for
-    // every reading (row, head) of the chunk (row r's keys: positions in lo[r, head]..hi[r], a
-    // contiguous run of the page's rows since positions increase along it), one rescale per
-    // (row, head) and page, then its V rows dequantised into vbuf once and accumulated.
+    // One block of pages at a time (attend_block): their K rows in the chunk's range dequantised
+    // into kbuf once, scored for every reading (row, head) of the chunk (row r's keys: positions in
+    // lo[r, head]..hi[r], a contiguous run of the block's rows since positions increase along it),
+    // one rescale per (row, head) and block, then their V rows dequantised into vbuf once and
+    // accumulated.
     const int64_t RG = kChunkRows * G;
-    std::vector<float> kbuf(P_max * d), vbuf(P_max * d), sbuf(RG * P_max), m(RG), l(RG), acc(RG * d);
-    std::vector<int64_t> lo_h(RG), rows(P_max), pos(P_max), first(RG), stop(RG), row_lo(kChunkRows);
+    std::vector<float> kbuf(B_max * d), vbuf(B_max * d), sbuf(RG * B_max), m(RG), l(RG), acc(RG * d);
+    std::vector<int64_t> lo_h(RG), rows(B_max), pos(B_max), first(RG), stop(RG), row_lo(kChunkRows);
     std::vector<char> reads(RG);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
@@ -432,9 +467,51 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       }
       if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0
       std::fill(acc.begin(), acc.begin() + RL * G * d, 0.f);
+      // The c keys gathered in rows/pos (positions ascending), all of pool pv.
+      auto attend_block = [&](const PoolView& pv, int64_t c) {
+        load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
+        for (int64_t r = 0; r < RL; ++r) {
+          const int64_t n = n0 + r, hi_n = hip[n];
+          int64_t t1 = c;  // the row's keys end at its own position
+          while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
+          if (row_lo[r] <= hi_n) {  // each K row and V row once per query row (the counter's unit)
+            int64_t b0 = 0;
+            while (b0 < t1 && pos[b0] < row_lo[r]) ++b0;
+            bytes += (t1 - b0) * pv.kv_bytes;
+          }
+          const float* qr = qp + (n * H + g * G) * d;
+          for (int64_t j = 0; j < G; ++j) {
+            const int64_t rj = r * G + j;
+            int64_t t0 = 0;
+            while (t0 < t1 && pos[t0] < lo_h[rj]) ++t0;
+            first[rj] = t0;
+            stop[rj] = reads[rj] ? t1 : t0;
+            if (first[rj] >= stop[rj]) continue;  // this head takes no key of the block
+            float* sj = sbuf.data() + rj * B_max + t0;
+            const int64_t n_keys = t1 - t0;
+            const float m_new = score_rows(qr + j * d, kbuf.data() + t0 * d, n_keys, d, scale, sj, m[rj]);
+            macs += 2 * d * n_keys;
+            // exp(-inf) = 0 before the first key; exp(0) = 1 exactly, so an unchanged maximum skips it
+            const float alpha = m_new == m[rj] ? 1.f : exp_nonpositive(m[rj] - m_new);
+            const float sum = exp_shifted(sj, n_keys, m_new);
+            l[rj] = l[rj] * alpha + sum;
+            if (alpha != 1.f) {
+              float* a = acc.data() + rj * d;
+              for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+            }
+            m[rj] = m_new;
+          }
+        }
+        load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
+        for (int64_t rj = 0; rj < RL * G; ++rj)
+          if (first[rj] < stop[rj])
+            accumulate_rows(acc.data() + rj * d, sbuf.data() + rj * B_max + first[rj], vbuf.data() + first[rj] * d,
+                            stop[rj] - first[rj], d);
+      };
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
         const int64_t* row_pages = tab + (w * R + reqp[n0]) * M;
+        int64_t c = 0;  // keys gathered for the block so far
         for (int64_t mi = 0; mi < M; ++mi) {
           const int64_t page = row_pages[mi];
           if (page < 0) continue;
@@ -445,55 +522,19 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           int64_t last = pv.P - 1;
           while (last >= 0 && tp[last] < 0) --last;
           if (last < 0 || tp[last] < lo_min || tp[0] > hi_max) continue;
-          int64_t c = 0;
+          // A full block, or a page whose positions do not follow the block's, ends the block.
+          if (c > 0 && (c + pv.P > B_max || tp[0] <= pos[c - 1])) {
+            attend_block(pv, c);
+            c = 0;
+          }
           for (int64_t slot = 0; slot <= last; ++slot) {
             const int64_t p = tp[slot];
             if (p < lo_min || p > hi_max) continue;
             rows[c] = (page * pv.P + slot) * H_kv + g;  // (slot, kv head) row
             pos[c++] = p;
           }
-          if (c == 0) continue;
-          load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
-          for (int64_t r = 0; r < RL; ++r) {
-            const int64_t n = n0 + r, hi_n = hip[n];
-            int64_t t1 = c;  // the row's keys end at its own position
-            while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
-            if (row_lo[r] <= hi_n) {  // each K row and V row once per query row (the counter's unit)
-              int64_t b0 = 0;
-              while (b0 < t1 && pos[b0] < row_lo[r]) ++b0;
-              bytes += (t1 - b0) * pv.kv_bytes;
-            }
-            const float* qr = qp + (n * H + g * G) * d;
-            for (int64_t j = 0; j < G; ++j) {
-              const int64_t rj = r * G + j;
-              int64_t t0 = 0;
-              while (t0 < t1 && pos[t0] < lo_h[rj]) ++t0;
-              first[rj] = t0;
-              stop[rj] = reads[rj] ? t1 : t0;
-              if (first[rj] >= stop[rj]) continue;  // this head takes no key of the page
-              float* sj = sbuf.data() + rj * P_max + t0;
-              const int64_t n_keys = t1 - t0;
-              score_rows(qr + j * d, kbuf.data() + t0 * d, n_keys, d, scale, sj);
-              macs += 2 * d * n_keys;
-              float block_max = neg_inf;
-              for (int64_t t = 0; t < n_keys; ++t) block_max = std::max(block_max, sj[t]);
-              const float m_new = std::max(m[rj], block_max);
-              const float alpha = exp_nonpositive(m[rj] - m_new);  // exp(-inf) = 0 before the first key
-              const float sum = exp_shifted(sj, n_keys, m_new);
-              l[rj] = l[rj] * alpha + sum;
-              if (alpha != 1.f) {
-                float* a = acc.data() + rj * d;
-                for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
-              }
-              m[rj] = m_new;
-            }
-          }
-          load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
-          for (int64_t rj = 0; rj < RL * G; ++rj)
-            if (first[rj] < stop[rj])
-              accumulate_rows(acc.data() + rj * d, sbuf.data() + rj * P_max + first[rj], vbuf.data() + first[rj] * d,
-                              stop[rj] - first[rj], d);
         }
+        if (c > 0) attend_block(pv, c);
       }
       for (int64_t r = 0; r < RL; ++r)
         for (int64_t j = 0; j < G; ++j) {

@@ -81,6 +81,39 @@ def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
     assert skipped.any() and not out[skipped].any()
 
 
+@pytest.mark.parametrize("page_order", ["written", "reversed"])
+def test_keys_in_many_blocks_and_pages_out_of_position_order(page_order):
+    """The kernel softmaxes one block of pages at a time (up to 64 keys at d 64): a long request
+    spans many blocks; prefill rows end mid-block, local windows start mid-block. A page table that
+    lists pages against position order (reversed) ends a block at every page, and must read the
+    same keys."""
+    gen = torch.Generator().manual_seed(23)
+    d, gs, H, H_kv, P = 64, 32, 4, 2, 16
+    stores, tables = _mixed_pools([700, 150], H_kv, P, gen, d, gs)  # ~175 keys of request 0 in each pool
+    if page_order == "reversed":
+        for w in range(tables.shape[0]):
+            for b in range(tables.shape[1]):
+                used = int((tables[w, b] >= 0).sum())
+                tables[w, b, :used] = tables[w, b, :used].flip(0)
+    request = torch.tensor([0, 1, 0, 0, 0], dtype=torch.long)
+    hi = torch.tensor([699, 149, 63, 64, 400], dtype=torch.long)
+    N = len(request)
+    window = torch.tensor([[0, 100, 5, 0], [0, 0, 70, 149], [0, 1, 63, 0], [0, 64, 0, 3], [0, 200, 130, 0]])
+    lo = (hi.view(N, 1) - window).clamp_min(0)
+    lo[:, 0] = 0  # one full head per row
+    q = torch.randn(N, H, d, generator=gen)
+    counters, twin_counters = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    out = paged_attention(q, ([s.k_pool for s in stores], [s.v_pool for s in stores]), tables, request, lo, hi, 0.125,
+                          counters)
+    ref = _rows_reference(q, stores, request, lo, hi, 0.125, gs)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5), (out - ref).abs().max()
+    twin = paged_attention_torch(q, [s.k_pool for s in stores], [s.v_pool for s in stores], tables, request, lo, hi,
+                                 0.125, twin_counters)
+    assert torch.allclose(out, twin, atol=1e-5, rtol=1e-5)
+    assert torch.equal(counters, twin_counters)
+    assert counters[0] == 2 * d * int((hi.view(N, 1) - lo + 1).sum())  # every head its own keys, once
+
+
 def test_a_local_head_reads_only_its_window_and_counters_count_it():
     """Hand count: one local head of window w reads w + 1 keys (the pages before are skipped
     whole); a full head of the same group reads everything."""
