@@ -120,13 +120,13 @@ def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
     from triroute_kernels.paged_ops import _lists
 
     lists = _lists((k_pools, v_pools))
-    base_args = (q, *lists.tensors, lists.bits, lists.group_size, *args)
-    ours_out = paged_attention(q, (k_pools, v_pools), *args, torch.zeros(2, dtype=torch.long))
-    diff = float((ours_out - ops.paged_attention(*base_args, torch.zeros(2, dtype=torch.long))).abs().max())
+    op_args = (q, *lists.tensors, lists.bits, lists.group_size, *args)  # both ops called alike, no Python API
+    ours_op = torch.ops.triroute.paged_attention
+    diff = float((ours_op(*op_args, torch.zeros(2, dtype=torch.long))
+                  - ops.paged_attention(*op_args, torch.zeros(2, dtype=torch.long))).abs().max())
     ours, base = [], []
     for _ in range(iters):
-        for times, fn in ((ours, lambda c: paged_attention(q, (k_pools, v_pools), *args, c)),
-                          (base, lambda c: ops.paged_attention(*base_args, c))):
+        for times, fn in ((ours, lambda c: ours_op(*op_args, c)), (base, lambda c: ops.paged_attention(*op_args, c))):
             counters = torch.zeros(2, dtype=torch.long)
             t0 = time.perf_counter()
             fn(counters)
