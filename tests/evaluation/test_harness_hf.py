@@ -2,22 +2,14 @@
 `triroute` model gives on the training checkpoint: the same log-likelihoods, the same greedy flags,
 the same rolling log-likelihood (two implementations of the harness interface, one exported model)."""
 
-import atexit
-import os
-import shutil
-import sys
-import tempfile
-
 import pytest
+
+from tests.hf_home import isolate_hf_home
 
 pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 
-if "transformers" not in sys.modules:  # keep remote code and caches out of the home directory
-    _HF = tempfile.mkdtemp(prefix="hf_home_")
-    atexit.register(shutil.rmtree, _HF, ignore_errors=True)
-    os.environ.update(HF_HOME=_HF, HF_MODULES_CACHE=os.path.join(_HF, "modules"))
-os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", HF_DATASETS_OFFLINE="1")
+isolate_hf_home()  # keep remote code and caches out of the home directory, offline
 
 from lm_eval.api.instance import Instance  # noqa: E402
 

@@ -5,21 +5,15 @@ evaluate, the lm-eval model) pass the targets through and refuse an infeasible o
 status 2 naming the reachable range; the Hugging Face export, with the curve in its config,
 generates the engine's tokens at the same per-row targets and realises the same fractions."""
 
-import atexit
 import json
-import os
 import shutil
-import sys
-import tempfile
 
 import pytest
 import torch
 
-if "transformers" not in sys.modules:  # keep remote code and caches out of the home directory
-    _HF = tempfile.mkdtemp(prefix="hf_home_")
-    atexit.register(shutil.rmtree, _HF, ignore_errors=True)
-    os.environ.update(HF_HOME=_HF, HF_MODULES_CACHE=os.path.join(_HF, "modules"))
-os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+from tests.hf_home import isolate_hf_home
+
+isolate_hf_home()  # keep remote code and caches out of the home directory, offline
 
 from megatron_triroute.evaluation import calibration
 from megatron_triroute.evaluation.loading import load_for_evaluation

@@ -1,17 +1,11 @@
 """Fixtures of the export tests: tiny checkpoints written at TP=2, EP=2 and PP=2 (gloo, one spawn),
 and a Hugging Face cache isolated in a temporary directory, offline."""
 
-import atexit
-import os
-import shutil
-import tempfile
+from tests.hf_home import isolate_hf_home
 
-# Before anything imports transformers: its module cache path is read at import time. Every process
-# that imports this module (the test process, the spawned ranks) removes its own directory at exit.
-_HF = tempfile.mkdtemp(prefix="hf_home_")
-atexit.register(shutil.rmtree, _HF, ignore_errors=True)
-os.environ.update(HF_HOME=_HF, HF_MODULES_CACHE=os.path.join(_HF, "modules"), HF_HUB_OFFLINE="1",
-                  TRANSFORMERS_OFFLINE="1", HF_HUB_DISABLE_TELEMETRY="1")
+# Before anything imports transformers. Every process that imports this module (the test process,
+# the spawned ranks) removes its own directory at exit.
+isolate_hf_home(even_if_imported=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
