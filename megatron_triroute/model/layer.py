@@ -42,6 +42,7 @@ from ..routing.cost import MicroBatchCosts, budget_fractions, expected_cost, noi
 from ..routing.pricing import price_decisions
 from ..routing.losses import router_aux_loss
 from ..routing.gumbel import one_hot
+from ..routing.softmax import softmax
 from ..routing.noise import NoiseKey
 from ..routing.reinforce import RewardBaseline, reward_tap
 from ..routing.state import RoutingInputs, RoutingState, has_reward
@@ -152,14 +153,14 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         parts = {"tokens": torch.full((1,), float(B * T), **f64)}  # in the row's layout order
         parts["attn/fraction"] = one_hot(out.attn.hard, len(ATTN_MODES), torch.float64).sum((0, 1, 2)) / out.attn.hard.shape[2]
         if out.attn.logits is not None:
-            parts["attn/prob"] = out.attn.logits.double().softmax(-1).mean(2).sum((0, 1))
+            parts["attn/prob"] = softmax(out.attn.logits.double()).mean(2).sum((0, 1))
         if out.experts is not None:
             n = out.experts.probs.shape[-1]
             parts["experts/fraction"] = one_hot(out.experts.option, n, torch.float64).sum((0, 1, 2)) / cfg.router.top_k
             parts["experts/prob"] = out.experts.probs.double().sum((0, 1))
         parts["bits/fraction"] = one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
         if out.bits.logits is not None:
-            parts["bits/prob"] = out.bits.logits.double().softmax(-1).sum((0, 1))
+            parts["bits/prob"] = softmax(out.bits.logits.double()).sum((0, 1))
         hard = noise_free_cost(out, positions, cfg.model, cfg.router, costs)
         cost = torch.stack([hard.flops.sum(), hard.kv_bits.sum()])
         dense_sums = costs.dense_sums

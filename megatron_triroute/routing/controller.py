@@ -25,6 +25,7 @@ from .grad_balance import GradBalance
 from .compiled import routing_ops
 from .gumbel import one_hot, sample_gumbel
 from .noise import NoiseKey
+from .softmax import softmax
 from .side_features import (
     MODE_FRACTIONS,
     N_STATIC_FEATURES,
@@ -304,7 +305,7 @@ class TriRouteController(nn.Module):
             sample = (z.detach() + g).argmax(-1)  # Gumbel-max: an exact sample of softmax(z)
             y = one_hot(sample, z.shape[-1], z.dtype)
             log_prob = F.log_softmax(z_model, -1).gather(-1, sample.unsqueeze(-1)).squeeze(-1)
-            return AxisDecision(y, F.softmax(z, -1), hard, logits=z, log_prob=log_prob)
+            return AxisDecision(y, softmax(z), hard, logits=z, log_prob=log_prob)
         y, y_cost = self.ops.relax(z_model, z, g, torch.full((), tau, dtype=z.dtype, device=z.device) if self.ops.compiled else tau)
         return AxisDecision(y, y_cost, hard, logits=z)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
+
+from .softmax import softmax
 
 NULL_EXPERT = -1
 """`expert_index` value of the null expert f_0 = 0 (never dispatched, costs nothing): option 0 - 1,
@@ -26,7 +27,7 @@ class ExpertRoutes:
 
 def option_probs(logits: torch.Tensor) -> torch.Tensor:
     """p = softmax(z^e) over the E' expert options, in float32: what the gates renormalise."""
-    return F.softmax(logits.float(), dim=-1)
+    return softmax(logits.float())
 
 
 def top_k_gating(logits: torch.Tensor, top_k: int, null_expert: bool) -> ExpertRoutes:

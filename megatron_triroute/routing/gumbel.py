@@ -7,6 +7,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from .softmax import softmax
+
 
 def sample_gumbel(like: torch.Tensor) -> torch.Tensor:
     """Gumbel(0, 1) from the stateful torch generator (tests and single-process use only;
@@ -17,7 +19,8 @@ def sample_gumbel(like: torch.Tensor) -> torch.Tensor:
 
 def soft_gumbel_sample(logits: torch.Tensor, noise: torch.Tensor, tau: float, dim: int = -1) -> torch.Tensor:
     """The relaxed sample y~_o = softmax((z_o + g_o) / tau) (Sec. relax)."""
-    return F.softmax((logits + noise) / tau, dim=dim)
+    x = (logits + noise) / tau
+    return softmax(x) if dim in (-1, x.dim() - 1) else F.softmax(x, dim=dim)
 
 
 def one_hot(index: torch.Tensor, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from ..config import LossConfig
 from .controller import RouterOutput
 from .counts import option_counts
+from .softmax import softmax
 
 
 def switch_load_loss(fraction: torch.Tensor, mean_prob: torch.Tensor) -> torch.Tensor:
@@ -58,7 +59,7 @@ def axis_statistics(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch
 def _fractions_and_probs(logits: torch.Tensor, executed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(f (O,), each decision's probabilities (N, O)): `axis_statistics` before the mean."""
     n_opt = logits.shape[-1]
-    probs = F.softmax(logits.float(), dim=-1).reshape(-1, n_opt)
+    probs = softmax(logits.float()).reshape(-1, n_opt)
     counts = option_counts(executed, n_opt, torch.float32)
     return counts / counts.sum(), probs
 

@@ -41,6 +41,7 @@ from .device_values import device_constant
 from .gating import NULL_EXPERT, ExpertRoutes
 from .noise import NoiseKey
 from .side_features import N_STATIC_FEATURES, decision_feature_size
+from .softmax import softmax
 
 
 
@@ -202,7 +203,7 @@ class MoDController(nn.Module):
         expert_logits = torch.stack([torch.zeros_like(s), s], -1).detach()  # (B, T, 2): [null, dense]
         option = block.processed.long().unsqueeze(-1)  # (B, T, 1): 1 = the dense expert, 0 = null
         experts = ExpertRoutes(
-            probs=expert_logits.softmax(-1),
+            probs=softmax(expert_logits),
             index=torch.where(option == 1, 0, NULL_EXPERT),
             weight=torch.where(option == 1, block.gate.unsqueeze(-1), torch.ones_like(block.gate).unsqueeze(-1)),
             option=option,

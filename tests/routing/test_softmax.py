@@ -1,0 +1,51 @@
+"""The routing axes' softmax and its gradient equal PyTorch's, and a CPU row of few options takes
+the written-out forward, not PyTorch's softmax kernel."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from megatron_triroute.routing.softmax import FEW, softmax
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(7, 1), (64, 3), (8, 16, 4, 3), (5, 2, 5), (33, FEW), (9, FEW + 1)])
+def test_values_and_gradients_equal_pytorchs(shape, dtype):
+    torch.manual_seed(0)
+    z = (torch.randn(shape, dtype=dtype) * 30).requires_grad_()  # spread wide: the shift matters
+    z_ref = z.detach().clone().requires_grad_()
+    y, y_ref = softmax(z), F.softmax(z_ref, -1)
+    tol = dict(atol=1e-6, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-14, rtol=1e-12)
+    torch.testing.assert_close(y, y_ref, **tol)
+    grad = torch.randn(shape, dtype=dtype)
+    y.backward(grad)
+    y_ref.backward(grad)
+    torch.testing.assert_close(z.grad, z_ref.grad, **tol)
+
+
+def test_large_logits_do_not_overflow_and_masked_options_get_zero():
+    z = torch.tensor([[1000.0, 999.0, -float("inf")], [-1000.0, -1001.0, -1002.0]])
+    y = softmax(z)
+    torch.testing.assert_close(y, F.softmax(z, -1))
+    assert y[0, 2] == 0 and torch.isfinite(y).all()
+
+
+def test_a_cpu_row_of_few_options_takes_the_written_out_ops():
+    with _Ops() as few:
+        softmax(torch.randn(16, 4, 3, requires_grad=True)).sum().backward()
+    with _Ops() as many:
+        softmax(torch.randn(4, FEW + 1, requires_grad=True)).sum().backward()
+    assert "aten._softmax" not in few.names and "aten.amax" in few.names, few.names
+    assert "aten._softmax" in many.names, many.names
+    assert "aten._softmax_backward_data" in few.names and "aten._softmax_backward_data" in many.names
