@@ -1,6 +1,7 @@
-"""The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/noise_ops.cpp`): built once per machine,
-registered as `torch.ops.triroute.{paged_attention, cache_write, routed_experts, decode_linear}`
-(a decode step's) and `torch.ops.triroute.counter_uniform` (the routing noise's hash, training).
+"""The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/noise_ops.cpp`, `csrc/quant_ops.cpp`): built once
+per machine, registered as `torch.ops.triroute.{paged_attention, cache_write, routed_experts,
+decode_linear}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash,
+training) and `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
@@ -22,6 +23,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 NOISE_SOURCE = "noise_ops.cpp"
+QUANT_SOURCE = "quant_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 EXTENSION_NAME = "triroute_decode_ops"
 CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -56,7 +58,7 @@ def build_directory(flags: list[str]) -> Path:
 
 
 def _sources() -> list[Path]:
-    return [SOURCE, SOURCE.parent / NOISE_SOURCE]
+    return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE]
 
 
 def _build() -> None:
@@ -138,5 +140,9 @@ def _register_fakes() -> None:
     def _(prefix, sample_words, position_words, counters):
         shape = (prefix.shape[0], sample_words.shape[0], position_words.shape[1], counters.shape[0])
         return prefix.new_empty(shape, dtype=torch.float64)
+
+    @torch.library.register_fake("triroute::quantized_values")
+    def _(x, bits, group_size):
+        return x.new_empty(x.shape[0], x.shape[1], len(bits), x.shape[2] * x.shape[3])
 
     _state["fakes"] = True

@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+from triroute_kernels import cpu_ops_available
 from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
     dequantize_groups,
@@ -33,7 +34,7 @@ from .device_values import device_constant
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
-    "quantize_groups", "quantized_values", "relaxed_kv_write",
+    "quantize_groups", "quantized_values", "quantized_values_torch", "relaxed_kv_write",
 ]
 
 
@@ -100,8 +101,18 @@ class _RelaxedWrite(torch.autograd.Function):
 @torch.no_grad()
 def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
     """(B, T, |bits|, H_kv * d_h) in x's dtype: [Q_b(x) for b in bits] along dim 2, equal to
-    `fake_quantize(x, b, group_size)` bit for bit. The widths below 16 share each group's min and
-    max and are quantised together (the levels 2^b - 1 broadcast along the width axis)."""
+    `fake_quantize(x, b, group_size)` bit for bit. On a CPU, for float32 x, the C++ kernel
+    (`torch.ops.triroute.quantized_values`, where built) computes them in one pass; under
+    torch.compile, and elsewhere, the tensor chain (`quantized_values_torch`) does."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() and cpu_ops_available():
+        return torch.ops.triroute.quantized_values(x, list(bits), group_size)
+    return quantized_values_torch(x, bits, group_size)
+
+
+@torch.no_grad()
+def quantized_values_torch(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
+    """`quantized_values` as tensor ops: the definition. The widths below 16 share each group's
+    min and max and are quantised together (the levels 2^b - 1 broadcast along the width axis)."""
     B, T = x.shape[:2]
     low = [b for b in bits if b < 16]
     parts: dict[int, torch.Tensor] = {}

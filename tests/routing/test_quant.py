@@ -132,6 +132,39 @@ def test_one_pass_quantiser_is_bit_exact_at_every_width():
                 assert torch.equal(values[:, :, i].view_as(xd), fake_quantize(xd, b, 4)), (order, dtype, b)
 
 
+def test_the_cpu_kernel_equals_the_tensor_chain_bit_for_bit_and_is_what_float32_takes():
+    """`torch.ops.triroute.quantized_values` (C++, where built) and `quantized_values_torch`: the same
+    bits at every width and order, for group sizes with and without a vector remainder, constant
+    groups, rounding ties and ranges from 1e-6 to 1e4, on a non-contiguous input; a float32 CPU
+    tensor goes through the kernel, any other dtype through the chain."""
+    from triroute_kernels import cpu_ops_available
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from megatron_triroute.routing.quant import quantized_values, quantized_values_torch
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+    torch.manual_seed(7)
+    for shape, group in (((4, 6, 2, 32), 32), ((4, 6, 2, 32), 8), ((3, 5, 1, 12), 12), ((2, 3, 3, 20), 4)):
+        x = torch.randn(shape) * torch.logspace(-6, 4, shape[1]).view(1, -1, 1, 1)
+        x[0, 0, 0, :group] = 0.3  # a constant group
+        x[0, 1, 0, :group] = torch.arange(group) * 0.5  # codes on rounding ties
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # not contiguous
+        for bits in ((2, 4, 8, 16), (16,), (4,), (8, 2), (16, 2)):
+            kernel = torch.ops.triroute.quantized_values(x, list(bits), group)
+            assert torch.equal(kernel, quantized_values_torch(x, bits, group)), (shape, group, bits)
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    for dtype, via_kernel in ((torch.float32, True), (torch.float64, False), (torch.bfloat16, False)):
+        seen = []
+        with Ops():
+            quantized_values(torch.randn(2, 3, 1, 8, dtype=dtype), (2, 16), 4)
+        assert ("triroute.quantized_values" in seen) == via_kernel, (dtype, seen)
+
+
 def test_relaxed_write_keeps_its_values_under_autocast():
     """Under bf16 autocast (the trainer's --bf16) the width mix must not round fp32 K/V to bf16."""
     torch.manual_seed(6)

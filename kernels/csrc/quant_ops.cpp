@@ -1,0 +1,128 @@
+// The relaxed K/V write's values at every width (megatron_triroute/routing/quant.py,
+// `quantized_values_torch`, the definition), registered as torch.ops.triroute.quantized_values:
+//
+//   out[b, t, w, :] = Q_{bits[w]}(x[b, t, :, :]),   x float32 (B, T, H_kv, d_h), out (B, T, |bits|, H_kv * d_h),
+//
+// per group of `group_size` channels of one head: scale = half((max - min) / (2^b - 1)),
+// zero = half(min), code = min(max(round((x - zero) / s), 0), 2^b - 1) with s the scale or 1 where
+// it is 0, value = code * scale, then + zero (two roundings: built with -ffp-contract=off); 16 bits:
+// half(x). The same float32 operations as the tensor chain, in its order: the same bits, one pass
+// over x instead of about twenty tensor ops per call.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX2__) || defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace {
+
+using at::Half;
+using at::Tensor;
+
+#if defined(__AVX2__)
+inline float hmin(__m256 v) {
+  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+inline float hmax(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
+}
+#endif
+
+inline void quantized_group(const float* x, int64_t gs, float levels, float* out) {
+  float mn = x[0], mx = x[0];
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (gs >= 8) {  // the minimum and maximum are exact in any order
+    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn;
+    for (i = 8; i + 8 <= gs; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      vmn = _mm256_min_ps(vmn, v);
+      vmx = _mm256_max_ps(vmx, v);
+    }
+    mn = hmin(vmn);
+    mx = hmax(vmx);
+  }
+#endif
+  for (; i < gs; ++i) {
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  volatile float levels_f = levels;  // a true division, not a reciprocal multiply
+  const float s = static_cast<float>(Half((mx - mn) / levels_f));
+  const float z = static_cast<float>(Half(mn));
+  const float safe = s > 0.f ? s : 1.f;
+  i = 0;
+#if defined(__AVX2__)
+  const __m256 vz = _mm256_set1_ps(z), vs = _mm256_set1_ps(s), vsafe = _mm256_set1_ps(safe);
+  const __m256 vlev = _mm256_set1_ps(levels), vzero = _mm256_setzero_ps();
+  for (; i + 8 <= gs; i += 8) {  // division, rounding, multiply and add each rounded as the scalar loop's
+    __m256 q = _mm256_div_ps(_mm256_sub_ps(_mm256_loadu_ps(x + i), vz), vsafe);
+    q = _mm256_round_ps(q, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm256_min_ps(_mm256_max_ps(q, vzero), vlev);
+    _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(q, vs), vz));
+  }
+#endif
+  for (; i < gs; ++i) {
+    float q = std::rint((x[i] - z) / safe);  // round half to even (the default rounding mode)
+    q = std::min(std::max(q, 0.f), levels);
+    out[i] = q * s + z;
+  }
+}
+
+inline void half_rounded(const float* x, int64_t n, float* out) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT)));
+#endif
+  for (; i < n; ++i) out[i] = static_cast<float>(Half(x[i]));
+}
+
+Tensor quantized_values_cpu(const Tensor& x, at::IntArrayRef bits, int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat && x.dim() == 4,
+              "quantized_values takes a float32 CPU tensor (B, T, H_kv, d_h), got ", x.scalar_type(), " ", x.sizes());
+  TORCH_CHECK(!bits.empty(), "quantized_values: no widths");
+  const int64_t B = x.size(0), T = x.size(1), d_h = x.size(3), D = x.size(2) * d_h;
+  TORCH_CHECK(group_size > 0 && d_h % group_size == 0, "group_size=", group_size, " must divide the head dim ", d_h);
+  for (int64_t b : bits) TORCH_CHECK(b == 2 || b == 4 || b == 8 || b >= 16, "quantized_values: width ", b);
+  const std::vector<int64_t> widths(bits.begin(), bits.end());
+  const int64_t nb = static_cast<int64_t>(widths.size());
+  const Tensor xc = x.contiguous();
+  Tensor out = at::empty({B, T, nb, D}, x.options());
+  const float* xp = xc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const float* row = xp + n * D;
+      for (int64_t w = 0; w < nb; ++w) {
+        float* o = op + (n * nb + w) * D;
+        if (widths[w] >= 16) {
+          half_rounded(row, D, o);
+          continue;
+        }
+        const float levels = static_cast<float>((1 << widths[w]) - 1);
+        for (int64_t g0 = 0; g0 < D; g0 += group_size) quantized_group(row + g0, group_size, levels, o + g0);
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(triroute, m) {
+  m.def("quantized_values(Tensor x, int[] bits, int group_size) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(triroute, CPU, m) { m.impl("quantized_values", &quantized_values_cpu); }
