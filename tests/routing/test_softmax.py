@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_triroute.routing.softmax import FEW, softmax
+from megatron_triroute.routing.softmax import FEW, MANY, softmax
 
 
 class _Ops(TorchDispatchMode):
@@ -20,7 +20,8 @@ class _Ops(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("shape", [(7, 1), (64, 3), (8, 16, 4, 3), (5, 2, 5), (33, FEW), (9, FEW + 1)])
+@pytest.mark.parametrize("shape", [(7, 1), (512, 1), (64, 3), (256, 3), (8, 16, 4, 3), (5, 2, 5), (33, FEW),
+                                   (9, FEW + 1), (64, FEW + 1)])
 def test_values_and_gradients_equal_pytorchs(shape, dtype):
     torch.manual_seed(0)
     z = (torch.randn(shape, dtype=dtype) * 30).requires_grad_()  # spread wide: the shift matters
@@ -35,17 +36,19 @@ def test_values_and_gradients_equal_pytorchs(shape, dtype):
 
 
 def test_large_logits_do_not_overflow_and_masked_options_get_zero():
-    z = torch.tensor([[1000.0, 999.0, -float("inf")], [-1000.0, -1001.0, -1002.0]])
+    z = torch.tensor([[1000.0, 999.0, -float("inf")], [-1000.0, -1001.0, -1002.0]]).repeat(MANY, 1)
     y = softmax(z)
     torch.testing.assert_close(y, F.softmax(z, -1))
-    assert y[0, 2] == 0 and torch.isfinite(y).all()
+    assert (y[0::2, 2] == 0).all() and torch.isfinite(y).all()
 
 
-def test_a_cpu_row_of_few_options_takes_the_written_out_ops():
+def test_many_cpu_rows_of_few_options_take_the_written_out_ops():
     with _Ops() as few:
-        softmax(torch.randn(16, 4, 3, requires_grad=True)).sum().backward()
-    with _Ops() as many:
-        softmax(torch.randn(4, FEW + 1, requires_grad=True)).sum().backward()
+        softmax(torch.randn(64, 4, 3, requires_grad=True)).sum().backward()
+    with _Ops() as wide:
+        softmax(torch.randn(64, FEW + 1, requires_grad=True)).sum().backward()
+    with _Ops() as small:  # a decode step's rows
+        softmax(torch.randn(2, 9, requires_grad=True)).sum().backward()
     assert "aten._softmax" not in few.names and "aten.amax" in few.names, few.names
-    assert "aten._softmax" in many.names, many.names
-    assert "aten._softmax_backward_data" in few.names and "aten._softmax_backward_data" in many.names
+    assert "aten._softmax" in wide.names and "aten._softmax" in small.names, (wide.names, small.names)
+    assert all("aten._softmax_backward_data" in ops.names for ops in (few, wide, small))
