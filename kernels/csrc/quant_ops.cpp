@@ -19,6 +19,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -39,25 +40,33 @@ inline float hmax(__m256 v) {
 }
 #endif
 
+// NaN as the tensor chain treats it: a group holding one has a NaN minimum and maximum (amin, amax),
+// hence a NaN scale and zero and NaN values at every width below 16. The vector minimum and maximum
+// drop a NaN operand, so NaNs are looked for apart.
 inline void quantized_group(const float* x, int64_t gs, float levels, float* out) {
   float mn = x[0], mx = x[0];
+  bool nan = false;
   int64_t i = 0;
 #if defined(__AVX2__)
-  if (gs >= 8) {  // the minimum and maximum are exact in any order
-    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn;
+  if (gs >= 8) {  // the minimum and maximum of numbers are exact in any order
+    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn, vnan = _mm256_cmp_ps(vmn, vmn, _CMP_UNORD_Q);
     for (i = 8; i + 8 <= gs; i += 8) {
       const __m256 v = _mm256_loadu_ps(x + i);
       vmn = _mm256_min_ps(vmn, v);
       vmx = _mm256_max_ps(vmx, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
     }
     mn = hmin(vmn);
     mx = hmax(vmx);
+    nan = _mm256_movemask_ps(vnan) != 0;
   }
 #endif
   for (; i < gs; ++i) {
+    nan |= std::isnan(x[i]);
     mn = std::min(mn, x[i]);
     mx = std::max(mx, x[i]);
   }
+  if (nan) mn = mx = std::numeric_limits<float>::quiet_NaN();
   volatile float levels_f = levels;  // a true division, not a reciprocal multiply
   const float s = static_cast<float>(Half((mx - mn) / levels_f));
   const float z = static_cast<float>(Half(mn));
@@ -75,7 +84,8 @@ inline void quantized_group(const float* x, int64_t gs, float levels, float* out
 #endif
   for (; i < gs; ++i) {
     float q = std::rint((x[i] - z) / safe);  // round half to even (the default rounding mode)
-    q = std::min(std::max(q, 0.f), levels);
+    q = q < 0.f ? 0.f : q;  // a NaN stays NaN, as in the chain's clamp
+    q = q > levels ? levels : q;
     out[i] = q * s + z;
   }
 }

@@ -135,8 +135,8 @@ def test_one_pass_quantiser_is_bit_exact_at_every_width():
 def test_the_cpu_kernel_equals_the_tensor_chain_bit_for_bit_and_is_what_float32_takes():
     """`torch.ops.triroute.quantized_values` (C++, where built) and `quantized_values_torch`: the same
     bits at every width and order, for group sizes with and without a vector remainder, constant
-    groups, rounding ties and ranges from 1e-6 to 1e4, on a non-contiguous input; a float32 CPU
-    tensor goes through the kernel, any other dtype through the chain."""
+    groups, rounding ties and ranges from 1e-6 to 1e4, on a non-contiguous input, and for NaN and
+    infinite values; a float32 CPU tensor goes through the kernel, any other dtype through the chain."""
     from triroute_kernels import cpu_ops_available
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -152,6 +152,16 @@ def test_the_cpu_kernel_equals_the_tensor_chain_bit_for_bit_and_is_what_float32_
         for bits in ((2, 4, 8, 16), (16,), (4,), (8, 2), (16, 2)):
             kernel = torch.ops.triroute.quantized_values(x, list(bits), group)
             assert torch.equal(kernel, quantized_values_torch(x, bits, group)), (shape, group, bits)
+
+    # non-finite K/V: a NaN makes its group NaN at every width below 16, never a number (a corrupt value
+    # must not pass as a quantised one); infinities as the chain gives them
+    for group in (8, 4, 12):
+        x = torch.randn(2, 3, 1, 24)
+        x[0, 0, 0, 3], x[0, 1, 0, 5], x[0, 2, 0, 1], x[1, 0, 0, 20] = float("nan"), float("inf"), -float("inf"), 1e6
+        kernel = torch.ops.triroute.quantized_values(x, [2, 4, 16], group)
+        chain = quantized_values_torch(x, (2, 4, 16), group)
+        assert torch.equal(kernel.isnan(), chain.isnan()) and torch.equal(kernel.nan_to_num(), chain.nan_to_num())
+        assert kernel[0, 0, :2, :group].isnan().all(), group  # the NaN's group, at 2 and 4 bits
 
     class Ops(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
