@@ -33,12 +33,59 @@
 #include <limits>
 #include <vector>
 
-#if defined(__F16C__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define TRIROUTE_AVX2 1
 #endif
+
+namespace triroute_format {
+
+// The number format's group statistics, one definition for the cache write here and the relaxed K/V
+// write's values (quant_ops.cpp). The minimum and maximum of a group of gs float32 values as the
+// tensor chain's amin and amax give them: NaN where the group holds a NaN (the vector and scalar
+// min/max drop a NaN operand, so NaNs are looked for apart); in any order otherwise, exactly.
+void group_range(const float* x, int64_t gs, float* min_out, float* max_out) {
+  float mn = x[0], mx = x[0];
+  bool nan = false;
+  int64_t i = 0;
+#if defined(__AVX2__)
+  if (gs >= 8) {
+    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn, vnan = _mm256_cmp_ps(vmn, vmn, _CMP_UNORD_Q);
+    for (i = 8; i + 8 <= gs; i += 8) {
+      const __m256 v = _mm256_loadu_ps(x + i);
+      vmn = _mm256_min_ps(vmn, v);
+      vmx = _mm256_max_ps(vmx, v);
+      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+    }
+    __m128 lo = _mm_min_ps(_mm256_castps256_ps128(vmn), _mm256_extractf128_ps(vmn, 1));
+    lo = _mm_min_ps(lo, _mm_movehl_ps(lo, lo));
+    mn = _mm_cvtss_f32(_mm_min_ss(lo, _mm_shuffle_ps(lo, lo, 1)));
+    __m128 hi = _mm_max_ps(_mm256_castps256_ps128(vmx), _mm256_extractf128_ps(vmx, 1));
+    hi = _mm_max_ps(hi, _mm_movehl_ps(hi, hi));
+    mx = _mm_cvtss_f32(_mm_max_ss(hi, _mm_shuffle_ps(hi, hi, 1)));
+    nan = _mm256_movemask_ps(vnan) != 0;
+  }
+#endif
+  for (; i < gs; ++i) {
+    nan |= std::isnan(x[i]);
+    mn = std::min(mn, x[i]);
+    mx = std::max(mx, x[i]);
+  }
+  if (nan) mn = mx = std::numeric_limits<float>::quiet_NaN();
+  *min_out = mn;
+  *max_out = mx;
+}
+
+// scale = half((max - min) / levels), a true division (not a reciprocal multiply), zero = half(min).
+void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half* zero) {
+  volatile float levels_f = static_cast<float>(levels);
+  *scale = at::Half((mx - mn) / levels_f);
+  *zero = at::Half(mn);
+}
+
+}  // namespace triroute_format
 
 namespace {
 
@@ -558,18 +605,10 @@ template <int BITS>
 inline void quantize_group(const float* x, int64_t gs, uint8_t* codes_row, int64_t first, Half* scale, Half* zero) {
   constexpr int levels = (1 << BITS) - 1;
   constexpr int per_byte = 8 / BITS;
-  float mn = x[0], mx = x[0];
-  for (int64_t i = 1; i < gs; ++i) {
-    mn = std::min(mn, x[i]);
-    mx = std::max(mx, x[i]);
-  }
-  const float diff = mx - mn;
-  volatile float levels_f = static_cast<float>(levels);  // a true division, not a reciprocal multiply
-  const Half sh(diff / levels_f);
-  const Half zh(mn);
-  *scale = sh;
-  *zero = zh;
-  const float s = static_cast<float>(sh), z = static_cast<float>(zh);
+  float mn, mx;
+  triroute_format::group_range(x, gs, &mn, &mx);
+  triroute_format::group_scale_zero(mn, mx, levels, scale, zero);
+  const float s = static_cast<float>(*scale), z = static_cast<float>(*zero);
   for (int64_t i = 0; i < gs; ++i) {
     int code = 0;
     if (s > 0.f) {

@@ -22,56 +22,26 @@
 #include <limits>
 #include <vector>
 
+namespace triroute_format {  // decode_ops.cpp: the number format's group statistics
+void group_range(const float* x, int64_t gs, float* min_out, float* max_out);
+void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half* zero);
+}  // namespace triroute_format
+
 namespace {
 
 using at::Half;
 using at::Tensor;
 
-#if defined(__AVX2__)
-inline float hmin(__m256 v) {
-  __m128 m = _mm_min_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_min_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_min_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-inline float hmax(__m256 v) {
-  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-  return _mm_cvtss_f32(_mm_max_ss(m, _mm_shuffle_ps(m, m, 1)));
-}
-#endif
-
-// NaN as the tensor chain treats it: a group holding one has a NaN minimum and maximum (amin, amax),
-// hence a NaN scale and zero and NaN values at every width below 16. The vector minimum and maximum
-// drop a NaN operand, so NaNs are looked for apart.
-inline void quantized_group(const float* x, int64_t gs, float levels, float* out) {
-  float mn = x[0], mx = x[0];
-  bool nan = false;
-  int64_t i = 0;
-#if defined(__AVX2__)
-  if (gs >= 8) {  // the minimum and maximum of numbers are exact in any order
-    __m256 vmn = _mm256_loadu_ps(x), vmx = vmn, vnan = _mm256_cmp_ps(vmn, vmn, _CMP_UNORD_Q);
-    for (i = 8; i + 8 <= gs; i += 8) {
-      const __m256 v = _mm256_loadu_ps(x + i);
-      vmn = _mm256_min_ps(vmn, v);
-      vmx = _mm256_max_ps(vmx, v);
-      vnan = _mm256_or_ps(vnan, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-    }
-    mn = hmin(vmn);
-    mx = hmax(vmx);
-    nan = _mm256_movemask_ps(vnan) != 0;
-  }
-#endif
-  for (; i < gs; ++i) {
-    nan |= std::isnan(x[i]);
-    mn = std::min(mn, x[i]);
-    mx = std::max(mx, x[i]);
-  }
-  if (nan) mn = mx = std::numeric_limits<float>::quiet_NaN();
-  volatile float levels_f = levels;  // a true division, not a reciprocal multiply
-  const float s = static_cast<float>(Half((mx - mn) / levels_f));
-  const float z = static_cast<float>(Half(mn));
+// A group holding a NaN has NaN statistics (group_range), hence NaN values at every width below 16.
+inline void quantized_group(const float* x, int64_t gs, int levels_i, float* out) {
+  const float levels = static_cast<float>(levels_i);
+  float mn, mx;
+  Half sh, zh;
+  triroute_format::group_range(x, gs, &mn, &mx);
+  triroute_format::group_scale_zero(mn, mx, levels_i, &sh, &zh);
+  const float s = static_cast<float>(sh), z = static_cast<float>(zh);
   const float safe = s > 0.f ? s : 1.f;
-  i = 0;
+  int64_t i = 0;
 #if defined(__AVX2__)
   const __m256 vz = _mm256_set1_ps(z), vs = _mm256_set1_ps(s), vsafe = _mm256_set1_ps(safe);
   const __m256 vlev = _mm256_set1_ps(levels), vzero = _mm256_setzero_ps();
@@ -121,7 +91,7 @@ Tensor quantized_values_cpu(const Tensor& x, at::IntArrayRef bits, int64_t group
           half_rounded(row, D, o);
           continue;
         }
-        const float levels = static_cast<float>((1 << widths[w]) - 1);
+        const int levels = (1 << widths[w]) - 1;
         for (int64_t g0 = 0; g0 < D; g0 += group_size) quantized_group(row + g0, group_size, levels, o + g0);
       }
     }

@@ -151,6 +151,32 @@ def _fresh_pools(H_kv, P, pages):
     return [k for k, _ in pools], [v for _, v in pools]
 
 
+def test_cache_write_stores_a_nan_group_as_nan_as_the_twin_does():
+    """A NaN in a K or V group (first, middle or last channel) gives that group NaN scale and zero at
+    every quantised width, as the twin's minimum and maximum do: a corrupt value never passes as a
+    stored number. The C++ kernel's vector and scalar min/max drop a NaN unless it is looked for."""
+    gen = torch.Generator().manual_seed(12)
+    H_kv, P, pages, N = 1, 4, 2, 8
+    k, v = torch.randn(N, H_kv, D, generator=gen), torch.randn(N, H_kv, D, generator=gen)
+    k[0, 0, 0] = k[1, 0, 3] = k[2, 0, D - 1] = float("nan")
+    v[3, 0, GS - 1] = v[4, 0, 1] = v[5, 0, D - 2] = float("nan")
+    option = torch.arange(N) % len(WIDTHS)
+    slots, positions = torch.arange(N) // len(WIDTHS), torch.arange(N)
+    got_k, got_v = _fresh_pools(H_kv, P, pages)
+    cache_write(k, v, option, slots, positions, (got_k, got_v))
+    twin_k, twin_v = _fresh_pools(H_kv, P, pages)
+    cache_write_torch(k, v, option, slots, positions, twin_k, twin_v)
+    nan_scales = 0
+    for a, b in zip(got_k + got_v, twin_k + twin_v):
+        for ta, tb in zip(a.storage_tensors(), b.storage_tensors()):
+            if ta.is_floating_point():
+                assert torch.equal(ta.isnan(), tb.isnan()), f"{a.bits}-bit pool's NaNs differ"
+                ta, tb = ta.nan_to_num(), tb.nan_to_num()
+                nan_scales += int(a.bits < 16 and b.storage_tensors()[1].isnan().any())
+            assert torch.equal(ta, tb), f"{a.bits}-bit pool differs"
+    assert nan_scales > 0  # the NaNs reached quantised pools
+
+
 def test_cache_write_is_bit_exact_with_the_number_format():
     gen = torch.Generator().manual_seed(11)
     H_kv, P, pages, N = 2, 4, 6, 40
