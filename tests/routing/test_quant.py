@@ -138,8 +138,8 @@ def test_the_cpu_kernel_equals_the_tensor_chain_bit_for_bit_and_is_what_float32_
     groups, rounding ties and ranges from 1e-6 to 1e4, on a non-contiguous input, and for NaN and
     infinite values; a float32 CPU tensor goes through the kernel, any other dtype through the chain."""
     from triroute_kernels import cpu_ops_available
-    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from benchmarks.op_counter import StepCounter
     from megatron_triroute.routing.quant import quantized_values, quantized_values_torch
 
     assert cpu_ops_available(), "the C++ kernels did not build here"
@@ -163,16 +163,10 @@ def test_the_cpu_kernel_equals_the_tensor_chain_bit_for_bit_and_is_what_float32_
         assert torch.equal(kernel.isnan(), chain.isnan()) and torch.equal(kernel.nan_to_num(), chain.nan_to_num())
         assert kernel[0, 0, :2, :group].isnan().all(), group  # the NaN's group, at 2 and 4 bits
 
-    class Ops(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     for dtype, via_kernel in ((torch.float32, True), (torch.float64, False), (torch.bfloat16, False)):
-        seen = []
-        with Ops():
+        with StepCounter() as counter:
             quantized_values(torch.randn(2, 3, 1, 8, dtype=dtype), (2, 16), 4)
-        assert ("triroute.quantized_values" in seen) == via_kernel, (dtype, seen)
+        assert ("triroute.quantized_values" in counter.foreign_ops) == via_kernel, (dtype, counter.foreign_ops)
 
 
 def test_relaxed_write_keeps_its_values_under_autocast():
