@@ -7,7 +7,7 @@ and the group quantisation and packing every writer uses. Each kernel has a vect
 pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_ops`, CUDA, or
 CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
 GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
-online softmax, the mixed-width cache write, the routed experts, the small-batch linear): C++ CPU kernels (`cpu_ops`,
+online softmax, the mixed-width cache write and a decode step's append, the routed experts, the small-batch linear and RMS norm): C++ CPU kernels (`cpu_ops`,
 built once per machine) with PyTorch twins as the fallback. Training's one kernel is the routing
 noise's counter hash (`torch.ops.triroute.counter_uniform` in C++, `triton_noise` on a GPU), whose
 definition is the tensor chain of `megatron_triroute.routing.noise`. The package imports only torch (and
@@ -16,7 +16,7 @@ triton): nothing of `megatron_triroute`.
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
-from .paged_ops import PoolLists, cache_write, decode_linear, paged_attention, routed_experts
+from .paged_ops import PoolLists, cache_append, cache_write, decode_linear, few_rows, paged_attention, rms_norm, routed_experts
 from .pool import PagePool, allocate_kv_pools, allocate_pool
 from .quant import SUPPORTED_BITS
 from .torch_ops import (
@@ -35,6 +35,7 @@ __all__ = [
     "PoolLists",
     "allocate_kv_pools",
     "allocate_pool",
+    "cache_append",
     "cache_write",
     "cpu_ops_available",
     "cpu_ops_error",
@@ -42,10 +43,12 @@ __all__ = [
     "decode_attention_pool",
     "decode_linear",
     "decode_attention_pool_torch",
+    "few_rows",
     "dequantize_slots",
     "merge_partials",
     "paged_attention",
     "quantize_pack_into",
     "quantize_pack_into_torch",
+    "rms_norm",
     "routed_experts",
 ]

@@ -1,7 +1,8 @@
-"""The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/noise_ops.cpp`, `csrc/quant_ops.cpp`): built once
-per machine, registered as `torch.ops.triroute.{paged_attention, cache_write, routed_experts,
-decode_linear}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash,
-training) and `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training).
+"""The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/layer_ops.cpp`, `csrc/noise_ops.cpp`,
+`csrc/quant_ops.cpp`): built once per machine, registered as `torch.ops.triroute.{paged_attention,
+cache_write, cache_append, routed_experts, decode_linear}` and `{controller_logits, rms_norm,
+decode_qkv}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash, training) and
+`torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
@@ -24,6 +25,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 NOISE_SOURCE = "noise_ops.cpp"
 QUANT_SOURCE = "quant_ops.cpp"
+LAYER_SOURCE = "layer_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 EXTENSION_NAME = "triroute_decode_ops"
 CFLAGS = ["-O3", "-ffp-contract=off"]
@@ -58,7 +60,7 @@ def build_directory(flags: list[str]) -> Path:
 
 
 def _sources() -> list[Path]:
-    return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE]
+    return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE]
 
 
 def _build() -> None:
@@ -128,6 +130,11 @@ def _register_fakes() -> None:
     def _(k, v, option, slots, positions, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size):
         return None
 
+    @torch.library.register_fake("triroute::cache_append")
+    def _(k, v, option, rows, positions, counts, tables, page_size, k_data, k_scale, k_zero, v_data, v_scale, v_zero,
+          token_pos, bits, group_size):
+        return None
+
     @torch.library.register_fake("triroute::routed_experts")
     def _(x, index, weight, w1, w3, w2):
         return x.new_empty(x.shape)
@@ -144,5 +151,18 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::quantized_values")
     def _(x, bits, group_size):
         return x.new_empty(x.shape[0], x.shape[1], len(bits), x.shape[2] * x.shape[3])
+
+    @torch.library.register_fake("triroute::controller_logits")
+    def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):
+        return x.new_empty(x.shape[0], wh.shape[0])
+
+    @torch.library.register_fake("triroute::rms_norm")
+    def _(x, weight, eps):
+        return torch.empty_like(x)
+
+    @torch.library.register_fake("triroute::decode_qkv")
+    def _(x, wq, wk, wv, cos, sin):
+        M, d = x.shape[0], cos.shape[1]
+        return x.new_empty(M, wq.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d)
 
     _state["fakes"] = True

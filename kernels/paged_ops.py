@@ -167,6 +167,32 @@ def cache_write(
     cache_write_torch(k, v, option, slots, positions, p.k_pools, p.v_pools, quantize_pack_into)
 
 
+def cache_append(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    option: torch.Tensor,
+    rows: torch.Tensor,
+    positions: torch.Tensor,
+    counts: torch.Tensor,
+    tables: torch.Tensor,
+    page_size: int,
+    pools: PoolLists | tuple[Sequence[PagePool], Sequence[PagePool]],
+) -> None:
+    """A decode step's write, one token per request (`rows` distinct): token n of decode-state row
+    rows[n] goes to the next slot of its pool option[n], index i = counts[option, row] on the page
+    tables[option, row, i // page_size], as `cache_write` writes it; counts[option, row] += 1.
+    counts [pools, R], tables [pools, R, width] int64 (a page reserved for every such slot)."""
+    p = _lists(pools)
+    if _use_cpp(k, option):
+        torch.ops.triroute.cache_append(k.float(), v.float(), option.long(), rows.long(), positions.long(), counts,
+                                        tables, page_size, *p.tensors, p.bits, p.group_size)
+        return
+    index = counts[option, rows]
+    counts.index_put_((option, rows), torch.ones((), dtype=counts.dtype, device=counts.device), accumulate=True)
+    page = tables[option, rows, index // page_size]
+    cache_write(k, v, option, page * page_size + index % page_size, positions, p)
+
+
 def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools, pool_write=quantize_pack_into_torch) -> None:
     """The PyTorch twin: per pool, `quantize_pack_into_torch` of the tokens that chose it."""
     for w, (kp, vp) in enumerate(zip(k_pools, v_pools)):
@@ -182,6 +208,23 @@ def cache_write_torch(k, v, option, slots, positions, k_pools, v_pools, pool_wri
 # --- linear ------------------------------------------------------------------------------------
 DECODE_LINEAR_ROWS = 16
 """Up to this many rows of x, `decode_linear` takes the C++ kernel on the CPU (kernels/csrc)."""
+
+
+def few_rows(x: torch.Tensor) -> bool:
+    """Whether x [M, K] is a decode step's few float32 rows on a CPU where the C++ kernels are built
+    (and not being compiled): what the fused decode-layer ops (`csrc/layer_ops.cpp`) take."""
+    return (x.dim() == 2 and 0 < x.shape[0] <= DECODE_LINEAR_ROWS and x.dtype == torch.float32
+            and x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_ops_available())
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """F.rms_norm over the last dimension with `weight`, up to rounding (the order of the sum); a
+    decode step's few float32 rows on the CPU in one C++ call (`torch.ops.triroute.rms_norm`)
+    instead of PyTorch's six ops."""
+    rows = x.reshape(-1, x.shape[-1])
+    if few_rows(rows) and weight.dtype == torch.float32:
+        return torch.ops.triroute.rms_norm(rows.contiguous(), weight.contiguous(), eps).view(x.shape)
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def decode_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

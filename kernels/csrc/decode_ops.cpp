@@ -7,7 +7,8 @@
 //   unpacked once for all of them (a decode step has one row per request; a prefill shares each page
 //   among the rows of a chunk).
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
-//   triroute_kernels.quant.quantize_groups + pack_codes).
+//   triroute_kernels.quant.quantize_groups + pack_codes); cache_append: a decode step's write with
+//   each token's slot taken from the decode state's counts and page tables in the same call.
 // - routed_experts: the top-k SwiGLU experts of each token, routes grouped by expert (counting
 //   sort), three GEMMs per expert that some token chose (decode_linear's kernel at up to 16 routes).
 // - decode_linear: x w^T for a decode step's few rows of x, each weight read from memory once.
@@ -685,6 +686,46 @@ void cache_write_cpu(const Tensor& k, const Tensor& v, const Tensor& option, con
   });
 }
 
+// A decode step's append: one token per request (rows distinct). Token n of decode-state row
+// rows[n] takes the next slot of its pool option[n]: index i = counts[option, row] (then
+// counts[option, row] += 1), slot = tables[option, row, i / P] * P + i % P, and is written as
+// cache_write writes it. The tensor ops of kv_cache.PagedKVCache.write_step are the definition.
+void cache_append_cpu(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows,
+                      const Tensor& positions, const Tensor& counts, const Tensor& tables, int64_t page_size,
+                      at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data,
+                      at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits,
+                      int64_t group_size) {
+  const int64_t N = option.numel(), W = static_cast<int64_t>(bits.size());
+  TORCH_CHECK(option.dim() == 1 && rows.sizes() == option.sizes() && option.scalar_type() == at::kLong &&
+                  rows.scalar_type() == at::kLong,
+              "cache_append: option and rows must be int64 [N], got ", option.sizes(), " and ", rows.sizes());
+  TORCH_CHECK(counts.dim() == 2 && counts.size(0) == W && counts.scalar_type() == at::kLong &&
+                  tables.dim() == 3 && tables.size(0) == W && tables.size(1) == counts.size(1) &&
+                  tables.scalar_type() == at::kLong && page_size > 0,
+              "cache_append: counts [pools, R] and tables [pools, R, width] int64, got ", counts.sizes(), " and ",
+              tables.sizes());
+  const int64_t R = counts.size(1), width = tables.size(2);
+  const auto cs = counts.strides(), ts = tables.strides();
+  int64_t* cp = counts.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const Tensor oc = option.contiguous(), rc = rows.contiguous();
+  const int64_t *opt = oc.data_ptr<int64_t>(), *row = rc.data_ptr<int64_t>();
+  Tensor slots = at::empty({N}, option.options());
+  int64_t* slt = slots.data_ptr<int64_t>();
+  for (int64_t n = 0; n < N; ++n) {
+    TORCH_CHECK(opt[n] >= 0 && opt[n] < W && row[n] >= 0 && row[n] < R, "cache_append: token ", n, " has option ",
+                opt[n], " (", W, " pools) and row ", row[n], " (", R, " rows)");
+    const int64_t count = cp[opt[n] * cs[0] + row[n] * cs[1]], page_col = count / page_size;
+    const int64_t page = page_col < width ? tp[opt[n] * ts[0] + row[n] * ts[1] + page_col * ts[2]] : -1;
+    TORCH_CHECK(page >= 0, "cache_append: row ", row[n], " has no page reserved for its token ", count, " in pool ",
+                opt[n], ". Fix: reserve room before the step (PagedKVCache.before_step)");
+    slt[n] = page * page_size + count % page_size;
+  }
+  cache_write_cpu(k, v, option, slots, positions, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits,
+                  group_size);
+  for (int64_t n = 0; n < N; ++n) ++cp[opt[n] * cs[0] + row[n] * cs[1]];  // after the write: an error leaves them
+}
+
 // --- decode linear ---------------------------------------------------------------------------
 // y = x w^T for a few rows of x (a decode step's tokens): x [M, K], w [N, K] float32, row-major.
 // At these shapes a matmul is bound by reading w once. BLAS's gemv reads it at about two thirds
@@ -778,6 +819,21 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
 
 }  // namespace
 
+namespace triroute_linear {
+// y [M, N] = x [M, K] w^T, w [N, K], float32, row-major, on the calling thread: decode_linear's
+// kernel (each block of eight rows of w read from memory once for every row of x), for the small
+// matmuls inside a fused op (layer_ops.cpp).
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+  int64_t n0 = 0;
+#if defined(TRIROUTE_AVX2)
+  for (; n0 + 8 <= N; n0 += 8)
+    for (int64_t m = 0; m < M; ++m) gemv_rows8(w + n0 * K, x + m * K, K, y + m * N + n0);
+#endif
+  for (int64_t n = n0; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);
+}
+}  // namespace triroute_linear
+
 TORCH_LIBRARY(triroute, m) {
   m.def(
       "paged_attention(Tensor q, Tensor[] k_data, Tensor[] k_scale, Tensor[] k_zero, Tensor[] v_data, "
@@ -787,6 +843,11 @@ TORCH_LIBRARY(triroute, m) {
       "cache_write(Tensor k, Tensor v, Tensor option, Tensor slots, Tensor positions, Tensor(a!)[] k_data, "
       "Tensor(b!)[] k_scale, Tensor(c!)[] k_zero, Tensor(d!)[] v_data, Tensor(e!)[] v_scale, Tensor(f!)[] v_zero, "
       "Tensor(g!)[] token_pos, int[] bits, int group_size) -> ()");
+  m.def(
+      "cache_append(Tensor k, Tensor v, Tensor option, Tensor rows, Tensor positions, Tensor(a!) counts, "
+      "Tensor tables, int page_size, Tensor(b!)[] k_data, Tensor(c!)[] k_scale, Tensor(d!)[] k_zero, "
+      "Tensor(e!)[] v_data, Tensor(f!)[] v_scale, Tensor(g!)[] v_zero, Tensor(h!)[] token_pos, int[] bits, "
+      "int group_size) -> ()");
   m.def("routed_experts(Tensor x, Tensor index, Tensor weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
   m.def("decode_linear(Tensor x, Tensor w) -> Tensor");
 }
@@ -794,6 +855,7 @@ TORCH_LIBRARY(triroute, m) {
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("paged_attention", &paged_attention_cpu);
   m.impl("cache_write", &cache_write_cpu);
+  m.impl("cache_append", &cache_append_cpu);
   m.impl("routed_experts", &routed_experts_cpu);
   m.impl("decode_linear", &decode_linear_cpu);
 }

@@ -20,7 +20,7 @@ import math
 
 import torch
 
-from triroute_kernels import decode_linear, paged_attention
+from triroute_kernels import decode_linear, few_rows, paged_attention
 
 from ..routing.modes import read_start
 from .audit import CostAudit, count_attention
@@ -64,13 +64,17 @@ def attend(h: torch.Tensor, w: tuple[torch.Tensor, ...], n_heads: int, mode: tor
     N, H = h.shape[0], n_heads
     d = wq.shape[0] // H
     n_kv = wk.shape[0] // d
-    qk = apply_rope(torch.cat([decode_linear(h, wq), decode_linear(h, wk)], -1).view(N, H + n_kv, d), cos, sin)
-    cache.write_step(layer, rows, option, t, qk[:, H:], decode_linear(h, wv).view(N, n_kv, d), valid, n)
+    if few_rows(h):  # one call: the three projections and the rotation, bit for bit these ops
+        q, k, v = torch.ops.triroute.decode_qkv(*(x.contiguous() for x in (h, wq, wk, wv, cos.view(N, d), sin.view(N, d))))
+    else:
+        qk = apply_rope(torch.cat([decode_linear(h, wq), decode_linear(h, wk)], -1).view(N, H + n_kv, d), cos, sin)
+        q, k, v = qk[:, :H], qk[:, H:], decode_linear(h, wv).view(N, n_kv, d)
+    cache.write_step(layer, rows, option, t, k, v, valid, n)
     lo = read_start(t.view(N, 1), mode, window)  # skip: t + 1, an empty range
     if valid is not None:
         lo = torch.where(valid.view(N, 1), lo, t.view(N, 1) + 1)
     request = rows.repeat_interleave(n) if n > 1 else rows
-    context = paged_attention(qk[:, :H].contiguous(), cache.layers[layer].lists(), cache.layer_tables[layer], request,
+    context = paged_attention(q.contiguous(), cache.layers[layer].lists(), cache.layer_tables[layer], request,
                               lo, t, 1.0 / math.sqrt(d), cache.layer_executed[layer])
     return decode_linear(context.view(N, H * d), wo)
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
-from triroute_kernels import PoolLists, allocate_kv_pools, cache_write, dequantize_slots
+from triroute_kernels import PoolLists, allocate_kv_pools, cache_append, cache_write, dequantize_slots
 
 from ..routing.quant import kv_bits_per_token
 
@@ -163,7 +163,6 @@ class PagedKVCache:
         self.host_reads = 0
         """Reads of the device counts by the scheduler (`sync`, `_fit`): in decode, one for the whole
         batch every `page_size` steps; in a prefill, one per layer."""
-        self._one = torch.ones((), dtype=torch.long, device=self.device)
         self._slot_bytes = [torch.tensor([pool.slot_bytes for pool in layer.pools], dtype=torch.long)
                             for layer in self.layers]
 
@@ -315,27 +314,26 @@ class PagedKVCache:
         """Append the step's tokens of B requests, n each (request-major, N = B n), to their
         request's pool of their chosen width. rows (B,) decode-state rows; option (N,) bit option;
         positions (N,); k, v (N, H_kv, d_h); valid (N,) bool, False for padding (None: every token).
-        One token per request (decode): tensor ops only, into room `reserve`d in every pool. Several
+        One token per request (decode): `triroute_kernels.cache_append`, into room `reserve`d in every
+        pool (no read of the device). Several
         (prefill, or `valid` given): one read of the device per layer to take pages for exactly the
         tokens each pool receives, so a prompt never holds room in the pools it did not choose."""
         P, W = self.page_size, self.n_pools
         B = rows.shape[0]
         counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (pools, R), (pools, R, width)
-        if n == 1 and valid is None:
-            slot_index = counts[option, rows]
-            counts.index_put_((option, rows), self._one, accumulate=True)
-            row_of_token = rows
-        else:
-            onehot = torch.nn.functional.one_hot(option.view(B, n), W)  # (B, n, pools)
-            if valid is not None:
-                onehot = onehot * valid.view(B, n, 1)
-            before = (onehot.cumsum(1) - onehot).gather(-1, option.view(B, n, 1)).flatten()  # earlier same-pool tokens
-            row_of_token = rows.repeat_interleave(n) if n > 1 else rows
-            new = onehot.sum(1)  # (B, pools)
-            self._fit(layer, rows, new)
-            counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (reallocated if the prompt widened them)
-            slot_index = counts[option, row_of_token] + before
-            counts.index_add_(1, rows, new.T)
+        if n == 1 and valid is None:  # decode: each token's slot from the counts and tables, in the write's call
+            cache_append(k, v, option, rows, positions, counts, tables, P, self.layers[layer].lists())
+            return
+        onehot = torch.nn.functional.one_hot(option.view(B, n), W)  # (B, n, pools)
+        if valid is not None:
+            onehot = onehot * valid.view(B, n, 1)
+        before = (onehot.cumsum(1) - onehot).gather(-1, option.view(B, n, 1)).flatten()  # earlier same-pool tokens
+        row_of_token = rows.repeat_interleave(n) if n > 1 else rows
+        new = onehot.sum(1)  # (B, pools)
+        self._fit(layer, rows, new)
+        counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (reallocated if the prompt widened them)
+        slot_index = counts[option, row_of_token] + before
+        counts.index_add_(1, rows, new.T)
         page = tables[option, row_of_token, slot_index // P]
         slots = page * P + slot_index % P
         if valid is not None:

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from triroute_kernels import decode_linear, routed_experts
+from triroute_kernels import decode_linear, rms_norm, routed_experts
 
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
@@ -91,10 +91,10 @@ class InferenceLayer(nn.Module):
         N = B * n
         mode = out.attn.hard.reshape(N, -1)  # (N, H) executed read modes (eval: hard is what y encodes)
         option = out.bits.hard.reshape(N)
-        h = self.attn_norm(x).view(N, D)
+        h = rms_norm(x, self.attn_norm.weight, self.attn_norm.eps).view(N, D)
         x = x + attend(h, self.projections(), self.config.model.n_heads, mode, option, batch.t, batch.cos, batch.sin,
                        batch.valid, cache, self.layer_number, batch.rows, n, self.config.router.window).view(B, n, D)
-        return x + self._ffn(self.ffn_norm(x), out, batch.valid)
+        return x + self._ffn(rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps), out, batch.valid)
 
     def projections(self) -> tuple[torch.Tensor, ...]:
         """`attention.projection_views` of this layer's Q/K/V/O, taken once per parameter storage."""
@@ -114,9 +114,13 @@ class InferenceLayer(nn.Module):
         index = out.experts.index.reshape(h.shape[0], -1)  # (N, k); NULL_EXPERT = -1
         if valid is not None:
             index = torch.where(valid.view(-1, 1), index, -1)
-        e = self.experts
         return routed_experts(h, index, out.experts.weight.reshape(h.shape[0], -1).to(h.dtype),
-                              [x.w1.weight for x in e], [x.w3.weight for x in e], [x.w2.weight for x in e]).view(shape)
+                              *self._expert_weights()).view(shape)
+
+    def _expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """(w1, w3, w2) of every expert, read from the modules' own tables (once per layer and step)."""
+        experts = [e._modules for e in self._modules["experts"]._modules.values()]
+        return tuple([e[name]._parameters["weight"] for e in experts] for name in ("w1", "w3", "w2"))
 
 @dataclass
 class StepBatch:
@@ -241,7 +245,7 @@ class InferenceModel(nn.Module):
             x = layer(x, out, batch, cache)
             state = state.after(out, self.config)
             outs.append(out)
-        x = self.final_norm(x)
+        x = rms_norm(x, self.final_norm.weight, self.final_norm.eps)
         if not all_logits:
             x = x[:, 0] if batch.last is None else x[torch.arange(B, device=x.device), batch.last]
         return decode_linear(x.reshape(-1, x.shape[-1]), self.lm_head.weight).view(*x.shape[:-1], -1), outs

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from triroute_kernels import few_rows
 
 from ..config import TriRouteConfig
 from .modes import FULL, N_MODES
@@ -108,10 +109,13 @@ class RouterHead(nn.Module):
         return u + self.bias
 
     def fold_inputs(self) -> tuple[torch.Tensor, ...]:
-        """The tensors `folded` reads (a cache of it is keyed on them)."""
+        """The tensors `folded` reads (a cache of it is keyed on them). Read from the modules'
+        own tables (a decode step asks every layer for them)."""
+        params = self._parameters
         if self.whiten is None:
-            return self.proj.weight, self.bias
-        return self.proj.weight, self.bias, self.gain, self.whiten.mean, self.whiten.var
+            return self.proj._parameters["weight"], params["bias"]
+        stats = self.whiten._buffers
+        return self.proj._parameters["weight"], params["bias"], params["gain"], stats["mean"], stats["var"]
 
     def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) of the same head as one affine map, for evaluation (statistics frozen):
@@ -191,6 +195,9 @@ class TriRouteController(nn.Module):
         if folded:  # evaluation: tokens as the rows of 2-D matmuls, one matmul for every head
             B, T = hidden.shape[:2]
             hidden, side = hidden.reshape(B * T, hidden.shape[-1]), side.reshape(B * T, side.shape[-1])
+            if self._fused(hidden):
+                z = self._fused_logits(hidden, side).view(B, T, -1)
+                return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
         x = torch.cat([self.input_norm(hidden), side], dim=-1)
         if sharing == "separate":
             return {a: self.heads[a](self.trunks[a](x)) for a in self.sizes}
@@ -199,8 +206,8 @@ class TriRouteController(nn.Module):
             u = self.shared_head(h) if self.sizes else None
             return {a: u[..., :n] for a, n in self.sizes.items()}
         if folded:
-            weight_t, bias = self._folded_heads()
-            z = torch.addmm(bias, h, weight_t).view(B, T, -1)  # (B, T, sum of the heads' sizes)
+            weight, bias = self._folded_heads()
+            z = torch.addmm(bias, h, weight.t()).view(B, T, -1)  # (B, T, sum of the heads' sizes)
             return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
         return self._heads_together(h)
 
@@ -218,16 +225,30 @@ class TriRouteController(nn.Module):
         return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
 
     def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every head's `RouterHead.folded` map stacked into one, as (weight transposed (d_router,
-        sum of sizes), bias) for `addmm` (rebuilt when a tensor it reads changes: keyed on their
-        storage and version counters, `RouterHead.fold_inputs`)."""
-        tensors = [t for a in self.sizes for t in self.heads[a].fold_inputs()]
-        key = tuple((t.data_ptr(), t._version) for t in tensors)
+        """Every head's `RouterHead.folded` map stacked into one, as (weight (sum of sizes,
+        d_router), bias) (rebuilt when a tensor it reads changes: keyed on their storage and
+        version counters, `RouterHead.fold_inputs`)."""
+        heads = self._modules["heads"]._modules
+        key = tuple((t.data_ptr(), t._version) for a in self.sizes for t in heads[a].fold_inputs())
         if getattr(self, "_fold_key", None) != key:
             maps = [self.heads[a].folded() for a in self.sizes]
-            self._fold = (torch.cat([w for w, _ in maps]).t().contiguous(), torch.cat([b for _, b in maps]))
+            self._fold = (torch.cat([w for w, _ in maps]).contiguous(), torch.cat([b for _, b in maps]))
             self._fold_key = key
         return self._fold
+
+    def _fused(self, hidden: torch.Tensor) -> bool:
+        """Whether the folded evaluation forward of these rows takes the C++ kernel: a decode
+        step's few float32 rows on a CPU (`triroute_kernels.few_rows`)."""
+        return few_rows(hidden)
+
+    def _fused_logits(self, hidden: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
+        """(N, sum of the heads' sizes): `_logits`' folded path (input norm, trunk, folded heads)
+        in one call, `torch.ops.triroute.controller_logits`, equal to it up to the order of the sums."""
+        weight, bias = self._folded_heads()
+        trunk, eps = self.trunk, lambda norm: norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        return torch.ops.triroute.controller_logits(
+            hidden.contiguous(), side.contiguous(), self.input_norm.weight, eps(self.input_norm), trunk.fc1.weight,
+            trunk.fc1.bias, trunk.fc2.weight, trunk.fc2.bias, trunk.norm.weight, eps(trunk.norm), weight, bias)
 
     def forward(
         self,

@@ -15,6 +15,7 @@ from triroute_kernels import allocate_kv_pools, cpu_ops_available, quantize_pack
 from triroute_kernels import cpu_ops
 from triroute_kernels.paged_ops import (
     DECODE_LINEAR_ROWS,
+    cache_append,
     cache_write,
     cache_write_torch,
     decode_linear,
@@ -222,6 +223,77 @@ def test_cache_write_is_bit_exact_with_the_number_format():
     assert [(first >> (2 * i)) & 3 for i in range(4)] == [0, 0, 2, 2]
 
 
+def _decode_state(R, pages, P, width, gen):
+    """counts (pools, R) below each row's reserved room and tables (pools, R, width): each row's
+    pages in a pool distinct, some columns unreserved (-1)."""
+    W = len(WIDTHS)
+    tables = torch.full((W, R, width), -1, dtype=torch.long)
+    counts = torch.zeros(W, R, dtype=torch.long)
+    for w in range(W):
+        free = torch.randperm(pages, generator=gen).tolist()
+        for r in range(R):
+            held = int(torch.randint(1, width + 1, (), generator=gen))
+            tables[w, r, :held] = torch.tensor([free.pop() for _ in range(held)])
+            counts[w, r] = int(torch.randint(0, held * P, (), generator=gen))  # the next slot is on a held page
+    return counts, tables
+
+
+def test_cache_append_takes_each_tokens_next_slot_as_the_tensor_ops_do(monkeypatch):
+    """A decode step's append (C++): each token's slot from its pool's count and page table, the
+    counts advanced, the pools written bit for bit as the tensor ops and the twin write them; the
+    slot holds the token's position."""
+    from benchmarks.op_counter import StepCounter
+
+    gen = torch.Generator().manual_seed(21)
+    H_kv, P, R, width = 2, 4, 6, 3
+    pages = R * width + 2
+    counts, tables = _decode_state(R, pages, P, width, gen)
+    rows = torch.tensor([4, 0, 5, 2])  # distinct, any order
+    option = torch.tensor([0, 3, 1, 3])
+    k, v = torch.randn(4, H_kv, D, generator=gen) * 2, torch.randn(4, H_kv, D, generator=gen)
+    positions = torch.tensor([7, 100, 3, 42])
+    index = counts[option, rows].clone()
+    want_slots = tables[option, rows, index // P] * P + index % P
+    results = []
+    for use_cpp in (True, False):
+        if not use_cpp:
+            monkeypatch.setattr(paged_ops, "cpu_ops_available", lambda: False)
+        c, pools = counts.clone(), _fresh_pools(H_kv, P, pages)
+        with StepCounter() as counter:
+            cache_append(k, v, option, rows, positions, c, tables, P, pools)
+        assert ("triroute.cache_append" in counter.foreign_ops) == use_cpp, counter.foreign_ops
+        results.append((c, pools))
+    expected = counts.clone()
+    expected[option, rows] += 1
+    reference = _fresh_pools(H_kv, P, pages)
+    cache_write_torch(k, v, option, want_slots, positions, *reference)
+    for c, pools in results:
+        assert torch.equal(c, expected)
+        for a, b in zip(pools[0] + pools[1], reference[0] + reference[1]):
+            assert torch.equal(a.token_pos, b.token_pos)
+            assert all(torch.equal(ta, tb) for ta, tb in zip(a.storage_tensors(), b.storage_tensors())), a.bits
+    for n in range(4):
+        page, off = divmod(int(want_slots[n]), P)
+        assert int(results[0][1][0][int(option[n])].token_pos[page, off]) == int(positions[n])
+
+
+def test_cache_append_without_a_reserved_page_says_so_and_changes_nothing():
+    gen = torch.Generator().manual_seed(22)
+    P, R, width = 4, 3, 2
+    counts, tables = _decode_state(R, 8, P, width, gen)
+    tables[1, 2, :] = -1
+    counts[1, 2] = 0  # row 2 holds no page in pool 1
+    counts[2, 0] = width * P  # row 0's pool 2 is full: its next slot is past the table
+    pools = _fresh_pools(1, P, 8)
+    for option, rows in ((torch.tensor([0, 1]), torch.tensor([0, 2])), (torch.tensor([2]), torch.tensor([0]))):
+        before = counts.clone()
+        k = torch.randn(option.numel(), 1, D, generator=gen)
+        with pytest.raises(RuntimeError, match="no page reserved.*reserve room"):
+            cache_append(k, k, option, rows, torch.arange(option.numel()), counts, tables, P, pools)
+        assert torch.equal(counts, before)
+        assert all((p.token_pos == -1).all() for p in pools[0])  # nothing written
+
+
 def test_routed_experts_equals_a_loop_over_experts():
     gen = torch.Generator().manual_seed(3)
     N, Dm, F_, E, k = 9, 24, 40, 5, 2
@@ -331,5 +403,11 @@ def test_opcheck_schemas_fakes_and_mutations():
     torch.library.opcheck(
         torch.ops.triroute.routed_experts,
         (x, torch.tensor([[0], [-1], [0]]), torch.rand(3, 1), w, w, [torch.randn(8, 6, generator=gen)]),
+    )
+    counts, tables = torch.tensor([[0, 5], [3, 0], [1, 1], [0, 0]]), torch.tensor([[[0, 1]], [[2, 3]], [[1, 0]], [[3, 2]]]).expand(4, 2, 2).contiguous()
+    torch.library.opcheck(
+        torch.ops.triroute.cache_append,
+        (k[:2], k[:2] * 2, torch.tensor([0, 1]), torch.tensor([0, 1]), torch.tensor([7, 8]), counts, tables, 4, *lists,
+         bits, gs),
     )
     torch.library.opcheck(torch.ops.triroute.decode_linear, (x, torch.randn(11, 8, generator=gen)))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
@@ -264,3 +265,60 @@ def test_undecided_evaluation_output_carries_the_logits_and_no_decision():
         assert "decide=False is for evaluation" in str(e)
     else:
         raise AssertionError("decide=False ran in training mode")
+
+
+def test_a_decode_steps_rows_take_the_fused_kernel_and_equal_the_modules():
+    """Evaluation of at most DECODE_LINEAR_ROWS float32 rows on a CPU runs the input norm, the trunk
+    and the folded heads as one call (`torch.ops.triroute.controller_logits`); the logits equal the
+    modules run one by one (with and without whitening), follow an in-place change of a trunk
+    weight or a head's statistic, and more rows, or a forward that can be differentiated, take the
+    tensor ops."""
+    from benchmarks.op_counter import StepCounter
+    from triroute_kernels import cpu_ops_available
+    from triroute_kernels.paged_ops import DECODE_LINEAR_ROWS
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+    for whitening in (True, False):
+        cfg = tiny_config(whitening=whitening)
+        ctrl = TriRouteController(cfg, 0).eval()
+        with torch.no_grad():
+            for p in ctrl.parameters():  # gains, biases and norms away from their init
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.3)
+            for a in ctrl.sizes if whitening else ():
+                ctrl.heads[a].whiten.mean.uniform_(-1, 1)
+                ctrl.heads[a].whiten.var.uniform_(0.5, 2)
+        for rows in (1, 5, DECODE_LINEAR_ROWS, DECODE_LINEAR_ROWS + 1):
+            hidden, side = make_inputs(cfg, batch=rows, seed=rows)
+            hidden, side = hidden[:, :1] * 3, side[:, :1]  # one token per request, as a decode step
+            changes = (None, lambda: ctrl.trunk.fc1.weight.add_(0.05), lambda: ctrl.trunk.norm.weight.mul_(-1),
+                       lambda: ctrl.heads["experts"].bias.add_(1))
+            if whitening:
+                changes += (lambda: ctrl.heads["attn"].whiten.var.mul_(2),)
+            for change in changes:
+                with torch.no_grad():
+                    if change is not None:
+                        change()
+                    with StepCounter() as counter:
+                        got = ctrl.logits(hidden, side)
+                    want = heads_one_by_one(ctrl, hidden, side)
+                fused = counter.foreign_ops.get("triroute.controller_logits", 0)
+                assert fused == (rows <= DECODE_LINEAR_ROWS), (rows, counter.foreign_ops)
+                for a in ctrl.sizes:
+                    torch.testing.assert_close(got[a], want[a], rtol=1e-5, atol=1e-5)
+    with StepCounter() as counter:
+        ctrl.logits(hidden[:1], side[:1])  # grad enabled: the modules (and their backward)
+    assert "triroute.controller_logits" not in counter.foreign_ops
+
+
+def test_the_fused_kernel_refuses_inputs_that_do_not_chain():
+    from triroute_kernels import cpu_ops_available
+
+    assert cpu_ops_available()
+    x, side, g = torch.randn(2, 8), torch.randn(2, 3), torch.ones(8)
+    w1, b1, w2, b2, gt = torch.randn(5, 11), torch.zeros(5), torch.randn(5, 5), torch.zeros(5), torch.ones(5)
+    wh, bh = torch.randn(4, 5), torch.zeros(4)
+    args = [x, side, g, 1e-6, w1, b1, w2, b2, gt, 1e-6, wh, bh]
+    torch.library.opcheck(torch.ops.triroute.controller_logits, args)
+    for i, bad in ((4, torch.randn(5, 10)), (0, x.double()), (10, torch.randn(4, 6)), (0, x.t())):
+        with pytest.raises(RuntimeError, match="controller_logits"):
+            torch.ops.triroute.controller_logits(*args[:i], bad, *args[i + 1:])

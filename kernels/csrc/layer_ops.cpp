@@ -1,0 +1,152 @@
+// Small fused ops of one decode layer for a decode step's few float32 rows, registered as
+// torch.ops.triroute.*. Each replaces a chain of tensor ops (and their allocations and dispatches,
+// which at one token per request cost more than the arithmetic); each equals its definition up
+// to the order of the sums, or bit for bit where stated:
+//
+// - controller_logits (megatron_triroute/routing/controller.py, `TriRouteController._logits` with
+//   the heads folded, is the definition):
+//     a = [rms_norm(x) * g_in ; side],  h = rms_norm(W2 gelu(W1 a + b1) + b2) * g_trunk,  z = Wh h + bh
+//   with the exact (erf) GELU; each weight read once for all rows (decode_linear's kernel).
+// - rms_norm: x * rsqrt(mean(x^2) + eps) * g per row, as torch.nn.functional.rms_norm.
+// - decode_qkv (megatron_triroute/inference/attention.py, `attend`'s projections and `apply_rope`):
+//   q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, each row of heads of width d rotated by the
+//   row's (cos, sin) table as x * cos + rotate_half(x) * sin, in the same float32 operations as
+//   apply_rope (bit for bit on the same projections).
+//
+// Built with -ffp-contract=off (cpu_ops.CFLAGS): no multiply-add is fused unless written so.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+namespace triroute_linear {  // decode_ops.cpp
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
+}  // namespace triroute_linear
+
+namespace {
+
+using at::Tensor;
+
+// out <- v * rsqrt(mean(v^2) + eps) * g, over d values (out may be v).
+inline void rms_norm_row(const float* v, const float* g, int64_t d, float eps, float* out) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
+  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+  for (int64_t i = 0; i < d; ++i) out[i] = v[i] * r * g[i];
+}
+
+void check_f32(const Tensor& t, const char* name, int64_t dim, const char* op = "controller_logits") {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.dim() == dim && t.is_contiguous() && t.device().is_cpu(),
+              op, ": ", name, " must be a contiguous float32 CPU tensor of ", dim, " dimensions, got ",
+              t.scalar_type(), " ", t.sizes());
+}
+
+Tensor controller_logits_cpu(const Tensor& x, const Tensor& side, const Tensor& g_in, double eps_in, const Tensor& w1,
+                             const Tensor& b1, const Tensor& w2, const Tensor& b2, const Tensor& g_trunk,
+                             double eps_trunk, const Tensor& wh, const Tensor& bh) {
+  check_f32(x, "x", 2);
+  check_f32(side, "side", 2);
+  for (const auto& [t, name] : {std::pair{&g_in, "g_in"}, {&b1, "b1"}, {&b2, "b2"}, {&g_trunk, "g_trunk"}, {&bh, "bh"}})
+    check_f32(*t, name, 1);
+  for (const auto& [t, name] : {std::pair{&w1, "w1"}, {&w2, "w2"}, {&wh, "wh"}}) check_f32(*t, name, 2);
+  const int64_t M = x.size(0), D = x.size(1), S = side.size(1), R = w1.size(0), O = wh.size(0), K1 = D + S;
+  TORCH_CHECK(side.size(0) == M && g_in.size(0) == D && w1.size(1) == K1 && b1.size(0) == R && w2.size(0) == R &&
+                  w2.size(1) == R && b2.size(0) == R && g_trunk.size(0) == R && wh.size(1) == R && bh.size(0) == O,
+              "controller_logits: shapes do not chain: x ", x.sizes(), ", side ", side.sizes(), ", w1 ", w1.sizes(),
+              ", w2 ", w2.sizes(), ", wh ", wh.sizes());
+  std::vector<float> a(M * K1), h1(M * R), h2(M * R);
+  const float *xp = x.data_ptr<float>(), *sp = side.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    float* am = a.data() + m * K1;
+    std::copy(xp + m * D, xp + (m + 1) * D, am);
+    rms_norm_row(am, g_in.data_ptr<float>(), D, static_cast<float>(eps_in), am);
+    std::copy(sp + m * S, sp + (m + 1) * S, am + D);
+  }
+  triroute_linear::rows(w1.data_ptr<float>(), a.data(), M, R, K1, h1.data());
+  const float* b1p = b1.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t r = 0; r < R; ++r) {
+      const float u = h1[m * R + r] + b1p[r];
+      h1[m * R + r] = 0.5f * u * (1.f + std::erf(u * static_cast<float>(M_SQRT1_2)));
+    }
+  triroute_linear::rows(w2.data_ptr<float>(), h1.data(), M, R, R, h2.data());
+  const float* b2p = b2.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t r = 0; r < R; ++r) h2[m * R + r] += b2p[r];
+    rms_norm_row(h2.data() + m * R, g_trunk.data_ptr<float>(), R, static_cast<float>(eps_trunk), h2.data() + m * R);
+  }
+  Tensor z = at::empty({M, O}, x.options());
+  float* zp = z.data_ptr<float>();
+  triroute_linear::rows(wh.data_ptr<float>(), h2.data(), M, O, R, zp);
+  const float* bhp = bh.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t o = 0; o < O; ++o) zp[m * O + o] += bhp[o];
+  return z;
+}
+
+Tensor rms_norm_cpu(const Tensor& x, const Tensor& g, double eps) {
+  check_f32(x, "x", 2, "rms_norm");
+  check_f32(g, "weight", 1, "rms_norm");
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(g.size(0) == D, "rms_norm: weight has ", g.size(0), " values for rows of ", D);
+  Tensor y = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *gp = g.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  for (int64_t m = 0; m < M; ++m) rms_norm_row(xp + m * D, gp, D, static_cast<float>(eps), yp + m * D);
+  return y;
+}
+
+// Heads of width d in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
+inline void rope_heads(float* x, int64_t heads, int64_t d, const float* cos, const float* sin) {
+  const int64_t h2 = d / 2;
+  for (int64_t h = 0; h < heads; ++h, x += d)
+    for (int64_t i = 0; i < h2; ++i) {
+      const float x1 = x[i], x2 = x[i + h2];
+      x[i] = x1 * cos[i] + (-x2) * sin[i];
+      x[i + h2] = x2 * cos[i + h2] + x1 * sin[i + h2];
+    }
+}
+
+std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor& wq, const Tensor& wk,
+                                                  const Tensor& wv, const Tensor& cos, const Tensor& sin) {
+  for (const auto& [t, name] : {std::pair{&x, "x"}, {&wq, "wq"}, {&wk, "wk"}, {&wv, "wv"}, {&cos, "cos"}, {&sin, "sin"}})
+    check_f32(*t, name, 2, "decode_qkv");
+  const int64_t M = x.size(0), K = x.size(1), d = cos.size(1);
+  TORCH_CHECK(d > 0 && d % 2 == 0 && sin.sizes() == cos.sizes() && cos.size(0) == M && wq.size(1) == K &&
+                  wk.size(1) == K && wv.sizes() == wk.sizes() && wq.size(0) % d == 0 && wk.size(0) % d == 0,
+              "decode_qkv: x [M, K], wq [H d, K], wk and wv [H_kv d, K], cos and sin [M, d] (d even), got x ",
+              x.sizes(), ", wq ", wq.sizes(), ", wk ", wk.sizes(), ", wv ", wv.sizes(), ", cos ", cos.sizes());
+  const int64_t H = wq.size(0) / d, Hk = wk.size(0) / d;
+  Tensor q = at::empty({M, H, d}, x.options()), k = at::empty({M, Hk, d}, x.options()),
+         v = at::empty({M, Hk, d}, x.options());
+  const float* xp = x.data_ptr<float>();
+  triroute_linear::rows(wq.data_ptr<float>(), xp, M, H * d, K, q.data_ptr<float>());
+  triroute_linear::rows(wk.data_ptr<float>(), xp, M, Hk * d, K, k.data_ptr<float>());
+  triroute_linear::rows(wv.data_ptr<float>(), xp, M, Hk * d, K, v.data_ptr<float>());
+  for (int64_t m = 0; m < M; ++m) {
+    const float *c = cos.data_ptr<float>() + m * d, *s = sin.data_ptr<float>() + m * d;
+    rope_heads(q.data_ptr<float>() + m * H * d, H, d, c, s);
+    rope_heads(k.data_ptr<float>() + m * Hk * d, Hk, d, c, s);
+  }
+  return {q, k, v};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(triroute, m) {
+  m.def(
+      "controller_logits(Tensor x, Tensor side, Tensor g_in, float eps_in, Tensor w1, Tensor b1, Tensor w2, "
+      "Tensor b2, Tensor g_trunk, float eps_trunk, Tensor wh, Tensor bh) -> Tensor");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("decode_qkv(Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(triroute, CPU, m) {
+  m.impl("controller_logits", &controller_logits_cpu);
+  m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("decode_qkv", &decode_qkv_cpu);
+}
