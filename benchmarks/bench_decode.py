@@ -80,7 +80,7 @@ from megatron_triroute.routing.controller import RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import bit_costs, expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.modes import SKIP, read_start  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
-from triroute_kernels import decode_linear  # noqa: E402
+from triroute_kernels import decode_linear, rms_norm  # noqa: E402
 
 ROUTED = ("kvquant", "mod", "independent", "triroute")
 TARGETS = {"ops_per_layer": 120, "host_syncs_per_step": 0, "step_time_ratio_b1": 1.1, "speedup_vs_dense_b8": 0.9,
@@ -100,18 +100,23 @@ def spread(values: list[float]) -> dict:
 
 
 # --- Dense baseline -----------------------------------------------------------------------------
-def rope_bhtd(x: torch.Tensor, t: int) -> torch.Tensor:
-    """x (B, H, 1, d) at position t: Megatron's non-interleaved rotary embedding."""
-    d = x.shape[-1]
+def rope_table(d: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin), each (d,), of Megatron's non-interleaved rotary embedding at position t."""
     inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     emb = torch.cat([inv * t, inv * t])
+    return emb.cos(), emb.sin()
+
+
+def rope_bhtd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x (B, H, 1, d) rotated by one position's `rope_table`."""
     x1, x2 = x.chunk(2, -1)
-    return x * emb.cos() + torch.cat([-x2, x1], -1) * emb.sin()
+    return x * cos + torch.cat([-x2, x1], -1) * sin
 
 
 class DenseDecoder(nn.Module):
-    """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU, its matmuls by the
-    engine's `decode_linear` (as the routed systems'). Random weights."""
+    """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU, its matmuls and
+    RMS norms by the engine's `decode_linear` and `rms_norm` (as the routed systems'), the rotary
+    table computed once per step. Random weights."""
 
     def __init__(self, m: ModelConfig, batch: int, max_len: int, seed: int = 0, kv_dtype=torch.float32):
         super().__init__()
@@ -129,6 +134,7 @@ class DenseDecoder(nn.Module):
         self.fc1 = nn.ParameterList(w(2 * m.d_ff, D) for _ in range(L))
         self.fc2 = nn.ParameterList(w(D, m.d_ff) for _ in range(L))
         self.head = w(m.vocab_size, D)
+        self.ones = torch.ones(D)  # the norms' gains
         self.k = torch.zeros(L, batch, Hk, max_len, d, dtype=kv_dtype)
         self.v = torch.zeros_like(self.k)
         self.t = 0
@@ -157,22 +163,23 @@ class DenseDecoder(nn.Module):
         m, t = self.m, self.t
         B = tokens.shape[0]
         x = self.emb[tokens]  # (B, D)
+        cos, sin = rope_table(m.d_head, t)  # once per step, for every layer (as the engine's `prepare`)
         for i in range(m.n_layers):
-            h = F.rms_norm(x, (m.d_model,), eps=1e-5)
-            q = rope_bhtd(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), t)
+            h = rms_norm(x, self.ones, 1e-5)
+            q = rope_bhtd(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
             k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
-            self.k[i, :, :, t : t + 1] = rope_bhtd(k, t).to(self.k.dtype)
+            self.k[i, :, :, t : t + 1] = rope_bhtd(k, cos, sin).to(self.k.dtype)
             self.v[i, :, :, t : t + 1] = v.to(self.k.dtype)
             kk, vv = self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1]
             if kk.dtype != q.dtype:
                 kk, vv = kk.to(q.dtype), vv.to(q.dtype)
             o = F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)  # (B, H, 1, d)
             x = x + decode_linear(o.reshape(B, -1), self.wo[i])
-            h = F.rms_norm(x, (m.d_model,), eps=1e-5)
+            h = rms_norm(x, self.ones, 1e-5)
             gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
             x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
         self.t = t + 1
-        return decode_linear(F.rms_norm(x, (m.d_model,), eps=1e-5), self.head)
+        return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
 
 
 # --- routed systems through the engine ----------------------------------------------------------
