@@ -38,7 +38,12 @@ from ..routing.budget import BudgetController
 from ..routing.grad_balance import GradBalance
 from ..routing.gumbel import temperature_at
 from ..routing.modes import ATTN_MODES
-from ..routing.running_stats import commit_running_statistics, discard_running_statistics, in_backward_pass
+from ..routing.running_stats import (
+    commit_running_statistics,
+    discard_running_statistics,
+    in_backward_pass,
+    running_statistics,
+)
 
 
 class RouterStatistics(nn.Module):
@@ -103,6 +108,15 @@ class RoutingStep:
     def __init__(self, model, config: TriRouteConfig, budget: BudgetController, statistics: RouterStatistics):
         self.model = model
         self.state = RoutingStepState(config, budget, statistics)
+        self._statistics_modules: list | None = None
+
+    def running_statistics(self) -> list:
+        """The model's running statistics (`routing.running_stats.running_statistics`), found on the
+        first call: a model gains no module after it is built, and the walk costs host time every
+        step."""
+        if self._statistics_modules is None:
+            self._statistics_modules = running_statistics([self.model])
+        return self._statistics_modules
 
     def set_step(self, step: int, tau: float) -> None:
         """The noise key's step and the Gumbel temperature every layer reads."""
@@ -123,11 +137,11 @@ class RoutingStep:
     @torch.no_grad()
     def end(self, groups) -> tuple[torch.Tensor, list[float], torch.Tensor]:
         """Commit the step's routing state; returns (realised fractions, multipliers, statistics)."""
-        model, budget = self.model, self.state.budget
-        for module in model.modules():
-            if isinstance(module, GradBalance):
-                module.pending().mul_(1.0 / groups.dp**2)
-        commit_running_statistics([model], lambda t: _reduce(t, groups, pipeline=False))
+        budget, stats = self.state.budget, self.running_statistics()
+        balances = [m.pending() for m in stats if isinstance(m, GradBalance)]
+        if balances and groups.dp > 1:
+            torch._foreach_mul_(balances, 1.0 / groups.dp**2)
+        commit_running_statistics(stats, lambda t: _reduce(t, groups, pipeline=False))
         realised = budget.step(lambda t: _reduce(t, groups, pipeline=True))
         stats = self.statistics(groups)
         self.state.statistics.reset()
@@ -135,7 +149,7 @@ class RoutingStep:
 
     def discard(self) -> None:
         """Drop everything the step accumulated (the step was skipped)."""
-        discard_running_statistics([self.model])
+        discard_running_statistics(self.running_statistics())
         self.state.budget.discard()
         self.state.statistics.reset()
 

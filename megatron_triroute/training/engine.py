@@ -84,7 +84,8 @@ class TrainEngine:
     def train_step(self, micro_batches: list[MicroBatch], step: int) -> StepReport:
         model, routing = self.model, self.model.routing_step
         tau = routing.begin(step, self.total_steps, len(micro_batches))
-        model.train()
+        if not model.training:  # evaluation leaves train mode on; a walk of every module otherwise
+            model.train()
         self.grad_sync.begin()
         with self._autocast():
             losses = self.forward_backward(
