@@ -88,6 +88,14 @@ void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half*
 
 }  // namespace triroute_format
 
+namespace triroute_linear {
+// y [M, N] = x [M, K] w^T, w [N, K], float32, row-major: decode_linear's kernel (each block of eight
+// rows of w read from memory once for every row of x, blocks spread over the threads), also for the
+// small matmuls inside the fused ops of layer_ops.cpp; without AVX2 and FMA, at::mm, as decode_linear's
+// fallback at::linear computes it.
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
+}  // namespace triroute_linear
+
 namespace {
 
 using at::Half;
@@ -760,18 +768,7 @@ Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
       w.is_contiguous()) {
     const Tensor xc = x.contiguous();
     Tensor y = at::empty({M, N}, x.options());
-    const float* wp = w.data_ptr<float>();
-    const float* xp = xc.data_ptr<float>();
-    float* yp = y.data_ptr<float>();
-    const int64_t blocks = N / 8;
-    // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
-    // streamed it from memory), every x row: w is read from memory once whatever M.
-    at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t m = 0; m < M; ++m) gemv_rows8(wp + b * 8 * K, xp + m * K, K, yp + m * N + b * 8);
-    });
-    for (int64_t n = blocks * 8; n < N; ++n)
-      for (int64_t m = 0; m < M; ++m) yp[m * N + n] = dot(wp + n * K, xp + m * K, K);  // rows past the last block
+    triroute_linear::rows(w.data_ptr<float>(), xc.data_ptr<float>(), M, N, K, y.data_ptr<float>());
     return y;
   }
 #endif
@@ -820,17 +817,22 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
 }  // namespace
 
 namespace triroute_linear {
-// y [M, N] = x [M, K] w^T, w [N, K], float32, row-major, on the calling thread: decode_linear's
-// kernel (each block of eight rows of w read from memory once for every row of x), for the small
-// matmuls inside a fused op (layer_ops.cpp).
 void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
-  int64_t n0 = 0;
 #if defined(TRIROUTE_AVX2)
-  for (; n0 + 8 <= N; n0 += 8)
-    for (int64_t m = 0; m < M; ++m) gemv_rows8(w + n0 * K, x + m * K, K, y + m * N + n0);
+  const int64_t blocks = N / 8;
+  // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
+  // streamed it from memory), every x row: w is read from memory once whatever M.
+  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b)
+      for (int64_t m = 0; m < M; ++m) gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * N + b * 8);
+  });
+  for (int64_t n = blocks * 8; n < N; ++n)
+    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);  // rows past the last block
+#else
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  Tensor out = at::from_blob(y, {M, N}, f32);
+  at::mm_out(out, at::from_blob(const_cast<float*>(x), {M, K}, f32), at::from_blob(const_cast<float*>(w), {N, K}, f32).t());
 #endif
-  for (int64_t n = n0; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);
 }
 }  // namespace triroute_linear
 

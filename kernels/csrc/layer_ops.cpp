@@ -23,7 +23,7 @@
 #include <utility>
 #include <vector>
 
-namespace triroute_linear {  // decode_ops.cpp
+namespace triroute_linear {  // decode_ops.cpp: decode_linear's kernel, at::mm without AVX2
 void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
 }  // namespace triroute_linear
 
