@@ -76,6 +76,7 @@ from benchmarks.forced_decisions import (  # noqa: E402
     ForcedController, budget_mix, exact_draw, force, measure_mix, realised_fractions)
 from benchmarks.op_counter import StepCounter, model_weights  # noqa: E402
 from megatron_triroute.config import ModelConfig, TriRouteConfig  # noqa: E402
+from megatron_triroute.inference.attention import apply_rope, rope_tables  # noqa: E402
 from megatron_triroute.routing.controller import RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import bit_costs, expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.modes import SKIP, read_start  # noqa: E402
@@ -100,19 +101,6 @@ def spread(values: list[float]) -> dict:
 
 
 # --- Dense baseline -----------------------------------------------------------------------------
-def rope_table(d: int, t: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin), each (d,), of Megatron's non-interleaved rotary embedding at position t."""
-    inv = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
-    emb = torch.cat([inv * t, inv * t])
-    return emb.cos(), emb.sin()
-
-
-def rope_bhtd(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (B, H, 1, d) rotated by one position's `rope_table`."""
-    x1, x2 = x.chunk(2, -1)
-    return x * cos + torch.cat([-x2, x1], -1) * sin
-
-
 class DenseDecoder(nn.Module):
     """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU, its matmuls and
     RMS norms by the engine's `decode_linear` and `rms_norm` (as the routed systems'), the rotary
@@ -163,12 +151,12 @@ class DenseDecoder(nn.Module):
         m, t = self.m, self.t
         B = tokens.shape[0]
         x = self.emb[tokens]  # (B, D)
-        cos, sin = rope_table(m.d_head, t)  # once per step, for every layer (as the engine's `prepare`)
+        cos, sin = rope_tables(torch.tensor([t]), m.d_head)  # once per step, every layer's (as `prepare`'s)
         for i in range(m.n_layers):
             h = rms_norm(x, self.ones, 1e-5)
-            q = rope_bhtd(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
+            q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
             k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
-            self.k[i, :, :, t : t + 1] = rope_bhtd(k, cos, sin).to(self.k.dtype)
+            self.k[i, :, :, t : t + 1] = apply_rope(k, cos, sin).to(self.k.dtype)
             self.v[i, :, :, t : t + 1] = v.to(self.k.dtype)
             kk, vv = self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1]
             if kk.dtype != q.dtype:

@@ -14,7 +14,7 @@ definition is the tensor chain of `megatron_triroute.routing.noise`. The package
 triton): nothing of `megatron_triroute`.
 """
 
-from .cpu_ops import cpu_ops_available, cpu_ops_error
+from .cpu_ops import cpu_ops_available, cpu_ops_error, takes_cpu_kernel
 from .dispatch import choose_backend, decode_attention_pool, has_triton, quantize_pack_into
 from .paged_ops import PoolLists, cache_append, cache_write, decode_linear, few_rows, paged_attention, rms_norm, routed_experts
 from .pool import PagePool, allocate_kv_pools, allocate_pool
@@ -51,4 +51,5 @@ __all__ = [
     "quantize_pack_into_torch",
     "rms_norm",
     "routed_experts",
+    "takes_cpu_kernel",
 ]

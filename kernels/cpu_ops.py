@@ -113,6 +113,13 @@ def cpu_ops_available() -> bool:
     return _state["ok"]
 
 
+def takes_cpu_kernel(x: torch.Tensor) -> bool:
+    """Whether `x` goes to a C++ kernel: a float32 CPU tensor, the kernels built here, and not
+    being traced by torch.compile (which runs the tensor ops the kernels are defined by)."""
+    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
+        and cpu_ops_available()
+
+
 def cpu_ops_error() -> str | None:
     """Why the C++ kernels are unavailable (None when they are, or before the first check)."""
     return _state.get("error")

@@ -21,7 +21,7 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 
-from .cpu_ops import cpu_ops_available, cpu_ops_error
+from .cpu_ops import cpu_ops_available, cpu_ops_error, takes_cpu_kernel
 from .dispatch import choose_backend, decode_attention_pool, quantize_pack_into
 from .pool import PagePool
 from .torch_ops import decode_attention_pool_torch, merge_partials, quantize_pack_into_torch
@@ -213,8 +213,7 @@ DECODE_LINEAR_ROWS = 16
 def few_rows(x: torch.Tensor) -> bool:
     """Whether x [M, K] is a decode step's few float32 rows on a CPU where the C++ kernels are built
     (and not being compiled): what the fused decode-layer ops (`csrc/layer_ops.cpp`) take."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= DECODE_LINEAR_ROWS and x.dtype == torch.float32
-            and x.device.type == "cpu" and not torch.compiler.is_compiling() and cpu_ops_available())
+    return x.dim() == 2 and 0 < x.shape[0] <= DECODE_LINEAR_ROWS and takes_cpu_kernel(x)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

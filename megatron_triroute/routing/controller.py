@@ -195,7 +195,7 @@ class TriRouteController(nn.Module):
         if folded:  # evaluation: tokens as the rows of 2-D matmuls, one matmul for every head
             B, T = hidden.shape[:2]
             hidden, side = hidden.reshape(B * T, hidden.shape[-1]), side.reshape(B * T, side.shape[-1])
-            if self._fused(hidden):
+            if few_rows(hidden):  # a decode step's few float32 rows on a CPU: one C++ call
                 z = self._fused_logits(hidden, side).view(B, T, -1)
                 return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
         x = torch.cat([self.input_norm(hidden), side], dim=-1)
@@ -235,11 +235,6 @@ class TriRouteController(nn.Module):
             self._fold = (torch.cat([w for w, _ in maps]).contiguous(), torch.cat([b for _, b in maps]))
             self._fold_key = key
         return self._fold
-
-    def _fused(self, hidden: torch.Tensor) -> bool:
-        """Whether the folded evaluation forward of these rows takes the C++ kernel: a decode
-        step's few float32 rows on a CPU (`triroute_kernels.few_rows`)."""
-        return few_rows(hidden)
 
     def _fused_logits(self, hidden: torch.Tensor, side: torch.Tensor) -> torch.Tensor:
         """(N, sum of the heads' sizes): `_logits`' folded path (input norm, trunk, folded heads)

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from triroute_kernels import cpu_ops_available
+from triroute_kernels import takes_cpu_kernel
 from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
     dequantize_groups,
@@ -104,7 +104,7 @@ def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) ->
     `fake_quantize(x, b, group_size)` bit for bit. On a CPU, for float32 x, the C++ kernel
     (`torch.ops.triroute.quantized_values`, where built) computes them in one pass; under
     torch.compile, and elsewhere, the tensor chain (`quantized_values_torch`) does."""
-    if x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() and cpu_ops_available():
+    if takes_cpu_kernel(x):
         return torch.ops.triroute.quantized_values(x, list(bits), group_size)
     return quantized_values_torch(x, bits, group_size)
 
