@@ -775,6 +775,53 @@ Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
   return at::linear(x, w);
 }
 
+// Whether routed_experts_rows takes these: float32 contiguous CPU x, weight and expert weights.
+bool few_rows_experts(const Tensor& x, const Tensor& weight, at::TensorList w1, at::TensorList w3,
+                      at::TensorList w2) {
+  const auto ok = [](const Tensor& t) { return t.scalar_type() == at::kFloat && t.is_contiguous() && t.device().is_cpu(); };
+  if (!ok(x) || !ok(weight)) return false;
+  for (const auto* ws : {&w1, &w3, &w2})
+    for (const Tensor& w : *ws)
+      if (!ok(w) || w.dim() != 2) return false;
+  return true;
+}
+
+// routed_experts for a decode step's few float32 rows: each expert's routes gathered into one
+// buffer, its three matmuls by decode_linear's kernel (each weight read once), silu(a) * b and the
+// gated sum in place, with no tensor op between them (at one token per request their dispatches
+// and allocations cost more than the arithmetic). The routes (flat ids n * K + j) come grouped by
+// expert: route[count[e]..count[e+1]) are expert e's. Expert order and each row's sum order are
+// the tensor path's; silu is x / (1 + exp(-x)), so values equal it up to exp's rounding.
+Tensor routed_experts_rows(const Tensor& x, const Tensor& weight, at::TensorList w1, at::TensorList w3,
+                           at::TensorList w2, const std::vector<int64_t>& count, const int64_t* route, int64_t K) {
+  const int64_t D = x.size(1), E = static_cast<int64_t>(w1.size());
+  Tensor out = at::zeros_like(x);
+  float* op = out.data_ptr<float>();
+  const float *xp = x.data_ptr<float>(), *gp = weight.data_ptr<float>();
+  std::vector<float> xe, a, b, y;
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t c0 = count[e], c = count[e + 1] - c0;
+    if (c == 0) continue;
+    const int64_t F = w1[e].size(0);
+    TORCH_CHECK(w1[e].size(1) == D && w3[e].sizes() == w1[e].sizes() && w2[e].size(0) == D && w2[e].size(1) == F,
+                "routed_experts: expert ", e, " has w1 ", w1[e].sizes(), ", w3 ", w3[e].sizes(), ", w2 ",
+                w2[e].sizes(), " for rows of ", D);
+    xe.resize(c * D), a.resize(c * F), b.resize(c * F), y.resize(c * D);
+    for (int64_t i = 0; i < c; ++i) std::copy_n(xp + route[c0 + i] / K * D, D, xe.data() + i * D);
+    triroute_linear::rows(w1[e].data_ptr<float>(), xe.data(), c, F, D, a.data());
+    triroute_linear::rows(w3[e].data_ptr<float>(), xe.data(), c, F, D, b.data());
+    for (int64_t i = 0; i < c * F; ++i) a[i] = a[i] / (1.f + std::exp(-a[i])) * b[i];
+    triroute_linear::rows(w2[e].data_ptr<float>(), a.data(), c, D, F, y.data());
+    for (int64_t i = 0; i < c; ++i) {
+      const int64_t r = route[c0 + i];
+      const float g = gp[r];
+      float* o = op + r / K * D;
+      for (int64_t j = 0; j < D; ++j) o[j] += y[i * D + j] * g;
+    }
+  }
+  return out;
+}
+
 Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
                           at::TensorList w3, at::TensorList w2) {
   TORCH_CHECK(x.dim() == 2, "x must be [N, D], got ", x.sizes());
@@ -799,6 +846,8 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
   int64_t* rp = route.data_ptr<int64_t>();
   for (int64_t i = 0; i < N * K; ++i)
     if (ip[i] >= 0) rp[fill[ip[i]]++] = i;
+  if (N <= kDecodeLinearRows && few_rows_experts(x, weight, w1, w3, w2))
+    return routed_experts_rows(x, weight, w1, w3, w2, count, rp, K);
   Tensor out = at::zeros_like(x);
   const Tensor wflat = weight.reshape({-1});
   for (int64_t e = 0; e < E; ++e) {
