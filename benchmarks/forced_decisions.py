@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_triroute.config import TriRouteConfig
-from megatron_triroute.routing.controller import AxisDecision, RouterOutput
+from megatron_triroute.routing.controller import AxisDecision, DecisionBlock, RouterOutput, decision_features
 from megatron_triroute.routing.cost import bit_costs, dense_cost, expert_width, hard_cost
 from megatron_triroute.routing.gating import NULL_EXPERT, ExpertRoutes
 from megatron_triroute.routing.modes import FULL, LOCAL, N_MODES, SKIP, keys_read
@@ -110,8 +110,12 @@ def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, b
             experts = ExpertRoutes(probs=torch.zeros(batch, n, r.num_experts + int(r.null_expert)), index=i,
                                    weight=torch.full(i.shape, 1.0 / i.shape[-1]),
                                    option=i + 1 if r.null_expert else i)
-        outs.append(RouterOutput(attn=AxisDecision(ya, ya, ya.argmax(-1)), bits=AxisDecision(yb, yb, yb.argmax(-1)),
-                                 experts=experts))
+        out = RouterOutput(attn=AxisDecision(ya, ya, ya.argmax(-1)), bits=AxisDecision(yb, yb, yb.argmax(-1)),
+                           experts=experts)
+        # psi's block of the forced decisions, drawn with them, as the engine's fused decisions carry theirs
+        features = decision_features(out, batch, n, len(r.bits), r.top_k)
+        out.decision_block = DecisionBlock(features, DecisionBlock.sources_of(out))
+        outs.append(out)
     return outs
 
 

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/layer_ops.cpp`, `csrc/noise_ops.cpp`,
 `csrc/quant_ops.cpp`): built once per machine, registered as `torch.ops.triroute.{paged_attention,
 cache_write, cache_append, routed_experts, decode_linear}` and `{controller_logits, rms_norm,
-decode_qkv}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash, training) and
+decode_qkv, decode_decisions}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash, training) and
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
@@ -171,5 +171,14 @@ def _register_fakes() -> None:
     def _(x, wq, wk, wv, cos, sin):
         M, d = x.shape[0], cos.shape[1]
         return x.new_empty(M, wq.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d)
+
+    @torch.library.register_fake("triroute::decode_decisions")
+    def _(attn_z, expert_z, bits_z, attn_shift, expert_shift, bits_shift, top_k, null_expert):
+        B, T, Ha, M = attn_z.shape
+        long = dict(dtype=torch.long)
+        return [attn_z.new_empty(B, T, Ha, **long), attn_z.new_empty(B, T, Ha, M), attn_z.new_empty(B, T, **long),
+                bits_z.new_empty(bits_z.shape), expert_z.new_empty(expert_z.shape), attn_z.new_empty(B, T, top_k, **long),
+                attn_z.new_empty(B, T, top_k, **long), attn_z.new_empty(B, T, top_k),
+                attn_z.new_empty(B, T, M + 1 + bits_z.shape[2])]
 
     _state["fakes"] = True

@@ -13,11 +13,21 @@
 //   row's (cos, sin) table as x * cos + rotate_half(x) * sin, in the same float32 operations as
 //   apply_rope (bit for bit on the same projections).
 //
+// - decode_decisions (megatron_triroute/routing/controller.py, `decode_decisions`, is the caller;
+//   the definitions: the controller's eval `_categorical` and `gating.top_k_gating`, with prices
+//   `pricing._priced_axis` and `pricing._priced_experts`, and `controller.decision_features`):
+//   per row, each attention head's mode and the bit-width as the first argmax of the logits less
+//   their price shift (float64), one-hot; the experts' option probabilities p = softmax(z); the
+//   top-k options of softmax(float32(z - shift)) (of p without prices), ties to the lower option;
+//   gates p over the chosen set's sum of p; and psi's decision block of the row. Decisions bit for
+//   bit; probabilities and gates up to exp's rounding and the order of the softmax's sum.
+//
 // Built with -ffp-contract=off (cpu_ops.CFLAGS): no multiply-add is fused unless written so.
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <utility>
@@ -135,6 +145,127 @@ std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor&
   return {q, k, v};
 }
 
+// The first index of the largest of n values z[i] - shift[i] (float64; shift null: 0), NaN largest.
+inline int64_t priced_argmax(const float* z, const double* shift, int64_t n) {
+  int64_t best = 0;
+  double top = static_cast<double>(z[0]) - (shift ? shift[0] : 0.0);
+  for (int64_t i = 1; i < n; ++i) {
+    const double v = static_cast<double>(z[i]) - (shift ? shift[i] : 0.0);
+    if (v > top || (std::isnan(v) && !std::isnan(top))) top = v, best = i;
+  }
+  return best;
+}
+
+// out <- softmax(v) over n float32 values: exp(v - max) times the reciprocal of their sum.
+inline void softmax_row(const float* v, int64_t n, float* out) {
+  float mx = v[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, v[i]);
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += (out[i] = std::exp(v[i] - mx));
+  const float r = 1.f / sum;
+  for (int64_t i = 0; i < n; ++i) out[i] *= r;
+}
+
+// Row (b, t)'s values of a price shift (B or 1, T or 1, [1,] n) float64 with contiguous last
+// dimension; null without a shift.
+inline const double* shift_row(const c10::optional<Tensor>& s, int64_t b, int64_t t) {
+  if (!s) return nullptr;
+  return s->data_ptr<double>() + (s->size(0) == 1 ? 0 : b * s->stride(0)) + (s->size(1) == 1 ? 0 : t * s->stride(1));
+}
+
+void check_shift(const c10::optional<Tensor>& shift, int64_t B, int64_t T, int64_t n, int64_t dim, const char* name) {
+  if (!shift) return;
+  const Tensor& s = *shift;
+  TORCH_CHECK(s.scalar_type() == at::kDouble && s.device().is_cpu() && s.dim() == dim && s.size(-1) == n &&
+                  s.stride(-1) == 1 && (s.size(0) == B || s.size(0) == 1) && (s.size(1) == T || s.size(1) == 1) &&
+                  (dim == 3 || s.size(2) == 1),
+              "decode_decisions: ", name, " must be a float64 CPU tensor [B or 1, T or 1, ", dim == 4 ? "1, " : "", n,
+              "] (B = ", B, ", T = ", T, ") with a contiguous last dimension, got ", s.scalar_type(), " ", s.sizes(),
+              " strides ", s.strides());
+}
+
+// Logits (B, T, [H_a,] n) float32 on the CPU, each row's last dimensions contiguous.
+void check_logits(const Tensor& z, int64_t dim, const char* name) {
+  TORCH_CHECK(z.scalar_type() == at::kFloat && z.dim() == dim && z.device().is_cpu() && z.stride(-1) == 1 &&
+                  (dim == 3 || z.stride(2) == z.size(3)),
+              "decode_decisions: ", name, " must be float32 CPU logits of ", dim,
+              " dimensions with contiguous rows, got ", z.scalar_type(), " ", z.sizes(), " strides ", z.strides());
+}
+
+std::vector<Tensor> decode_decisions_cpu(const Tensor& attn_z, const Tensor& expert_z, const Tensor& bits_z,
+                                         const c10::optional<Tensor>& attn_shift,
+                                         const c10::optional<Tensor>& expert_shift,
+                                         const c10::optional<Tensor>& bits_shift, int64_t top_k, bool null_expert) {
+  check_logits(attn_z, 4, "attn_z");
+  check_logits(expert_z, 3, "expert_z");
+  check_logits(bits_z, 3, "bits_z");
+  const int64_t B = attn_z.size(0), T = attn_z.size(1), Ha = attn_z.size(2), M = attn_z.size(3),
+                E = expert_z.size(2), nb = bits_z.size(2);
+  TORCH_CHECK(expert_z.size(0) == B && expert_z.size(1) == T && bits_z.size(0) == B && bits_z.size(1) == T && M > 0 &&
+                  nb > 0 && top_k >= 1 && top_k <= E,
+              "decode_decisions: attn_z ", attn_z.sizes(), ", expert_z ", expert_z.sizes(), ", bits_z ", bits_z.sizes(),
+              " and top_k ", top_k, " do not fit (the same B and T, 1 <= top_k <= options)");
+  check_shift(attn_shift, B, T, M, 4, "attn_shift");
+  check_shift(expert_shift, B, T, E, 3, "expert_shift");
+  check_shift(bits_shift, B, T, nb, 3, "bits_shift");
+  const auto f32 = attn_z.options(), i64 = f32.dtype(at::kLong);
+  Tensor attn_hard = at::empty({B, T, Ha}, i64), attn_y = at::zeros({B, T, Ha, M}, f32),
+         bits_hard = at::empty({B, T}, i64), bits_y = at::zeros({B, T, nb}, f32), probs = at::empty({B, T, E}, f32),
+         option = at::empty({B, T, top_k}, i64), index = at::empty({B, T, top_k}, i64),
+         weight = at::empty({B, T, top_k}, f32), features = at::empty({B, T, M + 1 + nb}, f32);
+  std::vector<float> q(E), shifted(E);
+  std::vector<int64_t> counts(M);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t t = 0; t < T; ++t) {
+      const int64_t n = b * T + t;  // the outputs' row
+      float* feat = features.data_ptr<float>() + n * (M + 1 + nb);
+      std::fill(counts.begin(), counts.end(), 0);
+      const float* az = attn_z.data_ptr<float>() + b * attn_z.stride(0) + t * attn_z.stride(1);
+      const double* as = shift_row(attn_shift, b, t);
+      for (int64_t h = 0; h < Ha; ++h) {
+        const int64_t mode = priced_argmax(az + h * M, as, M);
+        attn_hard.data_ptr<int64_t>()[n * Ha + h] = mode;
+        attn_y.data_ptr<float>()[(n * Ha + h) * M + mode] = 1.f;
+        ++counts[mode];
+      }
+      for (int64_t i = 0; i < M; ++i) feat[i] = static_cast<float>(counts[i]) / static_cast<float>(Ha);
+      const float* ez = expert_z.data_ptr<float>() + b * expert_z.stride(0) + t * expert_z.stride(1);
+      float* p = probs.data_ptr<float>() + n * E;
+      softmax_row(ez, E, p);
+      const float* sel = p;
+      if (const double* es = shift_row(expert_shift, b, t)) {
+        for (int64_t i = 0; i < E; ++i) shifted[i] = static_cast<float>(static_cast<double>(ez[i]) - es[i]);
+        softmax_row(shifted.data(), E, q.data());
+        sel = q.data();
+      }
+      int64_t* opt = option.data_ptr<int64_t>() + n * top_k;
+      float chosen = 0.f;
+      int64_t real = 0;
+      for (int64_t j = 0; j < top_k; ++j) {  // the j-th largest, ties to the lower option
+        int64_t best = -1;
+        for (int64_t i = 0; i < E; ++i) {
+          bool taken = false;
+          for (int64_t l = 0; l < j; ++l) taken = taken || opt[l] == i;
+          if (!taken && (best < 0 || sel[i] > sel[best])) best = i;
+        }
+        opt[j] = best;
+        chosen += p[best];
+        const int64_t e = null_expert ? best - 1 : best;
+        index.data_ptr<int64_t>()[n * top_k + j] = e;
+        real += e >= 0;
+      }
+      chosen = std::max(chosen, 1e-20f);
+      for (int64_t j = 0; j < top_k; ++j) weight.data_ptr<float>()[n * top_k + j] = p[opt[j]] / chosen;
+      feat[M] = static_cast<float>(real) / static_cast<float>(top_k);
+      const float* bz = bits_z.data_ptr<float>() + b * bits_z.stride(0) + t * bits_z.stride(1);
+      const int64_t width = priced_argmax(bz, shift_row(bits_shift, b, t), nb);
+      bits_hard.data_ptr<int64_t>()[n] = width;
+      bits_y.data_ptr<float>()[n * nb + width] = 1.f;
+      for (int64_t i = 0; i < nb; ++i) feat[M + 1 + i] = i == width ? 1.f : 0.f;
+    }
+  return {attn_hard, attn_y, bits_hard, bits_y, probs, option, index, weight, features};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
@@ -143,10 +274,14 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
       "Tensor b2, Tensor g_trunk, float eps_trunk, Tensor wh, Tensor bh) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("decode_qkv(Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "decode_decisions(Tensor attn_z, Tensor expert_z, Tensor bits_z, Tensor? attn_shift, Tensor? expert_shift, "
+      "Tensor? bits_shift, int top_k, bool null_expert) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("controller_logits", &controller_logits_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("decode_qkv", &decode_qkv_cpu);
+  m.impl("decode_decisions", &decode_decisions_cpu);
 }

@@ -72,6 +72,26 @@ class RouterOutput:
     extra_loss: torch.Tensor | None = None
     """Router-family-specific auxiliary loss (e.g. MoD's causal predictor), added to the
     balancing losses by the layer."""
+    decision_block: "DecisionBlock | None" = None
+    """psi's decision block of these decisions when it was computed with them (`decode_decisions`)."""
+
+
+@dataclass(frozen=True)
+class DecisionBlock:
+    """`decision_features` of one output's decisions, computed with them, and the tensors it was
+    computed from: `decision_features` takes it only while the output still holds those same
+    tensors (a decision replaced afterwards is read again)."""
+
+    features: torch.Tensor
+    sources: tuple[torch.Tensor, ...]
+    """(attn.y, experts.index, bits.y) as they were."""
+
+    @staticmethod
+    def sources_of(out: "RouterOutput") -> tuple:
+        return out.attn.y, out.experts.index if out.experts is not None else None, out.bits.y
+
+    def holds(self, out: "RouterOutput") -> bool:
+        return all(a is b for a, b in zip(self.sources, self.sources_of(out)))
 
 
 def controller_input_width(d_model: int, n_bits_options: int) -> int:
@@ -111,11 +131,13 @@ class RouterHead(nn.Module):
     def fold_inputs(self) -> tuple[torch.Tensor, ...]:
         """The tensors `folded` reads (a cache of it is keyed on them). Read from the modules'
         own tables (a decode step asks every layer for them)."""
-        params = self._parameters
-        if self.whiten is None:
-            return self.proj._parameters["weight"], params["bias"]
-        stats = self.whiten._buffers
-        return self.proj._parameters["weight"], params["bias"], params["gain"], stats["mean"], stats["var"]
+        params, modules = self._parameters, self._modules
+        weight = modules["proj"]._parameters["weight"]
+        whiten = modules.get("whiten")  # None: no whitening (then not a submodule)
+        if whiten is None:
+            return weight, params["bias"]
+        stats = whiten._buffers
+        return weight, params["bias"], params["gain"], stats["mean"], stats["var"]
 
     def folded(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight, bias) of the same head as one affine map, for evaluation (statistics frozen):
@@ -186,6 +208,8 @@ class TriRouteController(nn.Module):
         """Raw per-axis logits (B, T, n_axis) from [Norm(x); psi]."""
         if not self.sizes:
             return {}
+        if not torch.is_autocast_enabled(hidden.device.type):
+            return self._logits(hidden.float(), side.float())
         with torch.autocast(hidden.device.type, enabled=False):  # the router runs in fp32 under bf16 autocast
             return self._logits(hidden.float(), side.float())
 
@@ -240,10 +264,14 @@ class TriRouteController(nn.Module):
         """(N, sum of the heads' sizes): `_logits`' folded path (input norm, trunk, folded heads)
         in one call, `torch.ops.triroute.controller_logits`, equal to it up to the order of the sums."""
         weight, bias = self._folded_heads()
-        trunk, eps = self.trunk, lambda norm: norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps
+        m = self._modules
+        trunk = m["trunk"]._modules
+        fc1, fc2, norm, trunk_norm = (trunk["fc1"]._parameters, trunk["fc2"]._parameters, m["input_norm"],
+                                      trunk["norm"])
+        eps = lambda norm: norm.eps if norm.eps is not None else torch.finfo(torch.float32).eps  # noqa: E731
         return torch.ops.triroute.controller_logits(
-            hidden.contiguous(), side.contiguous(), self.input_norm.weight, eps(self.input_norm), trunk.fc1.weight,
-            trunk.fc1.bias, trunk.fc2.weight, trunk.fc2.bias, trunk.norm.weight, eps(trunk.norm), weight, bias)
+            hidden.contiguous(), side.contiguous(), norm._parameters["weight"], eps(norm), fc1["weight"], fc1["bias"],
+            fc2["weight"], fc2["bias"], trunk_norm._parameters["weight"], eps(trunk_norm), weight, bias)
 
     def forward(
         self,
@@ -266,6 +294,10 @@ class TriRouteController(nn.Module):
         raw = self.logits(hidden, side)
         if "attn" in raw:
             raw["attn"] = raw["attn"].view(B, T, self.attn_heads, N_MODES)  # (B, T, H_a, N_MODES)
+        if decide and not self.training and not torch.is_grad_enabled() and tuple(raw) == AXES:
+            fused = decode_decisions(raw["attn"], raw["experts"], raw["bits"], self.n_heads, router)
+            if fused is not None:
+                return fused
         noise = self._noise(raw, noise_key)
         undecided = lambda z: AxisDecision(None, None, None, logits=z)  # noqa: E731
         # gradient balancing's reference, once for the layer's axes (read where a backward can follow)
@@ -346,6 +378,26 @@ def _constant_axis(shape: tuple[int, ...], option: int, n_options: int, device) 
     return AxisDecision(y, y, hard)
 
 
+def decode_decisions(attn_z: torch.Tensor, expert_z: torch.Tensor, bits_z: torch.Tensor, n_heads: int, router,
+                     shifts=None) -> RouterOutput | None:
+    """Every axis's noise-free decision of a decode step's few float32 rows on a CPU in one C++
+    call (`torch.ops.triroute.decode_decisions`), with psi's decision block for the next layer;
+    None elsewhere (the tensor ops decide). attn_z (B, T, H_a, N_MODES), expert_z (B, T, E'),
+    bits_z (B, T, |bits|) the logits; `shifts`: a step's `pricing.PriceShifts` (None: the plain
+    argmax). The same decisions as the eval `_categorical` and `top_k_gating` (with shifts:
+    `pricing._price_rows`), the same gates and probabilities up to rounding."""
+    if not few_rows(expert_z.flatten(0, 1)):
+        return None
+    shift = (None, None, None) if shifts is None else (shifts.attn, shifts.expert, shifts.bits)
+    attn_hard, attn_y, bits_hard, bits_y, probs, option, index, weight, block = torch.ops.triroute.decode_decisions(
+        attn_z, expert_z, bits_z, *shift, router.top_k, router.null_expert)
+    out = RouterOutput(attn=_expand_heads(AxisDecision(attn_y, attn_y, attn_hard, logits=attn_z), n_heads),
+                       bits=AxisDecision(bits_y, bits_y, bits_hard, logits=bits_z),
+                       experts=ExpertRoutes(probs, index, weight, option), expert_logits=expert_z)
+    out.decision_block = DecisionBlock(block, DecisionBlock.sources_of(out))
+    return out
+
+
 def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_options: int,
                       top_k: int, device=None) -> torch.Tensor:
     """psi's previous-layer block (see side_features): (B, T, N_MODES + 1 + |bits|), detached.
@@ -355,6 +407,8 @@ def decision_features(out: RouterOutput | None, batch: int, seq: int, n_bits_opt
     """
     if out is None:
         return torch.zeros(batch, seq, decision_feature_size(n_bits_options), device=device)
+    if out.decision_block is not None and out.decision_block.holds(out):
+        return out.decision_block.features
     # One concatenation in the block's layout (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT).
     detached = lambda t: t.detach() if t.requires_grad else t  # noqa: E731  (no op where nothing tracks it)
     modes = detached(out.attn.y).float().mean(2)

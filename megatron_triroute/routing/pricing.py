@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ModelConfig, RouterConfig
-from .controller import AxisDecision, RouterOutput
+from .controller import AxisDecision, RouterOutput, decode_decisions
 from .cost import bit_costs, dense_cost, expert_width
 from .modes import keys_read
 from .gating import option_probs, top_k_gating
@@ -153,6 +153,10 @@ def _price_rows(out: RouterOutput, shifts: PriceShifts, model: ModelConfig, rout
     """price_decisions with one (mu_flops, mu_mem) row per request, as its shifts."""
     attn, bits, experts = out.attn, out.bits, out.experts
     n_heads = model.n_heads
+    if attn.logits is not None and bits.logits is not None and out.expert_logits is not None and out.extra_loss is None:
+        fused = decode_decisions(attn.logits, out.expert_logits, bits.logits, n_heads, router, shifts)
+        if fused is not None:
+            return fused
     if attn.logits is not None:
         attn = _priced_axis(attn, shifts.attn, n_heads)
     if bits.logits is not None:
