@@ -20,7 +20,9 @@
 // With AVX2 and FMA (-march=native on x86-64) the attention's inner loops are vectorised by hand:
 // eight codes unpacked by one variable shift, dequantised by the same multiply, then add; the scores
 // and the P.V accumulation by fused multiply-adds (attention is compared within a tolerance, the
-// dequantised values and the cache write bit for bit). Other builds run the scalar loops below.
+// dequantised values and the cache write bit for bit). With AVX-512 as well, sixteen: the
+// unpacking and dequantisation (the same two roundings), the scores' multiply-adds, P.V over 64
+// channels and decode_linear's row streams. Other builds run the scalar loops below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -39,6 +41,9 @@
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
 #define TRIROUTE_AVX2 1
+#endif
+#if defined(TRIROUTE_AVX2) && defined(__AVX512F__)
+#define TRIROUTE_AVX512 1  // 16-lane paths for the attention's dequantisation, scores and sums
 #endif
 
 namespace triroute_format {
@@ -121,11 +126,46 @@ inline __m256 codes8(const uint8_t* codes, int64_t i) {
 }
 #endif
 
+#if defined(TRIROUTE_AVX512)
+// Channels i..i+15 of a packed row as float32 (codes8's layout, 16 lanes): the codes' 16 * BITS
+// bits as one or two 32-bit words, each lane shifted to its code.
+template <int BITS>
+inline __m512 codes16(const uint8_t* codes, int64_t i) {
+  if constexpr (BITS == 8) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+  } else if constexpr (BITS == 4) {
+    uint64_t word = 0;
+    std::memcpy(&word, codes + i / 2, 8);
+    const __m512i words = _mm512_permutexvar_epi32(  // lanes 0-7: the low 32 bits, 8-15: the high
+        _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi64(static_cast<int64_t>(word)));
+    const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
+    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15)));
+  } else {
+    uint32_t word = 0;
+    std::memcpy(&word, codes + i / 4, 4);
+    const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_cvtepi32_ps(
+        _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts), _mm512_set1_epi32(3)));
+  }
+}
+#endif
+
 // Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
 template <int BITS>
 inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d, int64_t gs, float* out) {
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
+#if defined(TRIROUTE_AVX512)
+  if (gs % 16 == 0) {  // the same two roundings, 16 channels at a time
+    for (int64_t g0 = 0; g0 < d; g0 += gs) {
+      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale[g0 / gs]));
+      const __m512 z = _mm512_set1_ps(static_cast<float>(zero[g0 / gs]));
+      for (int64_t i = g0; i < g0 + gs; i += 16)
+        _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(codes16<BITS>(codes, i), sc), z));
+    }
+    return;
+  }
+#endif
 #if defined(TRIROUTE_AVX2)
   if (gs % 8 == 0) {  // the same two roundings as below: code * scale, then + zero
     for (int64_t g0 = 0; g0 < d; g0 += gs) {
@@ -163,6 +203,10 @@ inline void f16_rows(const Half* values, const int64_t* rows, int64_t c, int64_t
     const Half* src = values + rows[t] * d;
     float* dst = out + t * d;
     int64_t i = 0;
+#if defined(TRIROUTE_AVX512)
+    for (; i + 16 <= d; i += 16)
+      _mm512_storeu_ps(dst + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + i))));
+#endif
 #if defined(__F16C__)
     for (; i + 8 <= d; i += 8)  // float16 -> float32 is exact: the same values, 8 at a time
       _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
@@ -258,10 +302,25 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
     for (; t + 8 <= c; t += 8) {  // eight keys at once: q read once, eight independent chains
       const float* k0 = kbuf + t * d;
       __m256 a[8];
-      for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
-      for (int64_t i = 0; i < d; i += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + i);
-        for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * d + i), a[j]);
+#if defined(TRIROUTE_AVX512)
+      if (d % 16 == 0) {  // 16 channels a step; each key's two halves then summed into 8 lanes
+        __m512 w[8];
+        for (int j = 0; j < 8; ++j) w[j] = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+          const __m512 qv = _mm512_loadu_ps(q + i);
+          for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + j * d + i), w[j]);
+        }
+        for (int j = 0; j < 8; ++j)
+          a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
+                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
+      } else
+#endif
+      {
+        for (int j = 0; j < 8; ++j) a[j] = _mm256_setzero_ps();
+        for (int64_t i = 0; i < d; i += 8) {
+          const __m256 qv = _mm256_loadu_ps(q + i);
+          for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * d + i), a[j]);
+        }
       }
       // lanes 0-3 of h0: keys 0-3's low halves, 4-7 their high halves (h1: keys 4-7)
       const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
@@ -302,6 +361,24 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
 // acc += sum_t p[t] * v_t over the c rows of vbuf.
 inline void accumulate_rows(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d) {
   int64_t i = 0;
+#if defined(TRIROUTE_AVX512)
+  for (; i + 64 <= d; i += 64) {  // 64 channels in registers across all c rows (the same sums, lane by lane)
+    __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16);
+    __m512 a2 = _mm512_loadu_ps(acc + i + 32), a3 = _mm512_loadu_ps(acc + i + 48);
+    for (int64_t t = 0; t < c; ++t) {
+      const __m512 pt = _mm512_set1_ps(p[t]);
+      const float* vr = vbuf + t * d + i;
+      a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr), a0);
+      a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16), a1);
+      a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 32), a2);
+      a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 48), a3);
+    }
+    _mm512_storeu_ps(acc + i, a0);
+    _mm512_storeu_ps(acc + i + 16, a1);
+    _mm512_storeu_ps(acc + i + 32, a2);
+    _mm512_storeu_ps(acc + i + 48, a3);
+  }
+#endif
 #if defined(TRIROUTE_AVX2)
   for (; i + 32 <= d; i += 32) {  // 32 channels in registers across all c rows
     __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8);
@@ -745,9 +822,23 @@ constexpr int64_t kDecodeLinearRows = 16;
 // Rows n0..n0+7 of y for one x row: eight row streams of w, one accumulator each.
 inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
   __m256 a[8];
+  int64_t k = 0;
+#if defined(TRIROUTE_AVX512)
+  {  // 16 channels a step; each row's two halves then summed into 8 lanes
+    __m512 b[8];
+    for (int r = 0; r < 8; ++r) b[r] = _mm512_setzero_ps();
+    for (; k + 16 <= K; k += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + k);
+      for (int r = 0; r < 8; ++r) b[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, b[r]);
+    }
+    for (int r = 0; r < 8; ++r)
+      a[r] = _mm256_add_ps(_mm512_castps512_ps256(b[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b[r]), 1)));
+  }
+#else
   for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
+#endif
   const int64_t K8 = K - K % 8;
-  for (int64_t k = 0; k < K8; k += 8) {
+  for (; k < K8; k += 8) {
     const __m256 xv = _mm256_loadu_ps(x + k);
     for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), xv, a[r]);
   }

@@ -50,8 +50,9 @@ def _rows_reference(q, stores, request, lo, hi, sm, gs=GS):
 @pytest.mark.parametrize("P", [4, 16])
 @pytest.mark.parametrize("d, gs", [(D, GS), (64, 32), (12, 4)], ids=["d16", "d64", "d12-scalar"])
 def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
-    """d 64 runs the kernel's 32-channel register blocks, d 16 its 8-channel loops, d 12 with groups
-    of 4 its scalar loops (those of a build without AVX2)."""
+    """d 64 runs the kernel's widest register blocks (P·V over 64 channels with AVX-512, 32 with
+    AVX2) and, with groups of 32, its 16-lane unpacking on AVX-512; d 16 its 16-lane scores (AVX-512)
+    and 8-channel loops; d 12 with groups of 4 its scalar loops (those of a build without AVX2)."""
     gen = torch.Generator().manual_seed(100 * H_kv + P)
     H = 4
     lengths = [37, 9, 1, 20]  # requests of different lengths in one batch; partial last pages
