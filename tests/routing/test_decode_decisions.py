@@ -134,3 +134,9 @@ def test_the_op_refuses_logits_that_do_not_fit():
     with pytest.raises(RuntimeError, match="attn_z must be float32"):
         torch.ops.triroute.decode_decisions(z.double(), torch.zeros(2, 1, 5), torch.zeros(2, 1, 4), None, None, None,
                                             2, True)
+    g = torch.Generator().manual_seed(0)
+    z, e, b = torch.randn(2, 1, 4, 3, generator=g), torch.randn(2, 1, 5, generator=g), torch.randn(2, 1, 4, generator=g)
+    shifts = (torch.rand(2, 1, 1, 3, generator=g, dtype=torch.float64), torch.rand(2, 1, 5, generator=g, dtype=torch.float64),
+              torch.rand(2, 1, 4, generator=g, dtype=torch.float64))
+    for args in ((z, e, b, None, None, None, 2, True), (z, e, b, *shifts, 1, False)):
+        torch.library.opcheck(torch.ops.triroute.decode_decisions, args)
