@@ -358,44 +358,55 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
   return m;
 }
 
+#if defined(TRIROUTE_AVX2)
+// One vector width's loads, stores, broadcast and fused multiply-add, for code written once over both.
+struct Lanes8 {
+  using V = __m256;
+  static constexpr int64_t n = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+};
+#endif
+#if defined(TRIROUTE_AVX512)
+struct Lanes16 {
+  using V = __m512;
+  static constexpr int64_t n = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+};
+#endif
+
+#if defined(TRIROUTE_AVX2)
+// acc[i..i + 4 L) += sum_t p[t] * v_t[i..i + 4 L) for each step of 4 L channels from i while they
+// fit d: four vectors of L lanes in registers across all c rows. Returns the first channel left.
+template <class L>
+inline int64_t accumulate_wide(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d, int64_t i) {
+  for (; i + 4 * L::n <= d; i += 4 * L::n) {
+    typename L::V a[4];
+    for (int u = 0; u < 4; ++u) a[u] = L::load(acc + i + u * L::n);
+    for (int64_t t = 0; t < c; ++t) {
+      const typename L::V pt = L::set1(p[t]);
+      const float* vr = vbuf + t * d + i;
+      for (int u = 0; u < 4; ++u) a[u] = L::fmadd(pt, L::load(vr + u * L::n), a[u]);
+    }
+    for (int u = 0; u < 4; ++u) L::store(acc + i + u * L::n, a[u]);
+  }
+  return i;
+}
+#endif
+
 // acc += sum_t p[t] * v_t over the c rows of vbuf.
 inline void accumulate_rows(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d) {
   int64_t i = 0;
 #if defined(TRIROUTE_AVX512)
-  for (; i + 64 <= d; i += 64) {  // 64 channels in registers across all c rows (the same sums, lane by lane)
-    __m512 a0 = _mm512_loadu_ps(acc + i), a1 = _mm512_loadu_ps(acc + i + 16);
-    __m512 a2 = _mm512_loadu_ps(acc + i + 32), a3 = _mm512_loadu_ps(acc + i + 48);
-    for (int64_t t = 0; t < c; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[t]);
-      const float* vr = vbuf + t * d + i;
-      a0 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr), a0);
-      a1 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 16), a1);
-      a2 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 32), a2);
-      a3 = _mm512_fmadd_ps(pt, _mm512_loadu_ps(vr + 48), a3);
-    }
-    _mm512_storeu_ps(acc + i, a0);
-    _mm512_storeu_ps(acc + i + 16, a1);
-    _mm512_storeu_ps(acc + i + 32, a2);
-    _mm512_storeu_ps(acc + i + 48, a3);
-  }
+  i = accumulate_wide<Lanes16>(acc, p, vbuf, c, d, i);  // 64 channels a step (the same sums, lane by lane)
 #endif
 #if defined(TRIROUTE_AVX2)
-  for (; i + 32 <= d; i += 32) {  // 32 channels in registers across all c rows
-    __m256 a0 = _mm256_loadu_ps(acc + i), a1 = _mm256_loadu_ps(acc + i + 8);
-    __m256 a2 = _mm256_loadu_ps(acc + i + 16), a3 = _mm256_loadu_ps(acc + i + 24);
-    for (int64_t t = 0; t < c; ++t) {
-      const __m256 pt = _mm256_set1_ps(p[t]);
-      const float* vr = vbuf + t * d + i;
-      a0 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vr + 24), a3);
-    }
-    _mm256_storeu_ps(acc + i, a0);
-    _mm256_storeu_ps(acc + i + 8, a1);
-    _mm256_storeu_ps(acc + i + 16, a2);
-    _mm256_storeu_ps(acc + i + 24, a3);
-  }
+  i = accumulate_wide<Lanes8>(acc, p, vbuf, c, d, i);  // 32 channels a step
   for (; i + 8 <= d; i += 8) {
     __m256 a = _mm256_loadu_ps(acc + i);
     for (int64_t t = 0; t < c; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vbuf + t * d + i), a);
