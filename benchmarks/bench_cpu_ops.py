@@ -111,7 +111,7 @@ def baseline_ops(rev: str):
     where.mkdir(parents=True, exist_ok=True)
     (where / "decode_ops.cpp").write_text(source)
     load(name=f"triroute_baseline_{key}", sources=[str(where / "decode_ops.cpp")], extra_cflags=flags,
-         build_directory=str(where), is_python_module=False, verbose=False)
+         extra_ldflags=cpu_ops.LDFLAGS, build_directory=str(where), is_python_module=False, verbose=False)
     return torch.ops.triroute_baseline
 
 

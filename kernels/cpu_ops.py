@@ -28,9 +28,13 @@ QUANT_SOURCE = "quant_ops.cpp"
 LAYER_SOURCE = "layer_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 EXTENSION_NAME = "triroute_decode_ops"
-CFLAGS = ["-O3", "-ffp-contract=off"]
+CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
 """-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
-exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`."""
+exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`.
+-fopenmp: `at::parallel_for` is a header template whose OpenMP pragma compiles into this library;
+without the flag every kernel runs on one thread whatever `torch.set_num_threads` says."""
+LDFLAGS = ["-fopenmp"]
+"""The OpenMP runtime, libgomp.so.1: the one torch itself loads (same soname), so one thread pool."""
 
 NATIVE_CFLAGS = ["-march=native"]
 """Tried first: hardware float16 conversion and wider vectors (1.3-1.5x faster attention on an
@@ -96,6 +100,7 @@ def _load(flags: list[str]) -> None:
         name=EXTENSION_NAME,
         sources=[str(path) for path in _sources()],
         extra_cflags=flags,
+        extra_ldflags=LDFLAGS,
         build_directory=str(where),
         is_python_module=False,
         verbose=False,

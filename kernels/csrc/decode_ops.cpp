@@ -965,6 +965,15 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
   return out;
 }
 
+// How many threads one at::parallel_for over `items` items ran on (each item its own chunk): the
+// library's kernels parallelise as this does, so 1 under several torch threads means a build
+// without OpenMP (cpu_ops.CFLAGS).
+int64_t parallel_threads_cpu(int64_t items) {
+  std::atomic<uint64_t> seen{0};
+  at::parallel_for(0, items, 1, [&](int64_t, int64_t) { seen |= uint64_t{1} << (at::get_thread_num() % 64); });
+  return __builtin_popcountll(seen.load());
+}
+
 }  // namespace
 
 namespace triroute_linear {
@@ -1003,6 +1012,7 @@ TORCH_LIBRARY(triroute, m) {
       "int group_size) -> ()");
   m.def("routed_experts(Tensor x, Tensor index, Tensor weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
   m.def("decode_linear(Tensor x, Tensor w) -> Tensor");
+  m.def("parallel_threads(int items) -> int");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
@@ -1012,3 +1022,5 @@ TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("routed_experts", &routed_experts_cpu);
   m.impl("decode_linear", &decode_linear_cpu);
 }
+
+TORCH_LIBRARY_IMPL(triroute, CompositeExplicitAutograd, m) { m.impl("parallel_threads", &parallel_threads_cpu); }

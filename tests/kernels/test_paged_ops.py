@@ -412,3 +412,16 @@ def test_opcheck_schemas_fakes_and_mutations():
          bits, gs),
     )
     torch.library.opcheck(torch.ops.triroute.decode_linear, (x, torch.randn(11, 8, generator=gen)))
+
+
+def test_the_kernels_run_on_torchs_threads():
+    """`at::parallel_for` compiles its OpenMP pragma into the library: built without -fopenmp, every
+    kernel ran on one thread whatever torch.set_num_threads said (cpu_ops.CFLAGS)."""
+    assert cpu_ops_available(), cpu_ops.cpu_ops_error()
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            assert torch.ops.triroute.parallel_threads(64) == n
+    finally:
+        torch.set_num_threads(threads)
