@@ -34,6 +34,7 @@
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX2__)
@@ -549,9 +550,12 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   const int64_t* hip = hic.data_ptr<int64_t>();
   for (int64_t n = 0; n < N; ++n)
     TORCH_CHECK(reqp[n] >= 0 && reqp[n] < R, "request[", n, "]=", reqp[n], " is not a row of page_tables (R=", R, ")");
-  for (int64_t i = 0; i < W * R * M; ++i)
+  int64_t table_end = 0;  // the widest row's entries up to its last page, over the pools
+  for (int64_t i = 0; i < W * R * M; ++i) {
     TORCH_CHECK(tab[i] < views[i / (R * M)].pages, "page_tables holds page ", tab[i], " but pool ", i / (R * M),
                 " has ", views[i / (R * M)].pages, " pages");
+    if (tab[i] >= 0) table_end = std::max(table_end, i % M + 1);
+  }
 
   Tensor out = at::zeros({N, H, d}, q.options());
   float* op = out.data_ptr<float>();
@@ -577,7 +581,20 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   chunk_start.push_back(N);
   const int64_t n_chunks = static_cast<int64_t>(chunk_start.size()) - 1;
 
-  at::parallel_for(0, n_chunks * H_kv, 1, [&](int64_t begin, int64_t end) {
+  // Split-K: with few items for the threads (a decode step of few requests), each item's page list
+  // is cut into S parts, one unit each, S the smallest count that gives every thread as many units
+  // (threads / gcd(items, threads)); a unit keeps its online-softmax state (max, sum, weighted V)
+  // for the merge below instead of writing the output. Each part holds at least kSplitPages table
+  // entries of a pool.
+  constexpr int64_t kSplitPages = 4;
+  const int64_t n_items = n_chunks * H_kv, threads = at::get_num_threads();
+  int64_t S = 1;
+  if (threads > 1 && n_items < 4 * threads && !at::in_parallel_region())
+    S = std::max<int64_t>(1, std::min(threads / std::gcd(n_items, threads), table_end / kSplitPages));
+  const int64_t RG_max = kChunkRows * G, part_stride = d + 2;
+  std::vector<float> part(S > 1 ? n_items * S * RG_max * part_stride : 0);
+
+  at::parallel_for(0, n_items * S, 1, [&](int64_t begin, int64_t end) {
     // One block of pages at a time (attend_block): their K rows in the chunk's range dequantised
     // into kbuf once, scored for every reading (row, head) of the chunk (row r's keys: positions in
     // lo[r, head]..hi[r], a contiguous run of the block's rows since positions increase along it),
@@ -589,7 +606,8 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
     std::vector<char> reads(RG);
     const float neg_inf = -std::numeric_limits<float>::infinity();
     int64_t macs = 0, bytes = 0;
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t unit = begin; unit < end; ++unit) {
+      const int64_t item = unit / S, split = unit % S;
       const int64_t chunk = item / H_kv, g = item % H_kv;
       const int64_t n0 = chunk_start[chunk], RL = chunk_start[chunk + 1] - n0;
       int64_t lo_min = std::numeric_limits<int64_t>::max(), hi_max = -1;
@@ -609,8 +627,8 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           hi_max = std::max(hi_max, hi_n);
         }
       }
-      if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0
       std::fill(acc.begin(), acc.begin() + RL * G * d, 0.f);
+      if (lo_min > hi_max) hi_max = -1, lo_min = 0;  // no head of the chunk reads: no page is touched
       // The c keys gathered in rows/pos (positions ascending), all of pool pv.
       auto attend_block = [&](const PoolView& pv, int64_t c) {
         load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());
@@ -655,8 +673,11 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
         const int64_t* row_pages = tab + (w * R + reqp[n0]) * M;
+        int64_t used = M;  // this row's entries up to its last page; the unit's share of them
+        while (used > 0 && row_pages[used - 1] < 0) --used;
+        const int64_t mi0 = split * used / S, mi1 = (split + 1) * used / S;
         int64_t c = 0;  // keys gathered for the block so far
-        for (int64_t mi = 0; mi < M; ++mi) {
+        for (int64_t mi = mi0; mi < mi1; ++mi) {
           const int64_t page = row_pages[mi];
           if (page < 0) continue;
           const int32_t* tp = pv.token_pos + page * pv.P;
@@ -683,6 +704,12 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       for (int64_t r = 0; r < RL; ++r)
         for (int64_t j = 0; j < G; ++j) {
           const int64_t rj = r * G + j;
+          if (S > 1) {  // the unit's state, for the merge
+            float* st = part.data() + (unit * RG_max + rj) * part_stride;
+            st[0] = m[rj], st[1] = l[rj];
+            std::copy_n(acc.data() + rj * d, d, st + 2);
+            continue;
+          }
           if (l[rj] <= 0.f) continue;
           float* o = op + ((n0 + r) * H + g * G + j) * d;
           for (int64_t i = 0; i < d; ++i) o[i] = acc[rj * d + i] / l[rj];
@@ -691,6 +718,31 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
     macs_total += macs;
     bytes_total += bytes;
   });
+  if (S > 1) {  // each (row, head) of an item: its S parts' states rescaled to their common maximum
+    at::parallel_for(0, n_items, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t item = begin; item < end; ++item) {
+        const int64_t chunk = item / H_kv, g = item % H_kv;
+        const int64_t n0 = chunk_start[chunk], RL = chunk_start[chunk + 1] - n0;
+        for (int64_t rj = 0; rj < RL * G; ++rj) {
+          const float* st0 = part.data() + (item * S * RG_max + rj) * part_stride;
+          float mx = -std::numeric_limits<float>::infinity();
+          for (int64_t sp = 0; sp < S; ++sp) mx = std::max(mx, st0[sp * RG_max * part_stride]);
+          if (mx == -std::numeric_limits<float>::infinity()) continue;  // no key: out stays 0
+          float* o = op + ((n0 + rj / G) * H + g * G + rj % G) * d;
+          float sum = 0.f;
+          for (int64_t sp = 0; sp < S; ++sp) {
+            const float* st = st0 + sp * RG_max * part_stride;
+            if (st[1] <= 0.f) continue;
+            const float f = exp_nonpositive(st[0] - mx);
+            sum += st[1] * f;
+            for (int64_t i = 0; i < d; ++i) o[i] += st[2 + i] * f;
+          }
+          if (sum <= 0.f) continue;
+          for (int64_t i = 0; i < d; ++i) o[i] /= sum;
+        }
+      }
+    });
+  }
   int64_t* cp = counters.data_ptr<int64_t>();
   cp[0] += macs_total.load();
   cp[1] += bytes_total.load();

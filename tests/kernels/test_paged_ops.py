@@ -83,12 +83,23 @@ def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
     assert skipped.any() and not out[skipped].any()
 
 
+@pytest.mark.parametrize("threads", [1, 16], ids=["one-thread", "split-K"])
 @pytest.mark.parametrize("page_order", ["written", "reversed"])
-def test_keys_in_many_blocks_and_pages_out_of_position_order(page_order):
+def test_keys_in_many_blocks_and_pages_out_of_position_order(page_order, threads):
     """The kernel softmaxes one block of pages at a time (up to 64 keys at d 64): a long request
     spans many blocks; prefill rows end mid-block, local windows start mid-block. A page table that
     lists pages against position order (reversed) ends a block at every page, and must read the
-    same keys."""
+    same keys. With more threads than (row chunk, KV head) items, each item's pages are split
+    among several units whose softmax states are merged (split-K): the same output and counters."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _keys_in_many_blocks(page_order)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _keys_in_many_blocks(page_order):
     gen = torch.Generator().manual_seed(23)
     d, gs, H, H_kv, P = 64, 32, 4, 2, 16
     stores, tables = _mixed_pools([700, 150], H_kv, P, gen, d, gs)  # ~175 keys of request 0 in each pool
