@@ -1,8 +1,9 @@
 // CPU kernels of one decode step, registered as torch.ops.triroute.*:
 //
 // - paged_attention: one query row per token over ALL precision pools with one online softmax
-//   (no per-pool partials, no merge pass). Work item = (up to 32 consecutive rows of one request,
-//   kv head) with the group's query heads: each slot row of K is unpacked and dequantised once into
+//   (no per-pool partials; with few items for the threads, split-K parts of each item's page list
+//   merged once). Work item = (up to 32 consecutive rows of one request, kv head) with the group's
+//   query heads: each slot row of K is unpacked and dequantised once into
 //   a buffer and scored for every (row, query head) of the item whose range holds it; each V row is
 //   unpacked once for all of them (a decode step has one row per request; a prefill shares each page
 //   among the rows of a chunk).
