@@ -1034,8 +1034,9 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
 #if defined(TRIROUTE_AVX2)
   const int64_t blocks = N / 8;
   // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
-  // streamed it from memory), every x row: w is read from memory once whatever M.
-  at::parallel_for(0, blocks, 64, [&](int64_t b0, int64_t b1) {
+  // streamed it from memory), every x row: w is read from memory once whatever M. The threads take
+  // equal runs of at least 8 blocks (64 rows of w), so a 768-row projection still spreads over them.
+  at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m = 0; m < M; ++m) gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * N + b * 8);
   });
