@@ -593,7 +593,7 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   if (threads > 1 && n_items < 4 * threads && !at::in_parallel_region())
     S = std::max<int64_t>(1, std::min(threads / std::gcd(n_items, threads), table_end / kSplitPages));
   const int64_t RG_max = kChunkRows * G, part_stride = d + 2;
-  std::vector<float> part(S > 1 ? n_items * S * RG_max * part_stride : 0);
+  std::vector<float> part(S > 1 ? n_items * S * RG_max * part_stride : 0);  // zero (sum 0) where no head reads
 
   at::parallel_for(0, n_items * S, 1, [&](int64_t begin, int64_t end) {
     // One block of pages at a time (attend_block): their K rows in the chunk's range dequantised
@@ -628,8 +628,8 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           hi_max = std::max(hi_max, hi_n);
         }
       }
+      if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0 (a split part: its sum 0)
       std::fill(acc.begin(), acc.begin() + RL * G * d, 0.f);
-      if (lo_min > hi_max) hi_max = -1, lo_min = 0;  // no head of the chunk reads: no page is touched
       // The c keys gathered in rows/pos (positions ascending), all of pool pv.
       auto attend_block = [&](const PoolView& pv, int64_t c) {
         load_rows(pv, false, rows.data(), c, d, group_size, kbuf.data());

@@ -108,12 +108,14 @@ def _keys_in_many_blocks(page_order):
             for b in range(tables.shape[1]):
                 used = int((tables[w, b] >= 0).sum())
                 tables[w, b, :used] = tables[w, b, :used].flip(0)
-    request = torch.tensor([0, 1, 0, 0, 0], dtype=torch.long)
-    hi = torch.tensor([699, 149, 63, 64, 400], dtype=torch.long)
+    request = torch.tensor([0, 1, 0, 0, 0, 1], dtype=torch.long)
+    hi = torch.tensor([699, 149, 63, 64, 400, 149], dtype=torch.long)
     N = len(request)
-    window = torch.tensor([[0, 100, 5, 0], [0, 0, 70, 149], [0, 1, 63, 0], [0, 64, 0, 3], [0, 200, 130, 0]])
+    window = torch.tensor([[0, 100, 5, 0], [0, 0, 70, 149], [0, 1, 63, 0], [0, 64, 0, 3], [0, 200, 130, 0],
+                           [0, 0, 0, 0]])
     lo = (hi.view(N, 1) - window).clamp_min(0)
     lo[:, 0] = 0  # one full head per row
+    lo[-1] = hi[-1] + 1  # but the last: every head skips (a chunk, and its split parts, that read nothing)
     q = torch.randn(N, H, d, generator=gen)
     counters, twin_counters = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
     out = paged_attention(q, ([s.k_pool for s in stores], [s.v_pool for s in stores]), tables, request, lo, hi, 0.125,
@@ -125,6 +127,7 @@ def _keys_in_many_blocks(page_order):
     assert torch.allclose(out, twin, atol=1e-5, rtol=1e-5)
     assert torch.equal(counters, twin_counters)
     assert counters[0] == 2 * d * int((hi.view(N, 1) - lo + 1).sum())  # every head its own keys, once
+    assert not out[-1].any()
 
 
 def test_a_local_head_reads_only_its_window_and_counters_count_it():
