@@ -1,8 +1,10 @@
 """The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/layer_ops.cpp`, `csrc/noise_ops.cpp`,
-`csrc/quant_ops.cpp`): built once per machine, registered as `torch.ops.triroute.{paged_attention,
-cache_write, cache_append, routed_experts, decode_linear}` and `{controller_logits, rms_norm,
-decode_qkv, decode_decisions}` (a decode step's), `torch.ops.triroute.counter_uniform` (the routing noise's hash, training) and
-`torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training).
+`csrc/quant_ops.cpp`, `csrc/softmax_ops.cpp`): built once per machine, registered as
+`torch.ops.triroute.{paged_attention, cache_write, cache_append, routed_experts, decode_linear}` and
+`{controller_logits, rms_norm, decode_qkv, decode_decisions}` (a decode step's),
+`torch.ops.triroute.counter_uniform` (the routing noise's hash, training),
+`torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training) and
+`torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
 torch's extension directory) and returns False, keeping the reason in `cpu_ops_error()`, when the
@@ -26,6 +28,7 @@ SOURCE = Path(__file__).parent / "csrc" / "decode_ops.cpp"
 NOISE_SOURCE = "noise_ops.cpp"
 QUANT_SOURCE = "quant_ops.cpp"
 LAYER_SOURCE = "layer_ops.cpp"
+SOFTMAX_SOURCE = "softmax_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 EXTENSION_NAME = "triroute_decode_ops"
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
@@ -64,7 +67,8 @@ def build_directory(flags: list[str]) -> Path:
 
 
 def _sources() -> list[Path]:
-    return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE]
+    return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE,
+            SOURCE.parent / SOFTMAX_SOURCE]
 
 
 def _build() -> None:
@@ -163,6 +167,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::quantized_values")
     def _(x, bits, group_size):
         return x.new_empty(x.shape[0], x.shape[1], len(bits), x.shape[2] * x.shape[3])
+
+    @torch.library.register_fake("triroute::few_softmax")
+    def _(z):
+        return torch.empty_like(z)
 
     @torch.library.register_fake("triroute::controller_logits")
     def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):

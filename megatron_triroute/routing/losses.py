@@ -9,7 +9,9 @@ balances every option of every axis; the budget, not this loss, decides how ofte
 
 from __future__ import annotations
 
+import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -64,55 +66,110 @@ def _fractions_and_probs(logits: torch.Tensor, executed: torch.Tensor) -> tuple[
     return counts / counts.sum(), probs
 
 
+@dataclass(frozen=True)
+class _Layout:
+    """How a layer's axes stack into one (R, W) block of rows: each axis's decisions as rows, padded
+    with -inf to the widest axis's W options (a padded option gets probability 0 exactly)."""
+
+    lengths: torch.Tensor
+    """(A,) int64: each axis's rows N_a, in order (`segment_reduce`'s segments)."""
+    executed: torch.Tensor
+    """(A, 1) float32: each axis's executed decisions (rows, times k for top-k slots)."""
+    width: torch.Tensor
+    """(A,) float32: each axis's option count |O|."""
+    log_width: torch.Tensor
+    """(A,) float32: log |O|."""
+    real: torch.Tensor
+    """(A, W) bool: the axis's own options (not padding)."""
+    row_axis: torch.Tensor
+    """(R,) int64: each row's axis."""
+    row_weight: torch.Tensor
+    """(R, 1) float32: 1 / N_a of each row's axis (the mean's weight)."""
+
+
+@functools.lru_cache(maxsize=32)
+def _layout(rows: tuple[int, ...], executed: tuple[int, ...], widths: tuple[int, ...], device: torch.device) -> _Layout:
+    W = max(widths)
+    lengths = torch.tensor(rows, device=device)
+    real = torch.arange(W, device=device) < torch.tensor(widths, device=device).unsqueeze(1)
+    row_axis = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
+    return _Layout(lengths, torch.tensor(executed, dtype=torch.float32, device=device).unsqueeze(1),
+                   torch.tensor(widths, dtype=torch.float32, device=device),
+                   torch.tensor([math.log(n) for n in widths], dtype=torch.float32, device=device), real, row_axis,
+                   (1.0 / torch.tensor(rows, dtype=torch.float64, device=device)).float()[row_axis].unsqueeze(1))
+
+
+@functools.lru_cache(maxsize=32)
+def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """A float32 tensor of `values` on `device`, made once (not copied to the device at every call)."""
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
 class _BalancingLoss(torch.autograd.Function):
     """sum over a layer's routed axes of alpha L_bal + beta L_z + gamma L_ent (Eq. total's middle
-    term) from the axes' logits, through one autograd node: the values by the term functions above,
-    summed in Eq. total's order (bit for bit what autograd through them gives), and their gradient
-    to each axis's logits written out as one expression per decision n,
+    term) from the axes' logits, through one autograd node: the values of the term functions above,
+    computed for every axis at once (the axes' decisions stacked as the rows of one block, padded
+    to the widest axis: `_Layout`), and their gradient to each axis's logits written out as one
+    expression per decision n,
 
         dz_n = G p_n * ((g - p_n . g) / N + beta * 2 lse_n / N),
         g = alpha |O| f + gamma * [L_ent > 0] * (log max(P, 1e-12) + 1) * [P >= 1e-12],
 
     (G the upstream gradient; the chain autograd would run through softmax, mean, logsumexp, pow,
     clamp, log, relu and the weighted sum, including their masks), instead of about forty small
-    ops per axis. Also returns the (axes, 4) terms [L_bal, L_z, L_ent, H(p_bar)] for logging when
-    asked (not differentiable; L_ent 0 without the floor), else an empty tensor."""
+    ops per axis forward and ten backward. Equal to the term functions up to float32 rounding (the
+    order of the sums). Also returns the (axes, 4) terms [L_bal, L_z, L_ent, H(p_bar)] for logging
+    when asked (not differentiable; L_ent 0 without the floor), else an empty tensor."""
 
     @staticmethod
     def forward(ctx, cfg: LossConfig, with_terms: bool, executed: tuple[torch.Tensor, ...], *logits: torch.Tensor):
         floor = cfg.use_entropy_floor
-        total, terms, saved = None, [], []
-        for z, ex in zip(logits, executed):
-            f, probs = _fractions_and_probs(z, ex)
-            p = probs.mean(0)
-            lse = torch.logsumexp(z.float(), dim=-1)
-            bal, zl = switch_load_loss(f, p), router_z_loss(z, lse)
-            h = marginal_entropy(p) if floor or with_terms else None
-            ent = entropy_floor_loss(p, cfg.entropy_floor, h) if floor else None
-            parts = [cfg.load_weight * bal, cfg.z_weight * zl] + ([cfg.entropy_weight * ent] if floor else [])
-            for part in parts:  # summed in Eq. total's order, term by term
-                total = part if total is None else total + part
-            g = (cfg.load_weight * z.shape[-1]) * f  # alpha dL_bal/dP
-            if floor:  # + gamma dL_ent/dP: the hinge and the clamp pass a gradient only where active
-                active = (ent > 0) & (p >= 1e-12)
-                g = g + torch.where(active, cfg.entropy_weight * (p.clamp_min(1e-12).log() + 1.0), 0.0)
-            if with_terms:
-                terms.append(torch.stack([bal, zl, ent if floor else torch.zeros_like(bal), h]))
-            saved += [probs, lse, g]
-        ctx.save_for_backward(*saved)
+        widths = tuple(z.shape[-1] for z in logits)
+        W = max(widths)
+        rows = [z.float().reshape(-1, n) for z, n in zip(logits, widths)]
+        lay = _layout(tuple(r.shape[0] for r in rows), tuple(ex.numel() for ex in executed), widths, logits[0].device)
+        block = torch.cat([r if r.shape[1] == W else F.pad(r, (0, W - r.shape[1]), value=-math.inf) for r in rows])
+        probs = softmax(block)  # (R, W)
+        lse = torch.logsumexp(block, dim=-1)  # (R,)
+        p = torch.segment_reduce(probs, "mean", lengths=lay.lengths, axis=0, unsafe=True)  # (A, W): P
+        zl = torch.segment_reduce(lse.square(), "mean", lengths=lay.lengths, axis=0, unsafe=True)  # (A,): L_z
+        # f: each axis's executed options counted in its own W slots of one (A W,) histogram
+        keys = torch.cat([ex.reshape(-1) if a == 0 else ex.reshape(-1) + a * W for a, ex in enumerate(executed)])
+        f = option_counts(keys, len(widths) * W, torch.float32).view(-1, W) / lay.executed
+        bal = lay.width * (f * p).sum(-1)  # L_bal
+        parts = [bal, zl]
+        if floor or with_terms:
+            log_p = p.clamp_min(1e-12).log()
+            h = -torch.where(lay.real, p * log_p, 0.0).sum(-1)  # H(p_bar); padding (P = 0) adds nothing
+        if floor:
+            ent = F.relu(cfg.entropy_floor * lay.log_width - h)
+            parts.append(ent)
+        # (A, 2 or 3) terms times their weights, summed; the same ops with or without the logged terms
+        weights = (cfg.load_weight, cfg.z_weight, cfg.entropy_weight)[:len(parts)]
+        total = (torch.stack(parts, -1) * _constant(weights, bal.device)).sum()
+        g = f * (cfg.load_weight * lay.width).unsqueeze(1)  # alpha dL_bal/dP
+        if floor:  # + gamma dL_ent/dP: the hinge and the clamp pass a gradient only where active
+            active = (ent > 0).unsqueeze(1) & (p >= 1e-12)
+            g = g + torch.where(active, log_p.add(1.0).mul_(cfg.entropy_weight), 0.0)
+        ctx.save_for_backward(probs, lse, g, lay.row_axis, lay.row_weight)
         ctx.z_weight, ctx.dtypes, ctx.shapes = cfg.z_weight, [z.dtype for z in logits], [z.shape for z in logits]
-        out_terms = torch.stack(terms) if terms else total.new_zeros(0)
+        out_terms = torch.stack([bal, zl, ent if floor else torch.zeros_like(h), h], -1) if with_terms \
+            else total.new_zeros(0)
         ctx.mark_non_differentiable(out_terms)
         return total, out_terms
 
     @staticmethod
     def backward(ctx, grad_total, _grad_terms):
-        saved, grads = ctx.saved_tensors, []
-        for i, (dtype, shape) in enumerate(zip(ctx.dtypes, ctx.shapes)):
-            probs, lse, g = saved[3 * i: 3 * i + 3]
-            # elementwise, not a matmul: the backward can run under the step's bf16 autocast
-            inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse.view(-1, 1), alpha=2.0 * ctx.z_weight)
-            grads.append((probs * inner).mul_(grad_total / probs.shape[0]).view(shape).to(dtype))
+        probs, lse, g, row_axis, row_weight = ctx.saved_tensors
+        # elementwise, not a matmul: the backward can run under the step's bf16 autocast
+        g = g.index_select(0, row_axis)  # (R, W): each row's axis's g (0 on padding, where p is 0)
+        inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse.view(-1, 1), alpha=2.0 * ctx.z_weight)
+        dz = (probs * inner).mul_(row_weight * grad_total)
+        grads, start = [], 0
+        for dtype, shape in zip(ctx.dtypes, ctx.shapes):
+            n = shape.numel() // shape[-1]
+            grads.append(dz[start:start + n, :shape[-1]].view(shape).to(dtype))
+            start += n
         return None, None, None, *grads
 
 
@@ -137,7 +194,7 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
     total, values = _BalancingLoss.apply(cfg, with_terms, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))
     terms: dict[str, torch.Tensor] = {}
     if with_terms:
-        for (name, logits, _), (bal, z, ent, entropy) in zip(axes, values):
+        for (name, logits, _), (bal, z, ent, entropy) in zip(axes, values.unbind()):
             terms[f"{name}/load"], terms[f"{name}/z"] = bal, z
             terms[f"{name}/entropy_floor"] = ent if cfg.use_entropy_floor else torch.zeros(())
             terms[f"{name}/marginal_entropy"] = entropy / math.log(logits.shape[-1])

@@ -7,12 +7,15 @@ five ops, 51 µs (one thread, a loop over the ops; `exp(z - logsumexp(z))`, thre
 and up to `FEW` options, the forward is written out, under one autograd node whose backward is
 PyTorch's softmax backward; on a GPU, for wider rows, and below `MANY` elements (a decode step's few
 rows: (1, 9) takes 1.2 µs in `F.softmax` and 9 µs in the five ops), `F.softmax` is one kernel and is kept.
+The five ops are the definition; where the C++ kernels are built they run as one call,
+`torch.ops.triroute.few_softmax` (`kernels/csrc/softmax_ops.cpp`: one pass per row).
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from triroute_kernels import cpu_ops_available
 
 FEW = 16
 """Up to this many options (the last dimension) a CPU tensor takes the written-out forward."""
@@ -32,6 +35,13 @@ def softmax(z: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_forward(z: torch.Tensor) -> torch.Tensor:
+    if z.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling() and cpu_ops_available():
+        return torch.ops.triroute.few_softmax(z)
+    return _softmax_ops(z)
+
+
+def _softmax_ops(z: torch.Tensor) -> torch.Tensor:
+    """The written-out forward as tensor ops: the definition `few_softmax` computes in one call."""
     e = (z - z.amax(-1, keepdim=True)).exp_()
     return e.div_(e.sum(-1, keepdim=True))
 
