@@ -211,6 +211,10 @@ def _packed_experts_class() -> type:
             if filled is None or len(filled) != inputs.shape[0] or len(filled[0]) != self.num_local_experts:
                 return super().forward(inputs)
             capacity = inputs.shape[2]
+            if inputs.shape[0] == 1:  # one source rank: each expert's filled rows, padded, stacked once
+                outputs = [F.pad(expert(x[: filled[0][i]]), (0, 0, 0, capacity - filled[0][i]))
+                           for i, (expert, x) in enumerate(zip(self.deepspeed_experts, inputs.squeeze(0).unbind(0)))]
+                return torch.stack(outputs).unsqueeze(0)
             # Buffers by unbind, not by indexing: an indexed select's backward writes its gradient
             # into zeros of the whole (ep, E_local, capacity, d) buffer, once per expert (and source
             # rank), and sums them; unbind's backward stacks the pieces once.
@@ -219,7 +223,7 @@ def _packed_experts_class() -> type:
             for i, expert in enumerate(self.deepspeed_experts):
                 rows = [per_rank[i] for per_rank in filled]  # filled slots from each source rank
                 # the expert's rows from every rank in one call
-                x = buffers[i][0][: rows[0]] if len(rows) == 1 else torch.cat([b[:r] for b, r in zip(buffers[i], rows)])
+                x = torch.cat([b[:r] for b, r in zip(buffers[i], rows)])
                 parts = expert(x).split(rows)
                 outputs.append(torch.stack([F.pad(part, (0, 0, 0, capacity - r)) for part, r in zip(parts, rows)]))
             return torch.stack(outputs, dim=1)
