@@ -47,7 +47,17 @@ class BudgetController(nn.Module):
     def multipliers(self) -> torch.Tensor:
         """The multipliers the loss applies: [lambda_I + k_P e]_+ with e = EMA(C) - C* (PI form);
         `lambdas` holds the integral lambda_I. With k_P = 0 this is lambda_I itself. Zero when the
-        budget is off (the loss prices nothing, and the logs say so)."""
+        budget is off (the loss prices nothing, and the logs say so). Every layer of every
+        micro-batch reads them and they change only when a buffer they read is written (the step's
+        update, a load): computed once per version of those buffers, the same tensor until then."""
+        key = (self.config.enabled, self.config.dual_kp, self.config.tied,
+               *((t.data_ptr(), t._version) for t in (self.lambdas, self.ema, self.targets, self.steps)))
+        cached = self.__dict__.get("_multipliers_cache")
+        if cached is None or cached[0] != key:
+            self.__dict__["_multipliers_cache"] = cached = (key, self._multipliers())
+        return cached[1]
+
+    def _multipliers(self) -> torch.Tensor:
         if not self.config.enabled:
             return torch.zeros_like(self.lambdas)
         kp = self.config.dual_kp

@@ -67,6 +67,24 @@ def test_pi_multipliers_hand_computation():
     assert math.isclose(b.penalty(frac).item(), applied[0].item() * 0.2 + applied[1].item() * 0.1, rel_tol=1e-6)
 
 
+def test_multipliers_are_computed_once_until_a_buffer_they_read_changes():
+    """Every layer reads the multipliers: the same tensor until the update, a load or a direct
+    write of a buffer they read, then the new values (never a stale one)."""
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_step=0.05, dual_kp=0.5))
+    b.update(torch.tensor([0.6, 0.3]))
+    first = b.multipliers()
+    assert b.multipliers() is first
+    b.update(torch.tensor([0.7, 0.3]))
+    second = b.multipliers()
+    assert second is not first and not torch.equal(second, first)
+    b.lambdas.fill_(0.25)  # any in-place write, e.g. a checkpoint load's copy_
+    expected = (0.25 + 0.5 * (b.ema - b.targets)).clamp_min(0.0)
+    assert torch.equal(b.multipliers(), expected)
+    other = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_kp=0.5))
+    other.load_state_dict(b.state_dict())
+    assert torch.equal(other.multipliers(), expected)
+
+
 def test_inactive_constraint_decays_to_zero_and_stays_nonnegative():
     b = BudgetController(BudgetConfig(flops_target=0.9, mem_target=0.9, lambda_init=0.3))
     history = []
