@@ -51,7 +51,8 @@ class _StraightThroughPair(torch.autograd.Function):
         index = y_soft.argmax(dim=-1, keepdim=True)
         ctx.save_for_backward(y_soft)
         ctx.tau = tau
-        return tuple(torch.zeros_like(y_soft).scatter_(-1, index, 1.0) for _ in range(2))
+        y = torch.zeros_like(y_soft).scatter_(-1, index, 1.0)
+        return y, y.clone()  # two outputs of one value: the second view is a copy, not an alias
 
     @staticmethod
     def backward(ctx, grad_y, grad_y_cost):
