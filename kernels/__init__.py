@@ -8,10 +8,12 @@ pure-PyTorch twin (`torch_ops`, the CPU fast path) and a Triton kernel (`triton_
 CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton is an optional
 GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
 online softmax, the mixed-width cache write and a decode step's append, the routed experts, the small-batch linear and RMS norm): C++ CPU kernels (`cpu_ops`,
-built once per machine) with PyTorch twins as the fallback. Training's one kernel is the routing
+built once per machine) with PyTorch twins as the fallback. Training's kernels are the routing
 noise's counter hash (`torch.ops.triroute.counter_uniform` in C++, `triton_noise` on a GPU), whose
-definition is the tensor chain of `megatron_triroute.routing.noise`. The package imports only torch (and
-triton): nothing of `megatron_triroute`.
+definition is the tensor chain of `megatron_triroute.routing.noise`, and two C++ CPU ops defined by
+tensor ops of `megatron_triroute.routing`: the relaxed K/V write's values (`quantized_values`) and
+the routing axes' softmax (`few_softmax`). The package imports only torch (and triton): nothing of
+`megatron_triroute`.
 """
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error, takes_cpu_kernel
