@@ -122,10 +122,11 @@ def cpu_ops_available() -> bool:
     return _state["ok"]
 
 
-def takes_cpu_kernel(x: torch.Tensor) -> bool:
-    """Whether `x` goes to a C++ kernel: a float32 CPU tensor, the kernels built here, and not
-    being traced by torch.compile (which runs the tensor ops the kernels are defined by)."""
-    return x.device.type == "cpu" and x.dtype == torch.float32 and not torch.compiler.is_compiling() \
+def takes_cpu_kernel(x: torch.Tensor, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether `x` goes to a C++ kernel: a CPU tensor of one of `dtypes` (the kernel's), the kernels
+    built here, and not being traced by torch.compile (which runs the tensor ops the kernels are
+    defined by)."""
+    return x.device.type == "cpu" and x.dtype in dtypes and not torch.compiler.is_compiling() \
         and cpu_ops_available()
 
 

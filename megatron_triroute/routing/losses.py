@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..config import LossConfig
 from .controller import RouterOutput
 from .counts import option_counts
+from .device_values import device_constant, to_device
 from .softmax import softmax
 
 
@@ -89,20 +90,15 @@ class _Layout:
 
 @functools.lru_cache(maxsize=32)
 def _layout(rows: tuple[int, ...], executed: tuple[int, ...], widths: tuple[int, ...], device: torch.device) -> _Layout:
-    W = max(widths)
-    lengths = torch.tensor(rows, device=device)
-    real = torch.arange(W, device=device) < torch.tensor(widths, device=device).unsqueeze(1)
-    row_axis = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths)
-    return _Layout(lengths, torch.tensor(executed, dtype=torch.float32, device=device).unsqueeze(1),
-                   torch.tensor(widths, dtype=torch.float32, device=device),
-                   torch.tensor([math.log(n) for n in widths], dtype=torch.float32, device=device), real, row_axis,
-                   (1.0 / torch.tensor(rows, dtype=torch.float64, device=device)).float()[row_axis].unsqueeze(1))
-
-
-@functools.lru_cache(maxsize=32)
-def _constant(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """A float32 tensor of `values` on `device`, made once (not copied to the device at every call)."""
-    return torch.tensor(values, dtype=torch.float32, device=device)
+    """`_Layout` of axes of `rows` decisions, `executed` executed options and `widths` options each, made
+    once per shape and device (copied there without a stream synchronise: `device_values.to_device`)."""
+    lengths = to_device(rows, torch.int64, device)
+    real = torch.arange(max(widths), device=device) < to_device(widths, torch.int64, device).unsqueeze(1)
+    row_axis = torch.repeat_interleave(torch.arange(len(rows), device=device), lengths, output_size=sum(rows))
+    row_weight = to_device([1.0 / n for n in rows], torch.float32, device)[row_axis].unsqueeze(1)
+    return _Layout(lengths, to_device(executed, torch.float32, device).unsqueeze(1),
+                   to_device(widths, torch.float32, device),
+                   to_device([math.log(n) for n in widths], torch.float32, device), real, row_axis, row_weight)
 
 
 class _BalancingLoss(torch.autograd.Function):
@@ -146,7 +142,7 @@ class _BalancingLoss(torch.autograd.Function):
             parts.append(ent)
         # (A, 2 or 3) terms times their weights, summed; the same ops with or without the logged terms
         weights = (cfg.load_weight, cfg.z_weight, cfg.entropy_weight)[:len(parts)]
-        total = (torch.stack(parts, -1) * _constant(weights, bal.device)).sum()
+        total = (torch.stack(parts, -1) * device_constant(weights, torch.float32, bal.device)).sum()
         g = f * (cfg.load_weight * lay.width).unsqueeze(1)  # alpha dL_bal/dP
         if floor:  # + gamma dL_ent/dP: the hinge and the clamp pass a gradient only where active
             active = (ent > 0).unsqueeze(1) & (p >= 1e-12)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from triroute_kernels import cpu_ops_available
+from triroute_kernels import takes_cpu_kernel
 
 FEW = 16
 """Up to this many options (the last dimension) a CPU tensor takes the written-out forward."""
@@ -35,7 +35,7 @@ def softmax(z: torch.Tensor) -> torch.Tensor:
 
 
 def _softmax_forward(z: torch.Tensor) -> torch.Tensor:
-    if z.dtype in (torch.float32, torch.float64) and not torch.compiler.is_compiling() and cpu_ops_available():
+    if takes_cpu_kernel(z, (torch.float32, torch.float64)):
         return torch.ops.triroute.few_softmax(z)
     return _softmax_ops(z)
 
