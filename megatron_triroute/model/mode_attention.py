@@ -11,7 +11,9 @@ key blocks outside the window; no backward on a CPU):
     i*b - w .. i*b + b - 1 (positions < 0 are padding), masked to each query's own range.
 
 K/V are never repeated per query head: the G query heads of one kv head are stacked along the
-query axis of their kv head's block (G*b queries x (b + w) keys).
+query axis of their kv head's block (G*b queries x (b + w) keys). Nor are they copied per block:
+the blocks' key windows overlap, and are strided views of one copy of K (and of V)
+(`_KeyWindows`).
 """
 
 from __future__ import annotations
@@ -38,44 +40,81 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 @functools.lru_cache(maxsize=16)
-def _local_block_mask(T: int, window: int, block: int, kv_heads: int, group: int,
-                      device: torch.device) -> torch.Tensor:
-    """(1, n_blocks * kv_heads, group * block, block + w) bool, laid out as `local_attention`'s
-    query blocks: key slot j of block i holds position i*block + j - w, query row r of a kv
-    head's block is the query at offset r % block of its head r // block; True where that
-    query's read range (`read_start`) holds that key. One mask per shape, kept: SDPA's CPU flash
+def _local_block_mask(T: int, window: int, block: int, w: int, kv_heads: int, group: int,
+                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """(1, kv_heads * n_blocks, group * block, block + w), laid out as `local_attention`'s query
+    blocks: key slot j of block i holds position i*block + j - w, query row r of a kv head's block
+    is the query at offset r % block of its head r // block; 0 where that query's read range
+    (`read_start`) holds that key, -inf elsewhere (SDPA's own conversion of a boolean mask, done
+    once per shape here instead of at every call). One mask per shape, kept: SDPA's CPU flash
     kernel takes a 4-D mask only in this batch-1, one-per-problem layout."""
     n = -(-T // block)
-    w = min(window, max(T - 1, 0))  # keys before position 0 are padding either way
     base = torch.arange(n, device=device).view(n, 1, 1) * block
     t = base + torch.arange(block, device=device).view(1, block, 1)  # query positions
     s = base + torch.arange(block + w, device=device).view(1, 1, block + w) - w  # key positions
-    mask = (s >= read_start(t, LOCAL, window)) & (s <= t)  # (n, block, block + w)
-    mask = mask.view(n, 1, 1, block, block + w).expand(n, kv_heads, group, block, block + w)
-    return mask.reshape(1, n * kv_heads, group * block, block + w)
+    reads = (s >= read_start(t, LOCAL, window)) & (s <= t)  # (n, block, block + w)
+    mask = torch.zeros(reads.shape, dtype=dtype, device=device).masked_fill_(~reads, float("-inf"))
+    mask = mask.view(1, n, 1, block, block + w).expand(kv_heads, n, group, block, block + w)
+    return mask.reshape(1, kv_heads * n, group * block, block + w)
+
+
+class _KeyWindows(torch.autograd.Function):
+    """K or V (B, T, H_kv, d) -> the key windows of `local_attention`'s blocks, (B, H_kv * n, b + w, d):
+    window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1 (w a multiple of b).
+
+    The windows overlap (each key is in (w + b) / b of them), so they are not copied: x is copied
+    once into a zeroed buffer laid out as w rows, then each (batch, kv head)'s n * b positions, and
+    the windows are a strided view of it. A window that starts before its head's first row reads
+    the rows in front of it (the zero rows, or the previous head's last positions): positions < 0,
+    which the mask leaves out. Backward: each window's (w + b) / b blocks of b rows added into the
+    blocks they were read from, in one `index_add_`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
+        B, T, H_kv, d = x.shape
+        span = n * block  # rows per (batch, kv head)
+        buf = x.new_zeros(w + B * H_kv * span, d)
+        buf.as_strided((B, T, H_kv, d), (H_kv * span * d, d, span * d, 1), w * d).copy_(x)
+        ctx.geometry = (T, H_kv, block, w, n)
+        return buf.as_strided((B, H_kv * n, block + w, d), (H_kv * span * d, block * d, d, 1))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        T, H_kv, block, w, n = ctx.geometry
+        B, d = grad.shape[0], grad.shape[-1]
+        m = w // block  # each window: the m blocks before its own, then its own
+        blocks = grad.new_zeros(B, H_kv, m + n, block * d)  # m blocks of padding, then the head's n
+        blocks.index_add_(2, _window_blocks(n, m, grad.device), grad.reshape(B, H_kv, n * (m + 1), block * d))
+        dx = blocks.as_strided((B, T, H_kv, d), (H_kv * (m + n) * block * d, d, (m + n) * block * d, 1), m * block * d)
+        return dx, None, None, None
+
+
+@functools.lru_cache(maxsize=16)
+def _window_blocks(n: int, m: int, device: torch.device) -> torch.Tensor:
+    """Block (of the m + n, padding first) that each window's j-th block was read from: i + j,
+    for window i < n and j <= m, in the windows' order."""
+    return (torch.arange(n, device=device).view(n, 1) + torch.arange(m + 1, device=device)).reshape(-1)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                     block: int = LOCAL_QUERY_BLOCK) -> torch.Tensor:
     """Local mode: q (B, T, H, d), k/v (B, T, H_kv, d) -> (B, T, H, d); query t reads keys
-    max(0, t - window)..t, computed only over each query block's b + w keys (module docstring)."""
+    max(0, t - window)..t, computed only over each query block's b + w keys (module docstring;
+    w rounded up to a whole number of blocks, the keys past the window masked)."""
     B, T, H, d = q.shape
     H_kv = k.shape[2]
     G = H // H_kv
     block = max(1, min(block, T))
     n = -(-T // block)
-    w = min(window, max(T - 1, 0))
+    w = -(-min(window, max(T - 1, 0)) // block) * block  # keys before position 0 are padding either way
     pad_q = n * block - T
 
-    def key_blocks(x):  # (B, T, H_kv, d) -> (B, n * H_kv, b + w, d), padded w in front
-        x = F.pad(x, (0, 0, 0, 0, w, pad_q)).unfold(1, block + w, block)  # (B, n, H_kv, d, b + w)
-        return x.transpose(-1, -2).reshape(B, n * H_kv, block + w, d)
-
     qb = F.pad(q, (0, 0, 0, 0, 0, pad_q)).view(B, n, block, H_kv, G, d)
-    qb = qb.permute(0, 1, 3, 4, 2, 5).reshape(B, n * H_kv, G * block, d)  # (B, n*H_kv, G*b, d)
-    mask = _local_block_mask(T, window, block, H_kv, G, q.device)  # (1, n*H_kv, G*b, b + w)
-    ctx = F.scaled_dot_product_attention(qb, key_blocks(k), key_blocks(v), attn_mask=mask)
-    ctx = ctx.view(B, n, H_kv, G, block, d).permute(0, 1, 4, 2, 3, 5).reshape(B, n * block, H, d)
+    qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(B, H_kv * n, G * block, d)  # (B, H_kv*n, G*b, d)
+    mask = _local_block_mask(T, window, block, w, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
+    ctx = F.scaled_dot_product_attention(qb, _KeyWindows.apply(k, block, w, n), _KeyWindows.apply(v, block, w, n),
+                                         attn_mask=mask)
+    ctx = ctx.view(B, H_kv, n, G, block, d).permute(0, 2, 4, 1, 3, 5).reshape(B, n * block, H, d)
     return ctx[:, :T]
 
 
