@@ -40,8 +40,8 @@ def full_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.T
 
 
 @functools.lru_cache(maxsize=16)
-def _local_block_mask(T: int, window: int, block: int, w: int, kv_heads: int, group: int,
-                      dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def _local_block_mask(T: int, window: int, block: int, kv_heads: int, group: int, dtype: torch.dtype,
+                      device: torch.device) -> torch.Tensor:
     """(1, kv_heads * n_blocks, group * block, block + w), laid out as `local_attention`'s query
     blocks: key slot j of block i holds position i*block + j - w, query row r of a kv head's block
     is the query at offset r % block of its head r // block; 0 where that query's read range
@@ -49,6 +49,7 @@ def _local_block_mask(T: int, window: int, block: int, w: int, kv_heads: int, gr
     once per shape here instead of at every call). One mask per shape, kept: SDPA's CPU flash
     kernel takes a 4-D mask only in this batch-1, one-per-problem layout."""
     n = -(-T // block)
+    w = min(window, max(T - 1, 0))  # keys before position 0 are padding either way
     base = torch.arange(n, device=device).view(n, 1, 1) * block
     t = base + torch.arange(block, device=device).view(1, block, 1)  # query positions
     s = base + torch.arange(block + w, device=device).view(1, 1, block + w) - w  # key positions
@@ -60,30 +61,33 @@ def _local_block_mask(T: int, window: int, block: int, w: int, kv_heads: int, gr
 
 class _KeyWindows(torch.autograd.Function):
     """K or V (B, T, H_kv, d) -> the key windows of `local_attention`'s blocks, (B, H_kv * n, b + w, d):
-    window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1 (w a multiple of b).
+    window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1.
 
-    The windows overlap (each key is in (w + b) / b of them), so they are not copied: x is copied
-    once into a zeroed buffer laid out as w rows, then each (batch, kv head)'s n * b positions, and
-    the windows are a strided view of it. A window that starts before its head's first row reads
-    the rows in front of it (the zero rows, or the previous head's last positions): positions < 0,
-    which the mask leaves out. Backward: each window's (w + b) / b blocks of b rows added into the
-    blocks they were read from, in one `index_add_`."""
+    The windows overlap (each key is in about (w + b) / b of them), so they are not copied: x is
+    copied once into a zeroed buffer laid out as p = ceil(w / b) * b rows, then each (batch, kv
+    head)'s n * b positions, and the windows are a strided view of it. A window that starts before
+    its head's first row reads the rows in front of it (the zero rows, or the previous head's last
+    positions): positions < 0, which the mask leaves out. Backward: each window's gradient, with
+    p - w zero rows in front, is p / b + 1 blocks of b rows, added into the blocks they were read
+    from in one `index_add_`."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
         B, T, H_kv, d = x.shape
-        span = n * block  # rows per (batch, kv head)
-        buf = x.new_zeros(w + B * H_kv * span, d)
-        buf.as_strided((B, T, H_kv, d), (H_kv * span * d, d, span * d, 1), w * d).copy_(x)
+        span, p = n * block, -(-w // block) * block  # rows per (batch, kv head); rows in front
+        buf = x.new_zeros(p + B * H_kv * span, d)
+        buf.as_strided((B, T, H_kv, d), (H_kv * span * d, d, span * d, 1), p * d).copy_(x)
         ctx.geometry = (T, H_kv, block, w, n)
-        return buf.as_strided((B, H_kv * n, block + w, d), (H_kv * span * d, block * d, d, 1))
+        return buf.as_strided((B, H_kv * n, block + w, d), (H_kv * span * d, block * d, d, 1), (p - w) * d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         T, H_kv, block, w, n = ctx.geometry
         B, d = grad.shape[0], grad.shape[-1]
-        m = w // block  # each window: the m blocks before its own, then its own
-        blocks = grad.new_zeros(B, H_kv, m + n, block * d)  # m blocks of padding, then the head's n
+        m = -(-w // block)  # blocks in front of each window's own
+        if m * block > w:  # a window from the start of its first block
+            grad = F.pad(grad, (0, 0, m * block - w, 0))
+        blocks = grad.new_zeros(B, H_kv, m + n, block * d)  # the m blocks in front, then the head's n
         blocks.index_add_(2, _window_blocks(n, m, grad.device), grad.reshape(B, H_kv, n * (m + 1), block * d))
         dx = blocks.as_strided((B, T, H_kv, d), (H_kv * (m + n) * block * d, d, (m + n) * block * d, 1), m * block * d)
         return dx, None, None, None
@@ -91,29 +95,35 @@ class _KeyWindows(torch.autograd.Function):
 
 @functools.lru_cache(maxsize=16)
 def _window_blocks(n: int, m: int, device: torch.device) -> torch.Tensor:
-    """Block (of the m + n, padding first) that each window's j-th block was read from: i + j,
-    for window i < n and j <= m, in the windows' order."""
+    """Block (of the m + n, those in front first) that each window's j-th block was read from:
+    i + j, for window i < n and j <= m, in the windows' order."""
     return (torch.arange(n, device=device).view(n, 1) + torch.arange(m + 1, device=device)).reshape(-1)
+
+
+def _key_windows(x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
+    """`_KeyWindows` as SDPA reads it. On a CPU its flash kernel reads the strided view and makes its
+    K and V gradients afresh; elsewhere the windows are copied first, since a kernel that made its
+    K gradient with K's strides would write overlapping windows' gradients into the same memory."""
+    windows = _KeyWindows.apply(x, block, w, n)
+    return windows if x.device.type == "cpu" else windows.contiguous()
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
                     block: int = LOCAL_QUERY_BLOCK) -> torch.Tensor:
     """Local mode: q (B, T, H, d), k/v (B, T, H_kv, d) -> (B, T, H, d); query t reads keys
-    max(0, t - window)..t, computed only over each query block's b + w keys (module docstring;
-    w rounded up to a whole number of blocks, the keys past the window masked)."""
+    max(0, t - window)..t, computed only over each query block's b + w keys (module docstring)."""
     B, T, H, d = q.shape
     H_kv = k.shape[2]
     G = H // H_kv
     block = max(1, min(block, T))
     n = -(-T // block)
-    w = -(-min(window, max(T - 1, 0)) // block) * block  # keys before position 0 are padding either way
+    w = min(window, max(T - 1, 0))  # keys before position 0 are padding either way
     pad_q = n * block - T
 
     qb = F.pad(q, (0, 0, 0, 0, 0, pad_q)).view(B, n, block, H_kv, G, d)
     qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(B, H_kv * n, G * block, d)  # (B, H_kv*n, G*b, d)
-    mask = _local_block_mask(T, window, block, w, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
-    ctx = F.scaled_dot_product_attention(qb, _KeyWindows.apply(k, block, w, n), _KeyWindows.apply(v, block, w, n),
-                                         attn_mask=mask)
+    mask = _local_block_mask(T, window, block, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
+    ctx = F.scaled_dot_product_attention(qb, _key_windows(k, block, w, n), _key_windows(v, block, w, n), attn_mask=mask)
     ctx = ctx.view(B, H_kv, n, G, block, d).permute(0, 2, 4, 1, 3, 5).reshape(B, n * block, H, d)
     return ctx[:, :T]
 

@@ -105,6 +105,35 @@ def test_the_default_takes_the_blocks(monkeypatch):
     assert q.grad is not None
 
 
+@pytest.mark.parametrize("T,block,w", [(64, 16, 32), (64, 16, 8), (37, 16, 20), (5, 5, 4), (40, 8, 0)])
+def test_key_windows_are_views_of_one_copy_and_sum_their_gradients(T, block, w):
+    """The local mode's key windows (B, H_kv * n, b + w, d), window h * n + i holding positions
+    i*b - w .. i*b + b - 1 of kv head h (zeros past T), against windows cut one by one from a padded
+    copy at every position >= 0 (before position 0 a window may read the previous head's rows: the
+    mask leaves those out, so no gradient comes from them); their gradient is the sum over the
+    windows that hold each key; and on a CPU they are a view of one buffer of about one copy of K,
+    not a copy per window."""
+    from megatron_triroute.model.mode_attention import _key_windows
+
+    torch.manual_seed(T + w)
+    B, H_kv, d = 2, 3, 4
+    n = -(-T // block)
+    x = torch.randn(B, T, H_kv, d, requires_grad=True)
+    windows = _key_windows(x, block, w, n)
+    padded = torch.cat([torch.zeros(B, w, H_kv, d), x, torch.zeros(B, n * block - T, H_kv, d)], 1)
+    expected = torch.stack([padded[:, i * block:i * block + block + w, h] for h in range(H_kv) for i in range(n)], 1)
+    assert windows.shape == expected.shape == (B, H_kv * n, block + w, d)
+    position = (torch.arange(n).view(n, 1) * block + torch.arange(block + w) - w).repeat(H_kv, 1)  # (H_kv * n, b + w)
+    kept = (position >= 0).view(1, H_kv * n, block + w, 1)
+    torch.testing.assert_close(windows * kept, expected * kept, rtol=0, atol=0)
+    up = torch.randn(expected.shape) * kept
+    got, = torch.autograd.grad((windows * up).sum(), x)
+    want, = torch.autograd.grad((expected * up).sum(), x)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    rows = windows.untyped_storage().nbytes() // (d * windows.element_size())
+    assert rows == -(-w // block) * block + B * H_kv * n * block  # one copy of x, padded; no per-window copy
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
