@@ -13,7 +13,8 @@ of both paths and the C++ op's K/V bytes read (its counter) per second.
 too (its library renamed `triroute_baseline`, built with the same flags in its own folder), called
 interleaved with this tree's op on the same inputs (A B A B, `--iters` pairs): per batch the medians,
 the median and quartiles of the per-call ratios (this tree / baseline) and the largest difference of
-their outputs. A change to the kernel is measured against the code it replaces in one process, where
+their outputs. Its `decode_linear` joins the linear rows' rounds the same way (`ratio_vs_baseline`:
+quartiles of this tree / baseline; `bits_equal_baseline`: the two outputs' bits). A change to the kernel is measured against the code it replaces in one process, where
 both see the same machine load.
 
 Prefill: the C++ attention over one request's `--prefill-rows` prompt rows at once (row t reads
@@ -138,18 +139,22 @@ def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
             "max_abs_diff_vs_baseline": diff}
 
 
-def linear_rows(batch: int, iters: int, gen: torch.Generator) -> list[dict]:
-    """`decode_linear` against F.linear per shape of LINEAR_SHAPES (module doc)."""
+def linear_rows(batch: int, iters: int, gen: torch.Generator, base=None, rev: str | None = None) -> list[dict]:
+    """`decode_linear` against F.linear per shape of LINEAR_SHAPES (module doc); with `base` (the
+    baseline's ops, `--baseline`) its `decode_linear` as well, in the same interleaved rounds."""
     rows = []
     for name, (N, K) in LINEAR_SHAPES.items():
         copies = max(2, (256 << 20) // (N * K * 4))
         weights = [torch.randn(N, K, generator=gen) for _ in range(copies)]
         x = torch.randn(batch, K, generator=gen)
         err = max(float((decode_linear(x, w) - F.linear(x, w)).abs().max()) for w in weights[:2])
-        times = {"decode_linear": [], "F.linear": []}
+        fns = {"decode_linear": decode_linear, "F.linear": F.linear}
+        if base is not None:
+            fns["baseline"] = base.decode_linear
+        times = {label: [] for label in fns}
         for i in range(max(iters, copies)):
-            for label, fn in (("decode_linear", decode_linear), ("F.linear", F.linear)):
-                w = weights[(2 * i + (label == "F.linear")) % copies]
+            for j, (label, fn) in enumerate(fns.items()):
+                w = weights[(len(fns) * i + j) % copies]
                 t0 = time.perf_counter()
                 fn(x, w)
                 times[label].append(time.perf_counter() - t0)
@@ -161,6 +166,12 @@ def linear_rows(batch: int, iters: int, gen: torch.Generator) -> list[dict]:
             "speedup": round(statistics.median(b / a for a, b in zip(times["decode_linear"], times["F.linear"])), 2),
             "max_abs_diff": err,
         })
+        if base is not None:
+            ratios = sorted(a / b for a, b in zip(times["decode_linear"], times["baseline"]))
+            q = statistics.quantiles(ratios, n=4)
+            rows[-1] |= {"baseline": rev, "baseline_ms": round(1e3 * statistics.median(times["baseline"]), 3),
+                         "ratio_vs_baseline": [round(q[0], 3), round(statistics.median(ratios), 3), round(q[2], 3)],
+                         "bits_equal_baseline": bool(torch.equal(decode_linear(x, weights[0]), base.decode_linear(x, weights[0])))}
         print(json.dumps(rows[-1]), flush=True)
     return rows
 
@@ -172,7 +183,7 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--prefill-rows", type=int, default=512, help="prompt rows of the prefill call (0: none)")
     p.add_argument("--portable", action="store_true", help="the kernels built without -march=native (own build folder)")
-    p.add_argument("--baseline", metavar="REV", help="also time the attention op of git revision REV, interleaved")
+    p.add_argument("--baseline", metavar="REV", help="also time the attention and linear ops of git revision REV, interleaved")
     a = p.parse_args()
     if a.portable:
         os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
@@ -209,7 +220,7 @@ def main() -> None:
     if a.prefill_rows:
         rows.append(prefill_row(a.prefill_rows, a.iters, gen))
     for batch in a.batches:
-        rows += linear_rows(batch, a.iters, gen)
+        rows += linear_rows(batch, a.iters, gen, base, a.baseline)
 
 
 if __name__ == "__main__":

@@ -346,16 +346,21 @@ def test_decode_linear_equals_a_float64_matmul(M, N, K):
     assert torch.allclose(decode_linear(x, wt), y, atol=1e-5 * math.sqrt(K))
 
 
-def test_decode_linear_reads_every_row_of_x_against_its_own_output():
-    """Row m of the result depends on row m of x only (a swapped or reused x row would show)."""
-    gen = torch.Generator().manual_seed(9)
-    x, w = torch.randn(5, 24, generator=gen), torch.randn(19, 24, generator=gen)
+@pytest.mark.parametrize("M,N,K", [(5, 19, 24), (2, 40, 64), (3, 16, 32), (4, 33, 48), (7, 24, 80), (DECODE_LINEAR_ROWS, 17, 16)])
+def test_decode_linear_reads_every_row_of_x_against_its_own_output(M, N, K):
+    """Row m of the result depends on row m of x only (a swapped or reused x row would show), and
+    has the same bits as row m alone: several rows of x at once (K a multiple of 16 with AVX-512,
+    up to three at a time) sum each product as one row does."""
+    gen = torch.Generator().manual_seed(9 + M)
+    x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
     y = decode_linear(x, w)
-    for m in range(5):
-        assert torch.allclose(decode_linear(x[m : m + 1], w)[0], y[m], atol=1e-6)
+    for m in range(M):
+        assert torch.equal(decode_linear(x[m : m + 1], w)[0], y[m]), m
     x2 = x.clone()
-    x2[3] = 0
-    assert torch.equal(decode_linear(x2, w)[:3], y[:3]) and not decode_linear(x2, w)[3].any()
+    x2[M // 2] = 0
+    y2 = decode_linear(x2, w)
+    assert torch.equal(y2[: M // 2], y[: M // 2]) and torch.equal(y2[M // 2 + 1 :], y[M // 2 + 1 :])
+    assert not y2[M // 2].any()
 
 
 def test_without_the_cpp_kernels_the_api_falls_back_to_the_twins(monkeypatch):
