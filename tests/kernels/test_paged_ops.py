@@ -348,14 +348,20 @@ def test_decode_linear_equals_a_float64_matmul(M, N, K):
 
 @pytest.mark.parametrize("M,N,K", [(5, 19, 24), (2, 40, 64), (3, 16, 32), (4, 33, 48), (7, 24, 80), (DECODE_LINEAR_ROWS, 17, 16)])
 def test_decode_linear_reads_every_row_of_x_against_its_own_output(M, N, K):
-    """Row m of the result depends on row m of x only (a swapped or reused x row would show), and
-    has the same bits as row m alone: several rows of x at once (K a multiple of 16 with AVX-512,
-    up to three at a time) sum each product as one row does."""
+    """Row m of the result depends on row m of x only (a swapped or reused x row would show), and,
+    where the kernel's own loops run (a native build on a CPU with AVX2), has the same bits as row m
+    alone: several rows of x at once (K a multiple of 16 with AVX-512, three at a time) sum each
+    product as one row does. (Elsewhere BLAS serves both, whose one-row and several-row paths may
+    round differently.)"""
+    import os
+
     gen = torch.Generator().manual_seed(9 + M)
     x, w = torch.randn(M, K, generator=gen), torch.randn(N, K, generator=gen)
     y = decode_linear(x, w)
+    own_loops = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") and not os.environ.get("TRIROUTE_CPU_OPS_PORTABLE")
     for m in range(M):
-        assert torch.equal(decode_linear(x[m : m + 1], w)[0], y[m]), m
+        alone = decode_linear(x[m : m + 1], w)[0]
+        assert torch.equal(alone, y[m]) if own_loops else torch.allclose(alone, y[m], atol=1e-6), m
     x2 = x.clone()
     x2[M // 2] = 0
     y2 = decode_linear(x2, w)
