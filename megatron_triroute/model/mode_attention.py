@@ -11,9 +11,9 @@ key blocks outside the window; no backward on a CPU):
     i*b - w .. i*b + b - 1 (positions < 0 are padding), masked to each query's own range.
 
 K/V are never repeated per query head: the G query heads of one kv head are stacked along the
-query axis of their kv head's block (G*b queries x (b + w) keys). Nor are they copied per block:
-the blocks' key windows overlap, and are strided views of one copy of K (and of V)
-(`_KeyWindows`).
+query axis of their kv head's block (G*b queries x (b + w) keys). On a CPU nor are they copied per
+block: the blocks' key windows overlap, and are strided views of one copy of K (and of V)
+(`_KeyWindows`, `_key_windows`).
 """
 
 from __future__ import annotations
