@@ -293,6 +293,26 @@ inline float dot(const float* a, const float* b, int64_t d) {
   return s;
 }
 
+#if defined(TRIROUTE_AVX2)
+// The lane sums of eight 8-lane accumulators, one per dot product, by one tree: lane j of the result
+// is ((a_j[0] + a_j[1]) + (a_j[2] + a_j[3])) + ((a_j[4] + a_j[5]) + (a_j[6] + a_j[7])). The one
+// reduction of the attention's scores and of the weight matmuls (gemv_rows8, gemm_rows8 and
+// score_rows sum the same way, so their results do not depend on which of them ran).
+inline __m256 sums8(const __m256 a[8]) {
+  // lanes 0-3 of h0: a_0..a_3's low halves, 4-7 their high halves (h1: a_4..a_7)
+  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+}
+#endif
+
+#if defined(TRIROUTE_AVX512)
+// A 16-lane accumulator folded into 8 lanes: lane j + lane j + 8.
+inline __m256 fold16(__m512 b) {
+  return _mm256_add_ps(_mm512_castps512_ps256(b), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b), 1)));
+}
+#endif
+
 // s[t] = (q . k_t) * scale for the c rows of kbuf (row t at kbuf + t * d); returns max(m, s[0..c)).
 // The maximum is taken from the registers the scores are stored from: reading them back at once
 // would wait on the stores (and a wide load over two narrower stores is not forwarded).
@@ -312,9 +332,7 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
           const __m512 qv = _mm512_loadu_ps(q + i);
           for (int j = 0; j < 8; ++j) w[j] = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + j * d + i), w[j]);
         }
-        for (int j = 0; j < 8; ++j)
-          a[j] = _mm256_add_ps(_mm512_castps512_ps256(w[j]),
-                               _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(w[j]), 1)));
+        for (int j = 0; j < 8; ++j) a[j] = fold16(w[j]);
       } else
 #endif
       {
@@ -324,11 +342,7 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
           for (int j = 0; j < 8; ++j) a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k0 + j * d + i), a[j]);
         }
       }
-      // lanes 0-3 of h0: keys 0-3's low halves, 4-7 their high halves (h1: keys 4-7)
-      const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-      const __m256 sums = _mm256_mul_ps(
-          _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)), _mm256_set1_ps(scale));
+      const __m256 sums = _mm256_mul_ps(sums8(a), _mm256_set1_ps(scale));
       _mm256_storeu_ps(s + t, sums);
       mv = _mm256_max_ps(mv, sums);
     }
@@ -895,8 +909,7 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
       const __m512 xv = _mm512_loadu_ps(x + k);
       for (int r = 0; r < 8; ++r) b[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, b[r]);
     }
-    for (int r = 0; r < 8; ++r)
-      a[r] = _mm256_add_ps(_mm512_castps512_ps256(b[r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b[r]), 1)));
+    for (int r = 0; r < 8; ++r) a[r] = fold16(b[r]);
   }
 #else
   for (int r = 0; r < 8; ++r) a[r] = _mm256_setzero_ps();
@@ -906,9 +919,7 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
     const __m256 xv = _mm256_loadu_ps(x + k);
     for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w + r * K + k), xv, a[r]);
   }
-  const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-  const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-  _mm256_storeu_ps(y, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+  _mm256_storeu_ps(y, sums8(a));
   for (int64_t k = K8; k < K; ++k)
     for (int r = 0; r < 8; ++r) y[r] += w[r * K + k] * x[k];
 }
@@ -920,7 +931,7 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
 // block of w is read T times fewer than by gemv_rows8 row after row (eight rows of x read a block
 // of 24 KB eight times, from the second-level cache once x and w fill the first). Every (x row,
 // w row) pair is summed exactly as gemv_rows8 sums it: the same 16-lane fused multiply-adds in the
-// same order, the same fold to 8 lanes and the same tree, so a row of y has the same bits
+// same order, the same fold to 8 lanes (fold16) and the same tree (sums8), so a row of y has the same bits
 // whichever rows of x come with it.
 template <int T>
 inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, float* y) {
@@ -938,11 +949,8 @@ inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, f
   }
   for (int m = 0; m < T; ++m) {
     __m256 a[8];
-    for (int r = 0; r < 8; ++r)
-      a[r] = _mm256_add_ps(_mm512_castps512_ps256(b[m][r]), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(b[m][r]), 1)));
-    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-    _mm256_storeu_ps(y + m * ldy, _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31)));
+    for (int r = 0; r < 8; ++r) a[r] = fold16(b[m][r]);
+    _mm256_storeu_ps(y + m * ldy, sums8(a));
   }
 }
 
