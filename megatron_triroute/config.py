@@ -229,6 +229,9 @@ class RouterConfig:
             _fail(f"{path}.expert_compute", self.expert_compute, "unknown", EXPERT_COMPUTE_FIX)
         if self.local_attention not in LOCAL_ATTENTION:
             _fail(f"{path}.local_attention", self.local_attention, "unknown", "use " + ", ".join(LOCAL_ATTENTION))
+        if self.local_attention == "flex" and model is not None and model.d_head < 16:
+            _fail(f"{path}.local_attention", self.local_attention,
+                  f"FlexAttention's kernel needs d_head >= 16 (d_head={model.d_head})", "use blocks")
         if self.compile is not None and self.compile not in ROUTER_COMPILE:
             _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
                   "use " + ", ".join(ROUTER_COMPILE) + ", or leave it unset (eager)")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.gpu
 SYSTEMS = ("triroute", "dense", "moe")
 
 
-def _run(rank, world_size, device_name, out_path, system, local_attention="blocks"):
+def _run(rank, world_size, device_name, out_path, system, local_attention="blocks", d_model=None):
     from megatron_triroute.systems import system_config
     from megatron_triroute.training.calibrate import calibrate_prices
     from megatron_triroute.training.engine import MicroBatch, TrainEngine
@@ -30,8 +30,11 @@ def _run(rank, world_size, device_name, out_path, system, local_attention="block
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     cfg = system_config(system, tiny_triroute())
+    if d_model is not None:
+        cfg.model.d_model = d_model
     if device_name == "cuda":  # FlexAttention has no CPU backward: the CPU side keeps the blocks
         cfg.router.local_attention = local_attention
+    cfg.validate()
     cfg.budget.flops_target, cfg.budget.mem_target = 0.6, 0.5
     model, groups = build(cfg)
     device = torch.device(device_name)
@@ -57,27 +60,29 @@ def _run(rank, world_size, device_name, out_path, system, local_attention="block
     }, out_path)
 
 
-def _on(device: str, out_path, system: str, local_attention: str = "blocks") -> dict:
+def _on(device: str, out_path, system: str, local_attention: str = "blocks", d_model: int | None = None) -> dict:
     if device == "cpu":
         saved = os.environ.get("CUDA_VISIBLE_DEVICES")
         os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the spawned child sees no GPU: the CPU path
         try:
-            run_distributed(_run, 1, "cpu", str(out_path), system, timeout=300)
+            run_distributed(_run, 1, "cpu", str(out_path), system, "blocks", d_model, timeout=300)
         finally:
             if saved is None:
                 del os.environ["CUDA_VISIBLE_DEVICES"]
             else:
                 os.environ["CUDA_VISIBLE_DEVICES"] = saved
     else:
-        run_distributed(_run, 1, "cuda", str(out_path), system, local_attention, timeout=300, backend="nccl")
+        run_distributed(_run, 1, "cuda", str(out_path), system, local_attention, d_model, timeout=300, backend="nccl")
     return torch.load(out_path, weights_only=True)
 
 
 @pytest.mark.parametrize("system, local_attention", [(s, "blocks") for s in SYSTEMS] + [("triroute", "flex")])
 def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, local_attention, tmp_path):
-    """triroute with flex: FlexAttention's local mode on the GPU against the blockwise one on the CPU."""
-    cpu = _on("cpu", tmp_path / "cpu.pt", system)
-    gpu = _on("cuda", tmp_path / "gpu.pt", system, local_attention)
+    """triroute with flex: FlexAttention's local mode on the GPU against the blockwise one on the CPU,
+    at d_head 16 (its kernel's least)."""
+    d_model = 64 if local_attention == "flex" else None
+    cpu = _on("cpu", tmp_path / "cpu.pt", system, d_model=d_model)
+    gpu = _on("cuda", tmp_path / "gpu.pt", system, local_attention, d_model)
     assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
     for key in ("loss", "grad_norm", "eval_loss"):
         assert gpu[key] == pytest.approx(cpu[key], rel=1e-4, abs=1e-6), key
@@ -87,4 +92,5 @@ def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, 
     assert torch.tensor(gpu["prices"]) == pytest.approx(torch.tensor(cpu["prices"]), rel=0.05, abs=0.02)
     assert gpu["params"].keys() == cpu["params"].keys()
     for name, value in cpu["params"].items():
-        torch.testing.assert_close(gpu["params"][name].to(value.dtype), value, rtol=1e-4, atol=1e-5, msg=name)
+        torch.testing.assert_close(gpu["params"][name].to(value.dtype), value, rtol=1e-4, atol=1e-5,
+                                   msg=lambda detail, name=name: f"{name}: {detail}")

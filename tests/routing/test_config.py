@@ -48,6 +48,16 @@ def test_group_size_must_divide_head_dim():
         cfg.validate()
 
 
+def test_flex_local_attention_needs_a_head_dim_of_16():
+    cfg = TriRouteConfig()
+    cfg.model.d_model, cfg.model.n_heads = 64, 8  # d_head = 8
+    cfg.router.kv_group_size, cfg.router.local_attention = 8, "flex"
+    with pytest.raises(ConfigError, match="local_attention.*d_head >= 16.*use blocks"):
+        cfg.validate()
+    cfg.model.n_heads = 4  # d_head = 16
+    cfg.validate()
+
+
 def test_unknown_key_is_refused():
     data = TriRouteConfig().to_dict()
     data["router"]["topk"] = 2
