@@ -134,6 +134,25 @@ def test_key_windows_are_views_of_one_copy_and_sum_their_gradients(T, block, w):
     assert rows == -(-w // block) * block + B * H_kv * n * block  # one copy of x, padded; no per-window copy
 
 
+@pytest.mark.parametrize("T,block,w", [(64, 16, 32), (64, 16, 8), (37, 16, 20), (5, 5, 4), (40, 8, 0), (32, 4, 20)])
+def test_window_gradients_sum_the_same_by_index_add_and_by_strided_diagonals(T, block, w):
+    """The backward's two forms (index_add_ on a CPU; a GPU's atomics-free sum of strided anti-diagonals)
+    against each other and against a loop over the windows, on a non-contiguous gradient as SDPA gives."""
+    from megatron_triroute.model.mode_attention import _sum_windows
+
+    torch.manual_seed(T + w)
+    B, H_kv, d = 2, 3, 4
+    n, m = -(-T // block), -(-w // block)
+    grad = torch.randn(B, H_kv, n, d, block + w).transpose(-1, -2)  # (B, H_kv, n, b + w, d), not contiguous
+    want = torch.zeros(B, H_kv, (m + n) * block, d)
+    for i in range(n):  # window i's rows are blocks i .. i + m, its first m b - w rows not read
+        want[:, :, (i + m + 1) * block - (block + w):(i + m + 1) * block] += grad[:, :, i]
+    want = want.view(B, H_kv, m + n, block * d)
+    for index_add in (True, False):
+        got = _sum_windows(grad, m, block, index_add)
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda e, f=index_add: f"index_add={f}: {e}")
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
