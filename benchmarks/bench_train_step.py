@@ -163,7 +163,7 @@ def _count_step(engine, mb, step: int, device: torch.device) -> dict:
     if report.skipped:
         raise RuntimeError(f"counted step {step} was skipped (non-finite loss or gradients)")
     counts = {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
-              "attention_flops": flops.flops, "sdpa_calls": flops.calls}
+              "attention_flops": flops.flops, "sdpa_calls": flops.calls, "gpu_slow_ops": counter.gpu_slow_ops}
     if device.type == "cuda":
         counts["cuda_syncs"], counts["cuda_sync_sites"] = _cuda_syncs(engine, mb, step + 1)
     return counts
@@ -355,6 +355,9 @@ def main(argv: list[str] | None = None) -> dict:
               f"= {result['aten_ops_ratio']:.2f}; attention FLOPs (forward, as executed) "
               f"{result['attention_flops_ratio']:.3f}; host syncs {counts[system]['host_syncs']} vs "
               f"{counts['dense']['host_syncs']} ({counts[system]['host_sync_ops']})")
+        for name in configs:
+            if counts[name]["gpu_slow_ops"]:
+                print(f"  WARNING: {name} dispatches ops known to be slow on a GPU: {counts[name]['gpu_slow_ops']}")
         if device.type == "cuda":
             top = list(counts[system]["cuda_sync_sites"].items())[:8]
             print(f"  synchronising calls per step as CUDA reports them: {system} {counts[system]['cuda_syncs']}, "

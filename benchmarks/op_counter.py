@@ -9,7 +9,8 @@ multiply-accumulates of every matmul-class op from the shapes it was called with
 and `activation_macs` (no operand is: attention scores and weighted values, whatever function
 computed them), plus `scaled_dot_product_attention` kernels by their shapes. Ops outside the
 `aten` namespace (custom kernels) are listed in `foreign_ops`: their work is not seen by the
-counter, so a figure that depends on it is incomplete while that list is not empty.
+counter, so a figure that depends on it is incomplete while that list is not empty. Ops known to
+be slow on a GPU though cheap on a CPU (`GPU_SLOW_OPS`) are counted by name.
 """
 
 from __future__ import annotations
@@ -27,6 +28,13 @@ HOST_SYNC_OPS = frozenset({
 })
 """aten ops that need a tensor's value on the host (output size or a Python scalar): on a GPU
 each waits for the device, on a CPU each is where a GPU step would wait."""
+
+GPU_SLOW_OPS = {
+    "aten.segment_reduce": "CUDA's kernel for a few long segments ran 37 ms a call at 32,768 rows a segment "
+                           "(an H200; the training step 5.27x Dense's: docs/gpu.md, fourth run)",
+}
+"""aten ops measured pathologically slow on a GPU at our shapes, though cheap on a CPU: a CPU
+step that dispatches one hides a GPU regression no CPU figure shows. Counted by name."""
 
 MASK_INDEX_OPS = frozenset({"aten.index", "aten.index_put", "aten.index_put_", "aten._index_put_impl_"})
 """Indexing ops that sync when an index is a boolean mask (`x[mask]`, `x[mask] = v`): the mask's
@@ -91,6 +99,8 @@ class StepCounter(TorchDispatchMode):
         self.weight_macs = 0
         self.activation_macs = 0
         self.foreign_ops: dict[str, int] = {}
+        self.gpu_slow_ops: dict[str, int] = {}
+        """Calls of each of `GPU_SLOW_OPS`."""
         self.linear_kernels: dict[str, int] = {}
         """Calls of each of `LINEAR_KERNELS` (counted in `ops` and the MACs, not in `foreign_ops`)."""
         self._weight_storages = {t.untyped_storage().data_ptr() for t in weights}
@@ -142,6 +152,8 @@ class StepCounter(TorchDispatchMode):
         if not packet.startswith("aten.") and packet not in LINEAR_KERNELS:
             self.foreign_ops[packet] = self.foreign_ops.get(packet, 0) + 1
         to_host = packet in ("aten._to_copy", "aten.copy_") and _device_to_host(func, args, kwargs)
+        if packet in GPU_SLOW_OPS:
+            self.gpu_slow_ops[packet] = self.gpu_slow_ops.get(packet, 0) + 1
         if name in HOST_SYNC_OPS or to_host:
             self.syncs[name] = self.syncs.get(name, 0) + 1
         elif packet in MASK_INDEX_OPS and _has_mask_index(args):

@@ -76,6 +76,8 @@ def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     for key in ("ratio", "aten_ops_ratio", "attention_flops_ratio"):
         assert result[key] > 0, key
     assert set(result["host_syncs_per_step"]) == {"triroute", "dense"}
+    # no op measured pathologically slow on a GPU (a CPU figure cannot show that cost)
+    assert result["counts"]["triroute"]["gpu_slow_ops"] == {} == result["counts"]["dense"]["gpu_slow_ops"]
     # the same counts, from the per-model table
     counts = result["counts"]
     assert result["aten_ops_ratio"] == counts["triroute"]["aten_ops"] / counts["dense"]["aten_ops"]
