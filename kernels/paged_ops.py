@@ -5,8 +5,8 @@
 - `routed_experts`: the top-k SwiGLU experts of each token, grouped by expert.
 
 On CPU tensors with the C++ kernels built (`cpu_ops.cpu_ops_available()`) each is one call of
-`torch.ops.triroute.*`. On CUDA attention is one Triton launch over every pool
-(`triton_paged`). Otherwise the twins below run pool by pool: attention by the per-pool kernel
+`torch.ops.triroute.*`. On CUDA attention and a decode step's append are one Triton launch over
+every pool each (`triton_paged`, `triton_append`). Otherwise the twins below run pool by pool: attention by the per-pool kernel
 `dispatch` chooses merged by `merge_partials`, the write by `dispatch.quantize_pack_into` per
 pool, the experts by a loop. The
 all-torch twins are the tests' second implementation; they may sync (they are the fallback).
@@ -177,15 +177,29 @@ def cache_append(
     tables: torch.Tensor,
     page_size: int,
     pools: PoolLists | tuple[Sequence[PagePool], Sequence[PagePool]],
+    lost: torch.Tensor | None = None,
 ) -> None:
     """A decode step's write, one token per request (`rows` distinct): token n of decode-state row
     rows[n] goes to the next slot of its pool option[n], index i = counts[option, row] on the page
     tables[option, row, i // page_size], as `cache_write` writes it; counts[option, row] += 1.
-    counts [pools, R], tables [pools, R, width] int64 (a page reserved for every such slot)."""
+    counts [pools, R], tables [pools, R, width] int64 (a page reserved for every such slot).
+
+    A token with no page reserved: the C++ op raises, writing nothing; the twin raises. The Triton op
+    (CUDA), which reads nothing back, writes the other tokens and adds the lost ones to `lost` (a
+    one-element int64 tensor on the pools' device, required there) for the caller to check when it
+    next reads the device."""
     p = _lists(pools)
     if _use_cpp(k, option):
         torch.ops.triroute.cache_append(k.float(), v.float(), option.long(), rows.long(), positions.long(), counts,
                                         tables, page_size, *p.tensors, p.bits, p.group_size)
+        return
+    if choose_backend(counts.device) == "triton":
+        if lost is None:
+            raise ValueError("cache_append on the Triton backend needs `lost` (a one-element int64 tensor on the "
+                             "pools' device) to count the tokens that found no page")
+        from .triton_append import cache_append_triton
+
+        cache_append_triton(k, v, option, rows, positions, counts, tables, page_size, p, lost)
         return
     index = counts[option, rows]
     counts.index_put_((option, rows), torch.ones((), dtype=counts.dtype, device=counts.device), accumulate=True)

@@ -45,24 +45,21 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quantize_pack_kernel(
-    x_ptr, slots_ptr, codes_ptr, scale_ptr, zero_ptr,
-    H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-):
-    n = tl.program_id(0)
-    h = tl.program_id(1)
+def quantize_row(x_row, codes_ptr, scale_ptr, zero_ptr, base, D: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """Quantise one (token, kv head) row of D float32 values at `x_row` into row `base` (slot *
+    H_kv + head) of a pool's codes, scale and zero: the cache's arithmetic, bit for bit."""
     PER: tl.constexpr = 8 // BITS  # codes per byte
     NG: tl.constexpr = D // GROUP  # groups per head
     BPG: tl.constexpr = GROUP // PER  # bytes per group
     NBYTES: tl.constexpr = D * BITS // 8
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    slot = tl.load(slots_ptr + n).to(tl.int64)
     g_idx = tl.arange(0, NG)
     b_idx = tl.arange(0, BPG)
     j_idx = tl.arange(0, PER)
     # channel c = g * GROUP + byte * PER + j: [NG, BPG, PER]
     chan = g_idx[:, None, None] * GROUP + b_idx[None, :, None] * PER + j_idx[None, None, :]
-    x = tl.load(x_ptr + (n * H_KV + h) * D + chan).to(tl.float32)
+    x = tl.load(x_row + chan).to(tl.float32)
     lo = tl.min(tl.min(x, axis=2), axis=1)  # [NG]
     hi = tl.max(tl.max(x, axis=2), axis=1)
     scale16 = tl.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
@@ -75,10 +72,27 @@ def _quantize_pack_kernel(
     codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0)
     codes = tl.where(pos, codes, 0.0).to(tl.int32)
     packed = tl.sum(codes << (j_idx[None, None, :] * BITS), axis=2)  # [NG, BPG]
-    base = slot * H_KV + h
     tl.store(codes_ptr + base * NBYTES + g_idx[:, None] * BPG + b_idx[None, :], packed.to(tl.uint8))
     tl.store(scale_ptr + base * NG + g_idx, scale16)
     tl.store(zero_ptr + base * NG + g_idx, zero16)
+
+
+@triton.jit
+def store_row_fp16(x_row, values_ptr, base, D: tl.constexpr):
+    """One row of D values at `x_row` into row `base` of a 16-bit pool."""
+    d = tl.arange(0, D)
+    tl.store(values_ptr + base * D + d, tl.load(x_row + d).to(tl.float16))
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    x_ptr, slots_ptr, codes_ptr, scale_ptr, zero_ptr,
+    H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+):
+    n = tl.program_id(0)
+    h = tl.program_id(1)
+    slot = tl.load(slots_ptr + n).to(tl.int64)
+    quantize_row(x_ptr + (n * H_KV + h) * D, codes_ptr, scale_ptr, zero_ptr, slot * H_KV + h, D, BITS, GROUP)
 
 
 @triton.jit
@@ -86,9 +100,7 @@ def _store_fp16_kernel(x_ptr, slots_ptr, values_ptr, H_KV: tl.constexpr, D: tl.c
     n = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slots_ptr + n).to(tl.int64)
-    d = tl.arange(0, D)
-    x = tl.load(x_ptr + (n * H_KV + h) * D + d)
-    tl.store(values_ptr + (slot * H_KV + h) * D + d, x.to(tl.float16))
+    store_row_fp16(x_ptr + (n * H_KV + h) * D, values_ptr, slot * H_KV + h, D)
 
 
 def quantize_pack_into_triton(x: torch.Tensor, bits: int, group_size: int, pool: PagePool, slots: torch.Tensor) -> None:

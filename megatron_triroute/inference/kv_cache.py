@@ -160,6 +160,10 @@ class PagedKVCache:
         self.executed = torch.zeros(n_layers, 2, dtype=torch.long, device=self.device)
         """Per layer, what the attention kernel executed: attention MACs, K/V bytes read (cumulative)."""
         self.layer_executed = list(self.executed.unbind(0))
+        self.lost = torch.zeros(1, dtype=torch.long, device=self.device)
+        """Decode tokens the device's append found no reserved page for (`triroute_kernels.cache_append`
+        on the Triton backend, which reads nothing back): read with the counts at `sync`, which
+        refuses a nonzero count."""
         self.host_reads = 0
         """Reads of the device counts by the scheduler (`sync`, `_fit`): in decode, one for the whole
         batch every `page_size` steps; in a prefill, one per layer."""
@@ -212,8 +216,14 @@ class PagedKVCache:
         """Read the device counts of `rids` into their host entries (one device read)."""
         if not rids:
             return
-        counts = self.counts[:, :, self.rows(rids)].tolist()  # (L, pools, B)
+        L, W, B = self.counts.shape[0], self.n_pools, len(rids)
+        read = torch.cat([self.counts[:, :, self.rows(rids)].flatten(), self.lost]).tolist()  # one read
         self.host_reads += 1
+        if read[-1]:
+            raise RuntimeError(f"{read[-1]} decoded token(s) found no page reserved in their pool and were not "
+                               "written to the KV cache, which is now incomplete: a scheduler bug (reserve room "
+                               "before each decode step). Fix: restart the affected requests")
+        counts = [[read[(l * W + o) * B:(l * W + o + 1) * B] for o in range(W)] for l in range(L)]  # (L, pools, B)
         for b, rid in enumerate(rids):
             for l, entries in enumerate(self.requests[rid]):
                 for o, entry in enumerate(entries):
@@ -322,7 +332,7 @@ class PagedKVCache:
         B = rows.shape[0]
         counts, tables = self.layer_counts[layer], self.layer_tables[layer]  # (pools, R), (pools, R, width)
         if n == 1 and valid is None:  # decode: each token's slot from the counts and tables, in the write's call
-            cache_append(k, v, option, rows, positions, counts, tables, P, self.layers[layer].lists())
+            cache_append(k, v, option, rows, positions, counts, tables, P, self.layers[layer].lists(), self.lost)
             return
         onehot = torch.nn.functional.one_hot(option.view(B, n), W)  # (B, n, pools)
         if valid is not None:

@@ -72,3 +72,14 @@ def test_the_scheduler_reads_the_device_once_per_page_of_steps_and_holds_little_
         for entries in cache.requests[rid]:
             for e in entries:  # room for the next page of tokens, nothing more
                 assert len(e.pages) * P - e.count < 2 * P
+
+
+def test_a_token_the_device_append_lost_is_refused_at_the_next_read():
+    """The Triton append (a GPU's) reads nothing back: a token that found no reserved page is
+    counted on the device, and the scheduler's next read of the counts refuses the cache."""
+    model = tiny_model()
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]], page_size=4)
+    cache.sync(rids)  # nothing lost
+    cache.lost += 1
+    with pytest.raises(RuntimeError, match="1 decoded token.*not written.*scheduler bug"):
+        cache.sync(rids)

@@ -188,6 +188,50 @@ def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group
     assert c.tolist()[0] == 2 * D * (6 + 10)
 
 
+# --- the all-pools cache append (triton_append) -----------------------------------------------------
+from tests.kernels.test_paged_ops import _decode_state, _fresh_pools  # noqa: E402
+from triroute_kernels.paged_ops import cache_append, cache_write_torch  # noqa: E402
+
+
+def test_triton_cache_append_writes_each_tokens_next_slot_as_the_twin_does(monkeypatch):
+    """One launch for every pool: each token's slot from its pool's count and page table, K and V
+    quantised there bit for bit as the twin writes them, its position recorded, the counts advanced;
+    a token whose pool holds no page for its slot (or that names no pool) is written nowhere and
+    counted in `lost`, the others written all the same."""
+    from tests.kernels.test_paged_ops import D as PD, WIDTHS
+    from triroute_kernels import paged_ops
+
+    monkeypatch.setenv("TRIROUTE_KERNELS", "triton")  # the path a GPU takes, not the C++ kernel
+    monkeypatch.setattr(paged_ops, "cpu_ops_available", lambda: False)
+    gen = torch.Generator().manual_seed(23)
+    H_kv, P, R, width = 2, 4, 7, 3
+    pages = R * width + 2
+    counts, tables = _decode_state(R, pages, P, width, gen)
+    tables[2, 6, :] = -1
+    counts[2, 6] = 0  # row 6 holds no page in pool 2
+    rows = torch.tensor([4, 0, 5, 2, 1, 3, 6])  # distinct, any order
+    option = torch.tensor([0, 3, 1, 3, 2, 0, 2])  # every width; the last token finds no page
+    N = len(rows)
+    k, v = torch.randn(N, H_kv, PD, generator=gen) * 2, torch.randn(N, H_kv, PD, generator=gen)
+    positions = torch.tensor([7, 100, 3, 42, 9, 11, 5])
+    index = counts[option, rows].clone()
+    slots = tables[option, rows, index // P] * P + index % P
+    c, pools, lost = counts.clone(), _fresh_pools(H_kv, P, pages), torch.zeros(1, dtype=torch.long)
+    cache_append(k, v, option, rows, positions, c, tables, P, PoolLists.of(*pools), lost)
+    expected = counts.clone()
+    expected[option, rows] += 1
+    assert torch.equal(c, expected) and lost.tolist() == [1]
+    reference = _fresh_pools(H_kv, P, pages)
+    kept = torch.arange(N) < N - 1
+    cache_write_torch(k[kept], v[kept], option[kept], slots[kept], positions[kept], *reference)
+    assert len(pools[0]) == len(WIDTHS)
+    for a, b in zip(pools[0] + pools[1], reference[0] + reference[1]):
+        assert torch.equal(a.token_pos, b.token_pos), a.bits
+        assert all(torch.equal(ta, tb) for ta, tb in zip(a.storage_tensors(), b.storage_tensors())), a.bits
+    with pytest.raises(ValueError, match="needs `lost`"):
+        cache_append(k, v, option, rows, positions, c, tables, P, PoolLists.of(*pools))
+
+
 @pytest.mark.parametrize("position_rows", [1, 3])
 def test_triton_noise_hash_equals_the_tensor_chain_bit_for_bit(position_rows):
     from megatron_triroute.routing.noise import counter_uniform_torch, counter_words

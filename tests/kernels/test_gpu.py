@@ -104,6 +104,39 @@ def test_paged_attention_on_cuda_is_one_triton_launch_equal_to_the_cpu_op():
     assert torch.equal(c_gpu.cpu(), c_cpu)
 
 
+def test_cache_append_on_cuda_is_one_triton_launch_equal_to_the_cpu_op():
+    """A decode step's append on CUDA (every pool in one Triton launch, no read back, under CUDA's
+    sync check) against the same op on the CPU: pools bit for bit, positions, counts."""
+    pytest.importorskip("triton")
+    from tests.kernels.test_paged_ops import GS, WIDTHS, D, _decode_state, _fresh_pools
+    from triroute_kernels import PoolLists, cache_append
+
+    gen = torch.Generator().manual_seed(24)
+    H_kv, P, R, width = 3, 16, 40, 4
+    pages = R * width + 2
+    counts, tables = _decode_state(R, pages, P, width, gen)
+    rows = torch.randperm(R, generator=gen)[:32]
+    option = torch.randint(0, 4, (32,), generator=gen)
+    k, v = torch.randn(32, H_kv, D, generator=gen) * 3, torch.randn(32, H_kv, D, generator=gen)
+    positions = torch.randint(0, 10_000, (32,), generator=gen)
+    cpu = _fresh_pools(H_kv, P, pages)
+    c_cpu = counts.clone()
+    cache_append(k, v, option, rows, positions, c_cpu, tables, P, PoolLists.of(*cpu))
+    pairs = [allocate_kv_pools(b, pages, P, H_kv, D, GS, device="cuda") for b in WIDTHS]
+    gpu = [[kp for kp, _ in pairs], [vp for _, vp in pairs]]
+    c_gpu, lost = counts.cuda(), torch.zeros(1, dtype=torch.long, device="cuda")
+    args = [t.cuda() for t in (k, v, option, rows, positions)]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        cache_append(*args, c_gpu, tables.cuda(), P, PoolLists.of(*gpu), lost)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(c_gpu.cpu(), c_cpu) and lost.item() == 0
+    for a, b in zip(gpu[0] + gpu[1], cpu[0] + cpu[1]):
+        assert torch.equal(a.token_pos.cpu(), b.token_pos), a.bits
+        assert all(torch.equal(ta.cpu(), tb) for ta, tb in zip(a.storage_tensors(), b.storage_tensors())), a.bits
+
+
 def test_gpu_noise_hash_takes_triton_and_equals_the_cpu_chain():
     pytest.importorskip("triton")
     from megatron_triroute.routing import noise
