@@ -198,18 +198,20 @@ def _spread(values: list[float]) -> dict:
 
 
 def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None:
-    """Two steps of each model under torch.profiler; the top operators by (device or CPU) time."""
+    """Two steps of each model under torch.profiler; the top 80 operators and kernels by their own
+    (device or CPU) time, names up to 120 characters (a kernel's template arguments tell apart the
+    elementwise kernels)."""
     from torch.profiler import ProfilerActivity, profile
 
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    sort = "cuda_time_total" if device.type == "cuda" else "cpu_time_total"
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name, engine in engines.items():
         with profile(activities=activities) as prof:
             for step, mb in enumerate(data[:2]):
                 engine.train_step([mb], 10_000 + step)
             _sync(device)
-        table = prof.key_averages().table(sort_by=sort, row_limit=40)
+        table = prof.key_averages().table(sort_by=sort, row_limit=80, max_name_column_width=120)
         (out / f"{name}_ops.txt").write_text(table)
         print(f"profile of {name}: {out / f'{name}_ops.txt'}")
 

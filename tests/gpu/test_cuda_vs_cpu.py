@@ -76,11 +76,12 @@ def _on(device: str, out_path, system: str, local_attention: str = "blocks", d_m
     return torch.load(out_path, weights_only=True)
 
 
-@pytest.mark.parametrize("system, local_attention", [(s, "blocks") for s in SYSTEMS] + [("triroute", "flex")])
-def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, local_attention, tmp_path):
+@pytest.mark.parametrize("system, local_attention, d_model",
+                         [(s, "blocks", None) for s in SYSTEMS] + [("triroute", "flex", 64), ("triroute", "blocks", 64)],
+                         ids=[*SYSTEMS, "triroute-flex", "triroute-blocks-d_head16"])
+def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, local_attention, d_model, tmp_path):
     """triroute with flex: FlexAttention's local mode on the GPU against the blockwise one on the CPU,
-    at d_head 16 (its kernel's least)."""
-    d_model = 64 if local_attention == "flex" else None
+    at d_head 16 (its kernel's least); the blocks at d_head 16 too, the same comparison without flex."""
     cpu = _on("cpu", tmp_path / "cpu.pt", system, d_model=d_model)
     gpu = _on("cuda", tmp_path / "gpu.pt", system, local_attention, d_model)
     assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
