@@ -262,10 +262,42 @@ def routed_experts(
     w2: Sequence[torch.Tensor],
 ) -> torch.Tensor:
     """sum_j weight[n, j] * w2_e(silu(w1_e x_n) * w3_e x_n), e = index[n, j] (-1: the null expert,
-    nothing); x [N, D], index/weight [N, k], w1/w3 per expert [F, D], w2 [D, F] (nn.Linear weights)."""
+    nothing); x [N, D], index/weight [N, k], w1/w3 per expert [F, D], w2 [D, F] (nn.Linear weights),
+    each a sequence of the experts' weights or one tensor stacking them ([E, F, D], [E, D, F]).
+
+    On the CPU the C++ op; on the Triton backend (CUDA) `routed_experts_static`, which reads nothing
+    back (give it stacked weights: lists are stacked at every call); otherwise the loop twin."""
     if _use_cpp(x, index):
         return torch.ops.triroute.routed_experts(x, index.long(), weight, list(w1), list(w3), list(w2))
+    if choose_backend(x.device) == "triton":
+        return routed_experts_static(x, index, weight, *(w if torch.is_tensor(w) else torch.stack(list(w))
+                                                         for w in (w1, w3, w2)))
     return routed_experts_torch(x, index, weight, w1, w3, w2)
+
+
+def routed_experts_static(x, index, weight, w1, w3, w2) -> torch.Tensor:
+    """`routed_experts` with stacked weights (w1/w3 [E, F, D], w2 [E, D, F]), shapes fixed by N, k
+    and E alone and no value read back (a GPU's form: no wait, and a CUDA graph can hold it).
+    At most E routes (N k <= E: a decode step's few tokens): each route's expert weights gathered
+    by index, so only the routed experts are read. More: every expert over every token and the
+    gates as a dense (N, E) matrix, so each expert's weights are read once (E / k times the
+    routed FLOPs, which a few tokens' decode step can spend), its outputs for tokens not routed to it
+    left out (a non-finite value there adds nothing, as in the other forms)."""
+    N, k = index.shape
+    E = w1.shape[0]
+    index = index.long()
+    gate = torch.where(index >= 0, weight.to(x.dtype), 0)  # (N, k)
+    if N * k <= E:
+        e = index.clamp_min(0).reshape(-1)  # (N k,): the null expert reads expert 0, weighted 0
+        xr = x.repeat_interleave(k, 0).unsqueeze(-1)  # (N k, D, 1)
+        h = F.silu(torch.bmm(w1[e], xr)) * torch.bmm(w3[e], xr)  # (N k, F, 1)
+        y = torch.bmm(w2[e], h).view(N, k, -1) * gate.unsqueeze(-1)  # (N, k, D)
+        return torch.where((index >= 0).unsqueeze(-1), y, 0).sum(1)  # a null route adds nothing
+    routed = torch.zeros(N, E, dtype=torch.bool, device=x.device).scatter_(1, index.clamp_min(0), index >= 0)
+    dense = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add_(1, index.clamp_min(0), gate)  # (N, E)
+    h = F.silu(torch.matmul(x, w1.transpose(1, 2))) * torch.matmul(x, w3.transpose(1, 2))  # (E, N, F)
+    y = torch.matmul(h, w2.transpose(1, 2)) * dense.T.unsqueeze(-1)  # (E, N, D)
+    return torch.where(routed.T.unsqueeze(-1), y, 0).sum(0)  # an expert a token does not route to adds nothing
 
 
 def routed_experts_torch(x, index, weight, w1, w3, w2) -> torch.Tensor:

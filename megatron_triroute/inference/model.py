@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from triroute_kernels import decode_linear, rms_norm, routed_experts
+from triroute_kernels import choose_backend, decode_linear, rms_norm, routed_experts
 
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
@@ -114,13 +114,24 @@ class InferenceLayer(nn.Module):
         index = out.experts.index.reshape(h.shape[0], -1)  # (N, k); NULL_EXPERT = -1
         if valid is not None:
             index = torch.where(valid.view(-1, 1), index, -1)
-        return routed_experts(h, index, out.experts.weight.reshape(h.shape[0], -1).to(h.dtype),
-                              *self._expert_weights()).view(shape)
+        weights = self._expert_weights()
+        if choose_backend(h.device) == "triton":  # a GPU's experts: stacked, read nothing back
+            weights = self._stacked_experts(weights)
+        return routed_experts(h, index, out.experts.weight.reshape(h.shape[0], -1).to(h.dtype), *weights).view(shape)
 
     def _expert_weights(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """(w1, w3, w2) of every expert, read from the modules' own tables (once per layer and step)."""
         experts = [e._modules for e in self._modules["experts"]._modules.values()]
         return tuple([e[name]._parameters["weight"] for e in experts] for name in ("w1", "w3", "w2"))
+
+    def _stacked_experts(self, weights) -> tuple[torch.Tensor, ...]:
+        """(w1 [E, F, D], w3, w2 [E, D, F]): a stacked copy of the experts' weights, what
+        `routed_experts` takes on a GPU, made again whenever a weight's storage or version changes
+        (a load or any in-place write). It costs one more copy of the experts' weights in device memory."""
+        key = tuple((w.data_ptr(), w._version) for group in weights for w in group)
+        if getattr(self, "_stacked_key", None) != key:
+            self._stacked, self._stacked_key = tuple(torch.stack([w.detach() for w in group]) for group in weights), key
+        return self._stacked
 
 @dataclass
 class StepBatch:

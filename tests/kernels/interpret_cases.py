@@ -232,6 +232,40 @@ def test_triton_cache_append_writes_each_tokens_next_slot_as_the_twin_does(monke
         cache_append(k, v, option, rows, positions, c, tables, P, PoolLists.of(*pools))
 
 
+def _decode(steps: int):
+    """Logits of a tiny model's prefill and `steps` decode steps, and each decode step's host syncs."""
+    from benchmarks.op_counter import StepCounter
+    from tests.inference.test_decode_step import _prefilled
+    from tests.inference.test_engine import tiny_model
+
+    model = tiny_model()
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+    logits_seen, syncs = [], []
+    for _ in range(steps):
+        batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+        with StepCounter() as counter, torch.no_grad():
+            logits, outs = model.forward_step(batch, cache)
+        model.finish(batch, outs, cache, rids, None)
+        logits_seen.append(logits)
+        syncs.append(counter.syncs)
+        last = logits.argmax(-1)
+    return torch.stack(logits_seen), syncs
+
+
+def test_a_decode_step_as_a_gpu_runs_it_reads_nothing_back_and_equals_the_cpu_kernels(monkeypatch):
+    """The engine's decode step on the path a GPU takes (the Triton attention and append, the static
+    experts on stacked weights, no C++ op), here under the interpreter: no host read in any step,
+    and the logits of the CPU's C++ kernels."""
+    from triroute_kernels import cpu_ops
+
+    want, _ = _decode(2)
+    monkeypatch.setenv("TRIROUTE_KERNELS", "triton")
+    monkeypatch.setitem(cpu_ops._state, "ok", False)
+    got, syncs = _decode(2)
+    assert syncs == [{}, {}], syncs
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("position_rows", [1, 3])
 def test_triton_noise_hash_equals_the_tensor_chain_bit_for_bit(position_rows):
     from megatron_triroute.routing.noise import counter_uniform_torch, counter_words

@@ -329,6 +329,39 @@ def test_routed_experts_equals_a_loop_over_experts():
     assert torch.equal(routed_experts(x, index, weight, w1, w3, w2), out)
 
 
+@pytest.mark.parametrize("N", [1, 2, 9])
+def test_static_routed_experts_equal_the_loop_and_read_nothing_back(N):
+    """A GPU's form (stacked weights, shapes fixed by N, k and E): the routes' own weights gathered
+    (N k <= E) or every expert over every token with dense gates; equal to the loop twin, the null
+    expert adding nothing, no host read, and under the Triton backend what `routed_experts` takes."""
+    from benchmarks.op_counter import StepCounter
+
+    gen = torch.Generator().manual_seed(30 + N)
+    Dm, F_, E, k = 24, 40, 5, 2
+    x = torch.randn(N, Dm, generator=gen)
+    w1, w3 = (torch.randn(E, F_, Dm, generator=gen) * 0.2 for _ in range(2))
+    w2 = torch.randn(E, Dm, F_, generator=gen) * 0.2
+    index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
+    index[0, 1] = -1  # a null route
+    weight = torch.rand(N, k, generator=gen)
+    want = routed_experts_torch(x, index, weight, w1, w3, w2)
+    with StepCounter() as counter:
+        got = paged_ops.routed_experts_static(x, index, weight, w1, w3, w2)
+    assert counter.syncs == {}
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not got[0, :].isnan().any()
+    # an expert no token routes to changes nothing, in either form
+    unused = sorted(set(range(E)) - set(index.flatten().tolist()))
+    if unused:
+        w1[unused[0]] = float("nan")
+        torch.testing.assert_close(paged_ops.routed_experts_static(x, index, weight, w1, w3, w2), got, rtol=0, atol=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TRIROUTE_KERNELS", "triton")
+        mp.setattr(paged_ops, "cpu_ops_available", lambda: False)
+        mp.setattr(paged_ops, "routed_experts_static", lambda *a: "static")
+        assert routed_experts(x, index, weight, w1, w3, w2) == "static"
+
+
 @pytest.mark.parametrize("M,N,K", [(1, 50, 64), (2, 17, 24), (3, 8, 8), (8, 33, 100), (DECODE_LINEAR_ROWS, 9, 12),
                                    (1, 7, 5), (DECODE_LINEAR_ROWS + 1, 16, 16)])
 def test_decode_linear_equals_a_float64_matmul(M, N, K):
