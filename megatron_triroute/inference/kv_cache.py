@@ -222,7 +222,7 @@ class PagedKVCache:
         if read[-1]:
             raise RuntimeError(f"{read[-1]} decoded token(s) found no page reserved in their pool and were not "
                                "written to the KV cache, which is now incomplete: a scheduler bug (reserve room "
-                               "before each decode step). Fix: restart the affected requests")
+                               "before each decode step). Fix: serve from a new engine (a new cache), and report the bug")
         counts = [[read[(l * W + o) * B:(l * W + o + 1) * B] for o in range(W)] for l in range(L)]  # (L, pools, B)
         for b, rid in enumerate(rids):
             for l, entries in enumerate(self.requests[rid]):
