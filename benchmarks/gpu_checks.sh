@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Every check that needs a GPU, in one command (docs/gpu.md records what it measured):
-#   1. the gpu-marked tests (Triton kernels, the CUDA path against the CPU path; the Transformer
-#      Engine spec where TE is installed);
+#   1. the gpu-marked tests (Triton kernels, the CUDA path against the CPU path for training and
+#      for the inference engine, a decode step under CUDA's sync check; the Transformer Engine spec
+#      where TE is installed);
 #   2. benchmarks/bench_train_step.py at the 160m shape, bf16, micro-batches of 4 and 16 sequences:
 #      Dense vs TriRoute step time, tokens/s, model TFLOP/s and MFU, a device profile and a host
 #      profile of two steps of each; then micro-batch 16 with the experts on DeepSpeed's dispatch
@@ -45,7 +46,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c 'import torch, triton, megatron.core, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)' 2>&1 | tail -1
   stage gpu-tests 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu.py tests/model/test_te_spec.py \
-    tests/experts/test_grouped.py tests/model/test_mode_attention.py tests/routing/test_device_values.py tests/gpu
+    tests/experts/test_grouped.py tests/model/test_mode_attention.py tests/routing/test_device_values.py \
+    tests/inference/test_gpu.py tests/gpu
   for mb in ${MICRO_BATCHES:-4 16}; do  # the last one is profiled
     stage "bench-train-step-mb$mb" 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch "$mb" \
       --bf16 --warmup 3 --repeats 10 --profile "$OUT/profile" --host-profile "$OUT/profile" --out "$OUT/bench-mb$mb.json"

@@ -43,3 +43,31 @@ def test_engine_on_cuda_equals_cpu():
             assert (x - y.cpu()).abs().max() < 1e-4
     assert cpu_engine.audit.summary() == gpu_engine.audit.summary()
     assert cpu_mem == gpu_mem
+
+
+def test_a_decode_step_on_cuda_waits_for_nothing():
+    """The device step of a decode (`forward_step`: the Triton attention and append, the static
+    experts) under CUDA's sync check set to raise, after the host prepares it; logits as the CPU's."""
+    from tests.inference.test_decode_step import _prefilled
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = tiny_model()
+    logits = {}
+    for device in ("cpu", "cuda"):
+        m = copy.deepcopy(model).to(device)
+        cache, states, rids, last = _prefilled(m, [[3, 9, 4, 1, 7], [5, 2]])
+        seen = []
+        for _ in range(3):
+            batch = m.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long, device=device), states, cache, rids)
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("error")
+            try:
+                with torch.no_grad():
+                    out, outs = m.forward_step(batch, cache)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            m.finish(batch, outs, cache, rids, None)
+            seen.append(out.cpu())
+            last = out.argmax(-1)
+        logits[device] = torch.stack(seen)
+    torch.testing.assert_close(logits["cuda"], logits["cpu"], rtol=1e-4, atol=1e-4)
