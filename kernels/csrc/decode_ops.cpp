@@ -898,7 +898,7 @@ void cache_append_cpu(const Tensor& k, const Tensor& v, const Tensor& option, co
 constexpr int64_t kDecodeLinearRows = 16;
 #if defined(TRIROUTE_AVX2)
 // Rows n0..n0+7 of y for one x row: eight row streams of w, one accumulator each.
-inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
+inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y, const float* next = nullptr) {
   __m256 a[8];
   int64_t k = 0;
 #if defined(TRIROUTE_AVX512)
@@ -906,6 +906,8 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
     __m512 b[8];
     for (int r = 0; r < 8; ++r) b[r] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
+      if (next != nullptr)  // the next block's line at this k, into the second-level cache
+        for (int r = 0; r < 8; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
       const __m512 xv = _mm512_loadu_ps(x + k);
       for (int r = 0; r < 8; ++r) b[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, b[r]);
     }
@@ -934,11 +936,14 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y) {
 // same order, the same fold to 8 lanes (fold16) and the same tree (sums8), so a row of y has the same bits
 // whichever rows of x come with it.
 template <int T>
-inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, float* y) {
+inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, float* y,
+                       const float* next = nullptr) {
   __m512 b[T][8];
   for (int m = 0; m < T; ++m)
     for (int r = 0; r < 8; ++r) b[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
+    if (next != nullptr)  // the next block's line at this k, into the second-level cache
+      for (int r = 0; r < 8; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
     __m512 xv[T];
     for (int m = 0; m < T; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < 8; ++r) {
@@ -956,11 +961,13 @@ inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, f
 
 // y rows n0..n0+7 for every row of x, three rows of x at a time (24 accumulators, the w and x
 // chunks: within the 32 vector registers).
-inline void gemm_block8(const float* w, const float* x, int64_t M, int64_t K, int64_t ldy, float* y) {
+inline void gemm_block8(const float* w, const float* x, int64_t M, int64_t K, int64_t ldy, float* y,
+                        const float* next) {
   int64_t m = 0;
-  for (; m + 3 <= M; m += 3) gemm_rows8<3>(w, x + m * K, K, ldy, y + m * ldy);
-  if (M - m == 2) gemm_rows8<2>(w, x + m * K, K, ldy, y + m * ldy);
-  if (M - m == 1) gemm_rows8<1>(w, x + m * K, K, ldy, y + m * ldy);
+  for (; m + 3 <= M; m += 3, next = nullptr)  // the first pass, which streams the block from memory,
+    gemm_rows8<3>(w, x + m * K, K, ldy, y + m * ldy, next);  // asks for the next block
+  if (M - m == 2) gemm_rows8<2>(w, x + m * K, K, ldy, y + m * ldy, next);
+  if (M - m == 1) gemm_rows8<1>(w, x + m * K, K, ldy, y + m * ldy, next);
 }
 #endif
 
@@ -1086,15 +1093,20 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
   // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
   // streamed it from memory), every x row: w is read from memory once whatever M. The threads take
   // equal runs of at least 8 blocks (64 rows of w), so a 768-row projection still spreads over them.
+  // While a block streams from memory (its first x row or rows), the next block of the run is asked
+  // into the second-level cache, line by line: the memory keeps streaming while the block serves its
+  // other x rows (at eight rows, the 160m LM head in a decode step: 14 -> 11.5 ms).
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
+    const auto next = [&](int64_t b) { return b + 1 < b1 ? w + (b + 1) * 8 * K : nullptr; };
 #if defined(TRIROUTE_AVX512)
     if (M > 1 && K % 16 == 0) {  // several rows of x: the block's rows of w read once for three of them
-      for (int64_t b = b0; b < b1; ++b) gemm_block8(w + b * 8 * K, x, M, K, N, y + b * 8);
+      for (int64_t b = b0; b < b1; ++b) gemm_block8(w + b * 8 * K, x, M, K, N, y + b * 8, next(b));
       return;
     }
 #endif
     for (int64_t b = b0; b < b1; ++b)
-      for (int64_t m = 0; m < M; ++m) gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * N + b * 8);
+      for (int64_t m = 0; m < M; ++m)
+        gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * N + b * 8, m == 0 ? next(b) : nullptr);
   });
   for (int64_t n = blocks * 8; n < N; ++n)
     for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);  // rows past the last block
