@@ -20,9 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import check_triton_layout, quantize_row, store_row_fp16
-
-MAX_POOLS = 4
+from .triton_ops import launch_pools, quantize_row, store_row_fp16
 
 
 @triton.jit
@@ -84,18 +82,11 @@ def cache_append_triton(k, v, option, rows, positions, counts, tables, page_size
     one-element int64 device tensor that counts the tokens that found no page."""
     N, H_kv, d = k.shape
     W = len(pools.bits)
-    if W > MAX_POOLS:
-        raise ValueError(f"the Triton cache append writes at most {MAX_POOLS} pools, got {W}")
-    for b in pools.bits:
-        check_triton_layout(b, d, pools.group_size, page_size)
+    slots, bits = launch_pools(pools, d, page_size, "cache append")
     if N == 0:
         return
     dev = pools.tensors[0][0].device
-    args = []
-    for w in range(MAX_POOLS):
-        i = min(w, W - 1)  # slots past W repeat the last pool (never written: NPOOLS)
-        args += [t[i] for t in pools.tensors]
-    bits = list(pools.bits) + [pools.bits[-1]] * (MAX_POOLS - W)
+    args = [t[i] for i in slots for t in pools.tensors]
     option = option.to(dev, torch.int64)
     rows = rows.to(dev, torch.int64)
     _cache_append_kernel[(N, H_kv)](

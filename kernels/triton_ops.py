@@ -34,6 +34,24 @@ def check_triton_layout(bits: int, head_dim: int, group_size: int, page_size: in
         )
 
 
+MAX_POOLS = 4
+"""Pools the all-pools kernels (`triton_paged`, `triton_append`) take in one launch."""
+
+
+def launch_pools(pools, head_dim: int, page_size: int, what: str) -> tuple[list[int], list[int]]:
+    """For an all-pools kernel and `pools` (a `PoolLists`): the pool each of its MAX_POOLS argument
+    slots takes (slots past the last pool repeat it; the kernel's NPOOLS leaves them unused) and
+    those pools' widths. Raises a ValueError naming `what` where the pools do not fit the kernels
+    (more than MAX_POOLS, or a layout `check_triton_layout` refuses)."""
+    W = len(pools.bits)
+    if W > MAX_POOLS:
+        raise ValueError(f"the Triton {what} takes at most {MAX_POOLS} pools, got {W}")
+    for b in pools.bits:
+        check_triton_layout(b, head_dim, pools.group_size, page_size)
+    slots = [min(w, W - 1) for w in range(MAX_POOLS)]
+    return slots, [pools.bits[i] for i in slots]
+
+
 @triton.jit
 def _round_half_even(y):
     """torch.round (round half to even) on fp32 values of magnitude < 2**23."""

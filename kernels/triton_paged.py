@@ -12,7 +12,8 @@ by log-sum-exp. Executed attention MACs and K/V bytes are added to `counters` by
 themselves (atomics), with the twin's definition: 2 d per (query head, key scored); a (slot, KV
 head) row's K+V bytes once per group that reads it.
 
-Layout constraints as `triton_ops.check_triton_layout` (powers of two), at most MAX_POOLS pools.
+Layout constraints as `triton_ops.check_triton_layout` (powers of two), at most
+`triton_ops.MAX_POOLS` pools.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _load_kv, check_triton_layout
+from .triton_ops import _load_kv, launch_pools
 from .torch_ops import merge_partials
 
-MAX_POOLS = 4
 PAGES_PER_BLOCK = 4
 """Page-table entries one loop iteration reads together (PAGES_PER_BLOCK * page_size slots)."""
 PROGRAMS_PER_SM = 8
@@ -220,10 +220,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     N, H, d = q.shape
     kp0 = pools.k_pools[0]
     H_kv, P, W = kp0.num_kv_heads, kp0.page_size, len(pools.bits)
-    if W > MAX_POOLS:
-        raise ValueError(f"the Triton paged attention reads at most {MAX_POOLS} pools, got {W}")
-    for b in pools.bits:
-        check_triton_layout(b, d, pools.group_size, P)
+    slots, bits = launch_pools(pools, d, P, "paged attention")
     if H % H_kv:
         raise ValueError(f"{H} query heads do not share {H_kv} KV heads evenly")
     G = H // H_kv
@@ -239,11 +236,9 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos = pools.tensors
     used = used_entries(page_tables)
     args = []
-    for w in range(MAX_POOLS):
-        i = min(w, W - 1)  # unused slots repeat the last pool (never read: NPOOLS)
+    for i in slots:
         row_bytes = (pools.k_pools[i].bytes_per_slot() + pools.v_pools[i].bytes_per_slot()) // H_kv
         args += [k_data[i], k_scale[i], k_zero[i], v_data[i], v_scale[i], v_zero[i], token_pos[i], row_bytes]
-    bits = list(pools.bits) + [pools.bits[-1]] * (MAX_POOLS - W)
     _paged_attention_kernel[(N, H_kv, splits)](
         q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
         page_tables.long().contiguous(), used, out, lse, counters,
