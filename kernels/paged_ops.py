@@ -286,15 +286,17 @@ def routed_experts_static(x, index, weight, w1, w3, w2) -> torch.Tensor:
     N, k = index.shape
     E = w1.shape[0]
     index = index.long()
-    gate = torch.where(index >= 0, weight.to(x.dtype), 0)  # (N, k)
+    real = index >= 0  # (N, k): not the null expert
+    expert = index.clamp_min(0)  # a null route reads expert 0, weighted 0 and left out
+    gate = torch.where(real, weight.to(x.dtype), 0)  # (N, k)
     if N * k <= E:
-        e = index.clamp_min(0).reshape(-1)  # (N k,): the null expert reads expert 0, weighted 0
+        e = expert.reshape(-1)  # (N k,)
         xr = x.repeat_interleave(k, 0).unsqueeze(-1)  # (N k, D, 1)
         h = F.silu(torch.bmm(w1[e], xr)) * torch.bmm(w3[e], xr)  # (N k, F, 1)
         y = torch.bmm(w2[e], h).view(N, k, -1) * gate.unsqueeze(-1)  # (N, k, D)
-        return torch.where((index >= 0).unsqueeze(-1), y, 0).sum(1)  # a null route adds nothing
-    routed = torch.zeros(N, E, dtype=torch.bool, device=x.device).scatter_(1, index.clamp_min(0), index >= 0)
-    dense = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add_(1, index.clamp_min(0), gate)  # (N, E)
+        return torch.where(real.unsqueeze(-1), y, 0).sum(1)  # a null route adds nothing
+    routed = torch.zeros(N, E, dtype=torch.bool, device=x.device).scatter_(1, expert, real)
+    dense = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add_(1, expert, gate)  # (N, E)
     h = F.silu(torch.matmul(x, w1.transpose(1, 2))) * torch.matmul(x, w3.transpose(1, 2))  # (E, N, F)
     y = torch.matmul(h, w2.transpose(1, 2)) * dense.T.unsqueeze(-1)  # (E, N, D)
     return torch.where(routed.T.unsqueeze(-1), y, 0).sum(0)  # an expert a token does not route to adds nothing

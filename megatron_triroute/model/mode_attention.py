@@ -74,17 +74,17 @@ class _KeyWindows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
         B, T, H_kv, d = x.shape
-        span, p = n * block, -(-w // block) * block  # rows per (batch, kv head); rows in front
+        m = -(-w // block)  # blocks in front of each window's own
+        span, p = n * block, m * block  # rows per (batch, kv head); rows in front
         buf = x.new_zeros(p + B * H_kv * span, d)
         buf.as_strided((B, T, H_kv, d), (H_kv * span * d, d, span * d, 1), p * d).copy_(x)
-        ctx.geometry = (T, H_kv, block, w, n)
+        ctx.geometry = (T, H_kv, block, w, n, m)
         return buf.as_strided((B, H_kv * n, block + w, d), (H_kv * span * d, block * d, d, 1), (p - w) * d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        T, H_kv, block, w, n = ctx.geometry
+        T, H_kv, block, w, n, m = ctx.geometry
         B, d = grad.shape[0], grad.shape[-1]
-        m = -(-w // block)  # blocks in front of each window's own
         blocks = _sum_windows(grad.reshape(B, H_kv, n, block + w, d), m, block, grad.device.type == "cpu")
         dx = blocks.as_strided((B, T, H_kv, d), (H_kv * (m + n) * block * d, d, (m + n) * block * d, 1), m * block * d)
         return dx, None, None, None
