@@ -4,6 +4,8 @@ model's calibrated ones or each request's own), counted by dispatching it under
 `benchmarks.op_counter.StepCounter`. The scheduler reads the device counts once per page of
 decode steps, and a request holds at most two unfilled pages per pool."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -31,6 +33,20 @@ def _prefilled(model, prompts, page_size=4):
     return cache, states, rids, logits.argmax(-1)
 
 
+def decode_steps(model, steps: int, around=contextlib.nullcontext, prices=None):
+    """Two requests prefilled, then `steps` decode steps, each device step (`forward_step`) inside
+    `around()`: yields each step's logits and what `around()` entered."""
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+    ones = torch.ones(2, dtype=torch.long)
+    for _ in range(steps):
+        batch = model.prepare(last.view(2, 1), ones, states, cache, rids, prices=prices)
+        with around() as entered, torch.no_grad():
+            logits, outs = model.forward_step(batch, cache)
+        model.finish(batch, outs, cache, rids, None)
+        last = logits.argmax(-1)
+        yield logits, entered
+
+
 @pytest.mark.parametrize("prices,own", [(None, None), (None, [0.3, -0.2]), ([[0.3, -0.2], [-0.5, 1.0]], None)],
                          ids=["unpriced", "the model's calibrated prices", "per-request prices"])
 def test_a_decode_step_has_no_host_read_and_few_ops(prices, own):
@@ -38,16 +54,8 @@ def test_a_decode_step_has_no_host_read_and_few_ops(prices, own):
     if own is not None:
         model.prices.copy_(torch.tensor(own, dtype=torch.float64))
     L = model.config.model.n_layers
-    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
-    ones = torch.ones(2, dtype=torch.long)
-    for _ in range(3):
-        batch = model.prepare(last.view(2, 1), ones, states, cache, rids,
-                              prices=None if prices is None else torch.tensor(prices, dtype=torch.float64))
-        counter = StepCounter(model_weights(model))
-        with counter, torch.no_grad():
-            logits, outs = model.forward_step(batch, cache)
-        model.finish(batch, outs, cache, rids, None)
-        last = logits.argmax(-1)
+    step_prices = None if prices is None else torch.tensor(prices, dtype=torch.float64)
+    for _, counter in decode_steps(model, 3, lambda: StepCounter(model_weights(model)), step_prices):
         assert counter.syncs == {}, counter.syncs
         assert counter.ops / L <= OPS_PER_LAYER, counter.ops / L
         for op in KERNEL_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)

@@ -5,6 +5,7 @@ both devices: on CUDA the cache pages, the kernels (Triton where installed) and 
 engine creates live on the GPU. fp32 without TF32, so the two agree to rounding: identical tokens
 and decisions, logits within 1e-4, identical audit counters and bytes at rest."""
 
+import contextlib
 import copy
 
 import pytest
@@ -45,29 +46,23 @@ def test_engine_on_cuda_equals_cpu():
     assert cpu_mem == gpu_mem
 
 
+@contextlib.contextmanager
+def _no_sync():
+    """CUDA's sync check set to raise for the block."""
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def test_a_decode_step_on_cuda_waits_for_nothing():
     """The device step of a decode (`forward_step`: the Triton attention and append, the static
     experts) under CUDA's sync check set to raise, after the host prepares it; logits as the CPU's."""
-    from tests.inference.test_decode_step import _prefilled
+    from tests.inference.test_decode_step import decode_steps
 
     torch.backends.cuda.matmul.allow_tf32 = False
     model = tiny_model()
-    logits = {}
-    for device in ("cpu", "cuda"):
-        m = copy.deepcopy(model).to(device)
-        cache, states, rids, last = _prefilled(m, [[3, 9, 4, 1, 7], [5, 2]])
-        seen = []
-        for _ in range(3):
-            batch = m.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long, device=device), states, cache, rids)
-            if device == "cuda":
-                torch.cuda.set_sync_debug_mode("error")
-            try:
-                with torch.no_grad():
-                    out, outs = m.forward_step(batch, cache)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            m.finish(batch, outs, cache, rids, None)
-            seen.append(out.cpu())
-            last = out.argmax(-1)
-        logits[device] = torch.stack(seen)
-    torch.testing.assert_close(logits["cuda"], logits["cpu"], rtol=1e-4, atol=1e-4)
+    cpu = [logits for logits, _ in decode_steps(model, 3)]
+    gpu = [logits.cpu() for logits, _ in decode_steps(copy.deepcopy(model).to("cuda"), 3, _no_sync)]
+    torch.testing.assert_close(torch.stack(gpu), torch.stack(cpu), rtol=1e-4, atol=1e-4)

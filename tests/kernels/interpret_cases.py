@@ -233,23 +233,13 @@ def test_triton_cache_append_writes_each_tokens_next_slot_as_the_twin_does(monke
 
 
 def _decode(steps: int):
-    """Logits of a tiny model's prefill and `steps` decode steps, and each decode step's host syncs."""
+    """Logits of a tiny model's `steps` decode steps after a prefill, and each step's host syncs."""
     from benchmarks.op_counter import StepCounter
-    from tests.inference.test_decode_step import _prefilled
+    from tests.inference.test_decode_step import decode_steps
     from tests.inference.test_engine import tiny_model
 
-    model = tiny_model()
-    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
-    logits_seen, syncs = [], []
-    for _ in range(steps):
-        batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
-        with StepCounter() as counter, torch.no_grad():
-            logits, outs = model.forward_step(batch, cache)
-        model.finish(batch, outs, cache, rids, None)
-        logits_seen.append(logits)
-        syncs.append(counter.syncs)
-        last = logits.argmax(-1)
-    return torch.stack(logits_seen), syncs
+    logits, counters = zip(*decode_steps(tiny_model(), steps, StepCounter))
+    return torch.stack(logits), [c.syncs for c in counters]
 
 
 def test_a_decode_step_as_a_gpu_runs_it_reads_nothing_back_and_equals_the_cpu_kernels(monkeypatch):
