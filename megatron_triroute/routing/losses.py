@@ -72,8 +72,6 @@ class _Layout:
     """How a layer's axes stack into one (R, W) block of rows: each axis's decisions as rows, padded
     with -inf to the widest axis's W options (a padded option gets probability 0 exactly)."""
 
-    lengths: tuple[int, ...]
-    """Each axis's rows N_a, in order: the block's contiguous segments."""
     executed: torch.Tensor
     """(A, 1) float32: each axis's executed decisions (rows, times k for top-k slots)."""
     width: torch.Tensor
@@ -96,7 +94,7 @@ def _layout(rows: tuple[int, ...], executed: tuple[int, ...], widths: tuple[int,
     row_axis = torch.repeat_interleave(torch.arange(len(rows), device=device), to_device(rows, torch.int64, device),
                                        output_size=sum(rows))
     row_weight = to_device([1.0 / n for n in rows], torch.float32, device)[row_axis].unsqueeze(1)
-    return _Layout(rows, to_device(executed, torch.float32, device).unsqueeze(1),
+    return _Layout(to_device(executed, torch.float32, device).unsqueeze(1),
                    to_device(widths, torch.float32, device),
                    to_device([math.log(n) for n in widths], torch.float32, device), real, row_axis, row_weight)
 
@@ -123,14 +121,15 @@ class _BalancingLoss(torch.autograd.Function):
         widths = tuple(z.shape[-1] for z in logits)
         W = max(widths)
         rows = [z.float().reshape(-1, n) for z, n in zip(logits, widths)]
-        lay = _layout(tuple(r.shape[0] for r in rows), tuple(ex.numel() for ex in executed), widths, logits[0].device)
+        lengths = tuple(r.shape[0] for r in rows)  # each axis's rows N_a: the block's contiguous segments
+        lay = _layout(lengths, tuple(ex.numel() for ex in executed), widths, logits[0].device)
         block = torch.cat([r if r.shape[1] == W else F.pad(r, (0, W - r.shape[1]), value=-math.inf) for r in rows])
         probs = softmax(block)  # (R, W)
         lse = torch.logsumexp(block, dim=-1)  # (R,)
         # each axis's mean over its own rows, [P | L_z] as one (A, W + 1) block: a column mean per
         # contiguous segment (CUDA's segment_reduce took 37 ms a layer at 32,768 rows a segment)
         both = torch.cat([probs, lse.square().unsqueeze(1)], 1)
-        means = torch.stack([seg.mean(0) for seg in both.split(lay.lengths)])
+        means = torch.stack([seg.mean(0) for seg in both.split(lengths)])
         p, zl = means[:, :W], means[:, W]  # (A, W): P; (A,): L_z
         # f: each axis's executed options counted in its own W slots of one (A W,) histogram
         keys = torch.cat([ex.reshape(-1) if a == 0 else ex.reshape(-1) + a * W for a, ex in enumerate(executed)])
