@@ -6,7 +6,7 @@
 //   query heads: each slot row of K is unpacked and dequantised once into
 //   a buffer and scored for every (row, query head) of the item whose range holds it; each V row is
 //   unpacked once for all of them (a decode step has one row per request; a prefill shares each page
-//   among the rows of a chunk).
+//   among the rows of a chunk), and loaded once for the heads of a row that read the same keys.
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
 //   triroute_kernels.quant.quantize_groups + pack_codes); cache_append: a decode step's write with
 //   each token's slot taken from the decode state's counts and page tables in the same call.
@@ -23,7 +23,9 @@
 // and the P.V accumulation by fused multiply-adds (attention is compared within a tolerance, the
 // dequantised values and the cache write bit for bit). With AVX-512 as well, sixteen: the
 // unpacking and dequantisation (the same two roundings), the scores' multiply-adds, P.V over 64
-// channels and decode_linear's row streams. Other builds run the scalar loops below.
+// channels and decode_linear's row streams; a 2- or 4-bit group's values (code * scale + zero for
+// each of its 2^bits codes, the same two roundings) computed once into a register and each channel's
+// looked up by its code. Other builds run the scalar loops below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -129,26 +131,31 @@ inline __m256 codes8(const uint8_t* codes, int64_t i) {
 #endif
 
 #if defined(TRIROUTE_AVX512)
-// Channels i..i+15 of a packed row as float32 (codes8's layout, 16 lanes): the codes' 16 * BITS
-// bits as one or two 32-bit words, each lane shifted to its code.
+// The codes of channels i..i+15 of a packed row, one per 32-bit lane (codes8's layout, 16 lanes):
+// the codes' 16 * BITS bits as one or two 32-bit words, each lane shifted to its code.
 template <int BITS>
-inline __m512 codes16(const uint8_t* codes, int64_t i) {
+inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
   if constexpr (BITS == 8) {
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i))));
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + i)));
   } else if constexpr (BITS == 4) {
     uint64_t word = 0;
     std::memcpy(&word, codes + i / 2, 8);
     const __m512i words = _mm512_permutexvar_epi32(  // lanes 0-7: the low 32 bits, 8-15: the high
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi64(static_cast<int64_t>(word)));
     const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    return _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15)));
+    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
   } else {
     uint32_t word = 0;
     std::memcpy(&word, codes + i / 4, 4);
     const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    return _mm512_cvtepi32_ps(
-        _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts), _mm512_set1_epi32(3)));
+    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts), _mm512_set1_epi32(3));
   }
+}
+
+// Channels i..i+15 of a packed row as float32.
+template <int BITS>
+inline __m512 codes16(const uint8_t* codes, int64_t i) {
+  return _mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i));
 }
 #endif
 
@@ -158,6 +165,19 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
 #if defined(TRIROUTE_AVX512)
+  if constexpr (BITS <= 4) {
+    if (gs % 16 == 0) {  // a group's 2^BITS values, code * scale + zero with the same two roundings,
+      // computed once into one register, then each channel's value looked up by its code
+      const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      for (int64_t g0 = 0; g0 < d; g0 += gs) {
+        const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(static_cast<float>(scale[g0 / gs]))),
+                                           _mm512_set1_ps(static_cast<float>(zero[g0 / gs])));
+        for (int64_t i = g0; i < g0 + gs; i += 16)
+          _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table));
+      }
+      return;
+    }
+  }
   if (gs % 16 == 0) {  // the same two roundings, 16 channels at a time
     for (int64_t g0 = 0; g0 < d; g0 += gs) {
       const __m512 sc = _mm512_set1_ps(static_cast<float>(scale[g0 / gs]));
@@ -260,13 +280,46 @@ inline __m256 exp_nonpositive8(__m256 x) {
 }
 #endif
 
-// s[t] = exp(s[t] - m) for t < c (arguments <= 0); returns their sum.
+#if defined(TRIROUTE_AVX512)
+// exp_nonpositive8 on 16 lanes: the same operations in the same order (bit-identical lane by lane).
+inline __m512 exp_nonpositive16(__m512 x) {
+  const __m512 lowest = _mm512_set1_ps(-87.f);
+  const __mmask16 under = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);  // -inf too
+  const __m512 xc = _mm512_max_ps(x, lowest);
+  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
+                                                      _mm512_set1_ps(0.5f)),
+                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
+  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
+}
+#endif
+
+// s[t] = exp(s[t] - m) for t < c (arguments <= 0); returns their sum. The sum is one order on every
+// build with AVX2: eight lanes, lane j adding s[j], s[j + 8], ... in turn, then one tree over the lanes.
 inline float exp_shifted(float* s, int64_t c, float m) {
   int64_t t = 0;
   float sum = 0.f;
 #if defined(TRIROUTE_AVX2)
   __m256 acc = _mm256_setzero_ps();
   const __m256 mv = _mm256_set1_ps(m);
+#if defined(TRIROUTE_AVX512)
+  const __m512 mw = _mm512_set1_ps(m);
+  for (; t + 16 <= c; t += 16) {  // sixteen at a time, added into the eight lanes as two halves in turn
+    const __m512 e = exp_nonpositive16(_mm512_sub_ps(_mm512_loadu_ps(s + t), mw));
+    _mm512_storeu_ps(s + t, e);
+    acc = _mm256_add_ps(acc, _mm512_castps512_ps256(e));
+    acc = _mm256_add_ps(acc, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+  }
+#endif
   for (; t + 8 <= c; t += 8) {
     const __m256 e = exp_nonpositive8(_mm256_sub_ps(_mm256_loadu_ps(s + t), mv));
     _mm256_storeu_ps(s + t, e);
@@ -397,42 +450,82 @@ struct Lanes16 {
 #endif
 
 #if defined(TRIROUTE_AVX2)
-// acc[i..i + 4 L) += sum_t p[t] * v_t[i..i + 4 L) for each step of 4 L channels from i while they
-// fit d: four vectors of L lanes in registers across all c rows. Returns the first channel left.
-template <class L>
-inline int64_t accumulate_wide(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d, int64_t i) {
+// For each of NH heads h: acc[h][i..i + 4 L) += sum_t p[h][t] * v_t[i..i + 4 L), for each step of
+// 4 L channels from i while they fit d: 4 NH vectors of L lanes in registers across all c rows, each
+// V row loaded once for the NH heads (and NH x 4 independent chains of multiply-adds instead of 4: one
+// head's chains wait on the multiply-add's latency). Lane by lane each head's sum runs over t in
+// order, as with one head. Returns the first channel left.
+template <class L, int NH>
+inline int64_t accumulate_wide(float* const* acc, const float* const* p, const float* vbuf, int64_t c, int64_t d,
+                               int64_t i) {
   for (; i + 4 * L::n <= d; i += 4 * L::n) {
-    typename L::V a[4];
-    for (int u = 0; u < 4; ++u) a[u] = L::load(acc + i + u * L::n);
+    typename L::V a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) a[h][u] = L::load(acc[h] + i + u * L::n);
     for (int64_t t = 0; t < c; ++t) {
-      const typename L::V pt = L::set1(p[t]);
       const float* vr = vbuf + t * d + i;
-      for (int u = 0; u < 4; ++u) a[u] = L::fmadd(pt, L::load(vr + u * L::n), a[u]);
+      typename L::V v[4];
+      for (int u = 0; u < 4; ++u) v[u] = L::load(vr + u * L::n);
+      for (int h = 0; h < NH; ++h) {
+        const typename L::V pt = L::set1(p[h][t]);
+        for (int u = 0; u < 4; ++u) a[h][u] = L::fmadd(pt, v[u], a[h][u]);
+      }
     }
-    for (int u = 0; u < 4; ++u) L::store(acc + i + u * L::n, a[u]);
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) L::store(acc[h] + i + u * L::n, a[h][u]);
   }
   return i;
 }
+
+template <class L>
+inline int64_t accumulate_wide_heads(float* const* acc, const float* const* p, int nh, const float* vbuf, int64_t c,
+                                     int64_t d, int64_t i) {
+  switch (nh) {
+    case 1: return accumulate_wide<L, 1>(acc, p, vbuf, c, d, i);
+    case 2: return accumulate_wide<L, 2>(acc, p, vbuf, c, d, i);
+#if defined(TRIROUTE_AVX512)
+    case 3: return accumulate_wide<L, 3>(acc, p, vbuf, c, d, i);
+    case 4: return accumulate_wide<L, 4>(acc, p, vbuf, c, d, i);
+#endif
+    default: TORCH_CHECK(false, "accumulate_rows: ", nh, " heads at once"); return i;
+  }
+}
 #endif
 
-// acc += sum_t p[t] * v_t over the c rows of vbuf.
-inline void accumulate_rows(float* acc, const float* p, const float* vbuf, int64_t c, int64_t d) {
+// Heads accumulated together: 4 NH accumulators in registers (32 vector registers with AVX-512, 16
+// without).
+#if defined(TRIROUTE_AVX512)
+constexpr int kMaxJointHeads = 4;
+#else
+constexpr int kMaxJointHeads = 2;
+#endif
+
+// acc[h] += sum_t p[h][t] * v_t over the c rows of vbuf, for nh <= kMaxJointHeads heads that read the
+// same rows.
+inline void accumulate_rows(float* const* acc, const float* const* p, int nh, const float* vbuf, int64_t c,
+                            int64_t d) {
   int64_t i = 0;
 #if defined(TRIROUTE_AVX512)
-  i = accumulate_wide<Lanes16>(acc, p, vbuf, c, d, i);  // 64 channels a step (the same sums, lane by lane)
+  i = accumulate_wide_heads<Lanes16>(acc, p, nh, vbuf, c, d, i);  // 64 channels a step (the same sums, lane by lane)
 #endif
 #if defined(TRIROUTE_AVX2)
-  i = accumulate_wide<Lanes8>(acc, p, vbuf, c, d, i);  // 32 channels a step
-  for (; i + 8 <= d; i += 8) {
-    __m256 a = _mm256_loadu_ps(acc + i);
-    for (int64_t t = 0; t < c; ++t) a = _mm256_fmadd_ps(_mm256_set1_ps(p[t]), _mm256_loadu_ps(vbuf + t * d + i), a);
-    _mm256_storeu_ps(acc + i, a);
-  }
+  i = accumulate_wide_heads<Lanes8>(acc, p, nh, vbuf, c, d, i);  // 32 channels a step
 #endif
-  for (int64_t t = 0; t < c && i < d; ++t) {  // row by row: the compiler vectorises over channels
-    const float pt = p[t];
-    const float* vr = vbuf + t * d;
-    for (int64_t k = i; k < d; ++k) acc[k] += pt * vr[k];
+  for (int h = 0; h < nh; ++h) {
+    int64_t k0 = i;
+#if defined(TRIROUTE_AVX2)
+    for (; k0 + 8 <= d; k0 += 8) {
+      __m256 a = _mm256_loadu_ps(acc[h] + k0);
+      for (int64_t t = 0; t < c; ++t)
+        a = _mm256_fmadd_ps(_mm256_set1_ps(p[h][t]), _mm256_loadu_ps(vbuf + t * d + k0), a);
+      _mm256_storeu_ps(acc[h] + k0, a);
+    }
+#endif
+    for (int64_t t = 0; t < c && k0 < d; ++t) {  // row by row: the compiler vectorises over channels
+      const float pt = p[h][t];
+      const float* vr = vbuf + t * d;
+      for (int64_t k = k0; k < d; ++k) acc[h][k] += pt * vr[k];
+    }
   }
 }
 
@@ -680,10 +773,22 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
           }
         }
         load_rows(pv, true, rows.data(), c, d, group_size, vbuf.data());
-        for (int64_t rj = 0; rj < RL * G; ++rj)
-          if (first[rj] < stop[rj])
-            accumulate_rows(acc.data() + rj * d, sbuf.data() + rj * B_max + first[rj], vbuf.data() + first[rj] * d,
-                            stop[rj] - first[rj], d);
+        // Each row's heads that read the same keys of the block (a decode step's full heads; its
+        // local heads of one window) accumulate together, up to kMaxJointHeads at a time.
+        for (int64_t rj0 = 0; rj0 < RL * G; ++rj0) {
+          if (first[rj0] >= stop[rj0]) continue;  // no key here, or accumulated with an earlier head
+          const int64_t f0 = first[rj0], s0 = stop[rj0], row_end = (rj0 / G + 1) * G;
+          float* accs[kMaxJointHeads];
+          const float* ps[kMaxJointHeads];
+          int nh = 0;
+          for (int64_t rj = rj0; rj < row_end && nh < kMaxJointHeads; ++rj) {
+            if (first[rj] != f0 || stop[rj] != s0) continue;
+            accs[nh] = acc.data() + rj * d;
+            ps[nh++] = sbuf.data() + rj * B_max + f0;
+            stop[rj] = first[rj];  // taken
+          }
+          accumulate_rows(accs, ps, nh, vbuf.data() + f0 * d, s0 - f0, d);
+        }
       };
       for (int64_t w = 0; w < W; ++w) {
         const PoolView& pv = views[w];
