@@ -6,8 +6,10 @@
 Attention: the one-call C++ paged attention against the per-pool PyTorch path (one
 `decode_attention_pool_torch` per width + `merge_partials`). Shape: the 160m recipe's attention (12
 query heads, 3 KV heads, head dim 64, group 32), pages of 16 slots, every token's width drawn
-uniformly from 2/4/8/16 bits, every head full. Prints per batch the median of `--iters` calls (ms)
-of both paths and the C++ op's K/V bytes read (its counter) per second.
+uniformly from 2/4/8/16 bits, every head full (`--heads mixed`: each (request, head) skips, reads its
+local window or reads every key with the probabilities of the 160m recipe's budget mix at this
+context, `forced_decisions.budget_mix`, as `bench_decode.py` forces them). Prints per batch the median
+of `--iters` calls (ms) of both paths and the C++ op's K/V bytes read (its counter) per second.
 
 `--baseline REV`: the attention op built from `kernels/csrc/decode_ops.cpp` as of git revision REV
 too (its library renamed `triroute_baseline`, built with the same flags in its own folder), called
@@ -70,6 +72,24 @@ def build_cache(batch: int, context: int, gen: torch.Generator):
         k_pools.append(kp)
         v_pools.append(vp)
     return k_pools, v_pools, tables
+
+
+def head_ranges(heads: str, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
+    """lo [batch, H] for query rows at position context - 1: 0 (full) for every head, or each head's
+    mode drawn from the 160m recipe's budget mix and its first key `modes.read_start`'s."""
+    if heads == "full":
+        return torch.zeros(batch, H, dtype=torch.long)
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks.forced_decisions import budget_mix
+    from megatron_triroute.routing.modes import read_start
+    from megatron_triroute.training.recipes import get_recipe
+
+    config = get_recipe("160m").triroute.validate()
+    mix = torch.tensor(budget_mix(config, context)["attn"])
+    mode = torch.multinomial(mix, batch * H, replacement=True, generator=gen).view(batch, H)
+    return read_start(torch.full((batch, H), context - 1), mode, config.router.window).long()
 
 
 def median_ms(fn, iters: int) -> float:
@@ -184,6 +204,8 @@ def main() -> None:
     p.add_argument("--prefill-rows", type=int, default=512, help="prompt rows of the prefill call (0: none)")
     p.add_argument("--portable", action="store_true", help="the kernels built without -march=native (own build folder)")
     p.add_argument("--baseline", metavar="REV", help="also time the attention and linear ops of git revision REV, interleaved")
+    p.add_argument("--heads", choices=("full", "mixed"), default="full",
+                   help="every head full, or heads skip / local / full as the 160m budget mix draws them")
     a = p.parse_args()
     if a.portable:
         os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
@@ -196,8 +218,8 @@ def main() -> None:
         k_pools, v_pools, tables = build_cache(batch, a.context, gen)
         q = torch.randn(batch, H, D, generator=gen)
         request = torch.arange(batch)
-        lo = torch.zeros(batch, H, dtype=torch.long)
         hi = torch.full((batch,), a.context - 1, dtype=torch.long)
+        lo = head_ranges(a.heads, batch, a.context, gen)
         sm = 1 / math.sqrt(D)
         counters = torch.zeros(2, dtype=torch.long)
         args = (tables, request, lo, hi, sm)
@@ -209,7 +231,7 @@ def main() -> None:
         per_call = torch.zeros(2, dtype=torch.long)
         paged_attention(q, (k_pools, v_pools), *args, per_call)
         rows.append({
-            "batch": batch, "context": a.context, "threads": torch.get_num_threads(), "portable": a.portable,
+            "batch": batch, "context": a.context, "heads": a.heads, "threads": torch.get_num_threads(), "portable": a.portable,
             "cpp_ms": round(cpp, 3), "torch_per_pool_ms": round(torch_ms, 3), "speedup": round(torch_ms / cpp, 2),
             "bytes_read": int(per_call[1]), "attn_macs": int(per_call[0]), "cpp_gb_per_s": round(int(per_call[1]) / cpp / 1e6, 2),
             "max_abs_diff_vs_torch": err,
