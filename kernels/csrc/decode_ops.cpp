@@ -239,68 +239,84 @@ inline void f16_rows(const Half* values, const int64_t* rows, int64_t c, int64_t
 
 // exp(x) for x <= 0 (the online softmax's arguments), vectorisable and branch-free: Cody-Waite
 // range reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (relative error ~1e-7),
-// then the power of two put in the exponent bits; x below -87 (and -inf) gives exactly 0.
-inline float exp_nonpositive(float x) {
-  const float xc = x < -87.f ? -87.f : x;
-  const float n = std::floor(xc * 1.44269504088896341f + 0.5f);
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
-  float p = 1.9875691500e-4f;
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * (r * r) + r + 1.f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return x < -87.f ? 0.f : p * scale;
+// then the power of two put in the exponent bits; x below -87 (and -inf) gives exactly 0. One
+// definition for one float (E = ExpScalar) and for 8 or 16 lanes (ExpLanes8, ExpLanes16): the same
+// operations in the same order, so every lane's value is the scalar's bit for bit.
+template <class E>
+inline typename E::V exp_nonpositive_v(typename E::V x) {
+  using V = typename E::V;
+  const V lowest = E::set1(-87.f);
+  const V xc = E::max(x, lowest);
+  const V n = E::floor(E::add(E::mul(xc, E::set1(1.44269504088896341f)), E::set1(0.5f)));
+  V r = E::sub(xc, E::mul(n, E::set1(0.693359375f)));
+  r = E::add(r, E::mul(n, E::set1(2.12194440e-4f)));
+  V p = E::set1(1.9875691500e-4f);
+  p = E::add(E::mul(p, r), E::set1(1.3981999507e-3f));
+  p = E::add(E::mul(p, r), E::set1(8.3334519073e-3f));
+  p = E::add(E::mul(p, r), E::set1(4.1665795894e-2f));
+  p = E::add(E::mul(p, r), E::set1(1.6666665459e-1f));
+  p = E::add(E::mul(p, r), E::set1(5.0000001201e-1f));
+  p = E::add(E::add(E::mul(p, E::mul(r, r)), r), E::set1(1.f));
+  return E::zero_below(x, lowest, E::mul(p, E::pow2(n)));
 }
 
+struct ExpScalar {
+  using V = float;
+  static V set1(float a) { return a; }
+  static V add(V a, V b) { return a + b; }
+  static V sub(V a, V b) { return a - b; }
+  static V mul(V a, V b) { return a * b; }
+  static V max(V x, V lowest) { return x < lowest ? lowest : x; }
+  static V floor(V a) { return std::floor(a); }
+  static V pow2(V n) {  // 2^n for an integral n, put in the exponent bits
+    const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+    float out;
+    std::memcpy(&out, &bits, sizeof(out));
+    return out;
+  }
+  static V zero_below(V x, V lowest, V value) { return x < lowest ? 0.f : value; }
+};
+
+inline float exp_nonpositive(float x) { return exp_nonpositive_v<ExpScalar>(x); }
+
 #if defined(TRIROUTE_AVX2)
-// exp_nonpositive on 8 lanes, the same operations in the same order (bit-identical).
-inline __m256 exp_nonpositive8(__m256 x) {
-  const __m256 lowest = _mm256_set1_ps(-87.f);
-  const __m256 under = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);  // -inf too
-  const __m256 xc = _mm256_max_ps(x, lowest);
-  const __m256 n = _mm256_floor_ps(_mm256_add_ps(_mm256_mul_ps(xc, _mm256_set1_ps(1.44269504088896341f)),
-                                                 _mm256_set1_ps(0.5f)));
-  __m256 r = _mm256_sub_ps(xc, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_add_ps(_mm256_mul_ps(p, r), _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(p, _mm256_mul_ps(r, r)), r), _mm256_set1_ps(1.f));
-  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
-}
+struct ExpLanes8 {
+  using V = __m256;
+  static V set1(float a) { return _mm256_set1_ps(a); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V max(V x, V lowest) { return _mm256_max_ps(x, lowest); }
+  static V floor(V a) { return _mm256_floor_ps(a); }
+  static V pow2(V n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, V lowest, V value) {  // -inf too
+    return _mm256_andnot_ps(_mm256_cmp_ps(x, lowest, _CMP_LT_OQ), value);
+  }
+};
+
+inline __m256 exp_nonpositive8(__m256 x) { return exp_nonpositive_v<ExpLanes8>(x); }
 #endif
 
 #if defined(TRIROUTE_AVX512)
-// exp_nonpositive8 on 16 lanes: the same operations in the same order (bit-identical lane by lane).
-inline __m512 exp_nonpositive16(__m512 x) {
-  const __m512 lowest = _mm512_set1_ps(-87.f);
-  const __mmask16 under = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);  // -inf too
-  const __m512 xc = _mm512_max_ps(x, lowest);
-  const __m512 n = _mm512_roundscale_ps(_mm512_add_ps(_mm512_mul_ps(xc, _mm512_set1_ps(1.44269504088896341f)),
-                                                      _mm512_set1_ps(0.5f)),
-                                        _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_sub_ps(xc, _mm512_mul_ps(n, _mm512_set1_ps(0.693359375f)));
-  r = _mm512_add_ps(r, _mm512_mul_ps(n, _mm512_set1_ps(2.12194440e-4f)));
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_add_ps(_mm512_mul_ps(p, r), _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_add_ps(_mm512_mul_ps(p, _mm512_mul_ps(r, r)), r), _mm512_set1_ps(1.f));
-  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23);
-  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
-}
+struct ExpLanes16 {
+  using V = __m512;
+  static V set1(float a) { return _mm512_set1_ps(a); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V max(V x, V lowest) { return _mm512_max_ps(x, lowest); }
+  static V floor(V a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  static V pow2(V n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  static V zero_below(V x, V lowest, V value) {  // -inf too
+    return _mm512_maskz_mov_ps(static_cast<__mmask16>(~_mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ)), value);
+  }
+};
+
+inline __m512 exp_nonpositive16(__m512 x) { return exp_nonpositive_v<ExpLanes16>(x); }
 #endif
 
 // s[t] = exp(s[t] - m) for t < c (arguments <= 0); returns their sum. The sum is one order on every
