@@ -240,7 +240,7 @@ inline void f16_rows(const Half* values, const int64_t* rows, int64_t c, int64_t
 // exp(x) for x <= 0 (the online softmax's arguments), vectorisable and branch-free: Cody-Waite
 // range reduction to r in [-ln2/2, ln2/2], Cephes' degree-6 polynomial (relative error ~1e-7),
 // then the power of two put in the exponent bits; x below -87 (and -inf) gives exactly 0. One
-// definition for one float (E = ExpScalar) and for 8 or 16 lanes (ExpLanes8, ExpLanes16): the same
+// definition for one float (E = ExpScalar) and for 8 or 16 lanes (Lanes8, Lanes16): the same
 // operations in the same order, so every lane's value is the scalar's bit for bit.
 template <class E>
 inline typename E::V exp_nonpositive_v(typename E::V x) {
@@ -280,9 +280,15 @@ struct ExpScalar {
 inline float exp_nonpositive(float x) { return exp_nonpositive_v<ExpScalar>(x); }
 
 #if defined(TRIROUTE_AVX2)
-struct ExpLanes8 {
+// One vector width's operations, for code written once over 8 and 16 lanes (the exponential above,
+// P.V's accumulation below).
+struct Lanes8 {
   using V = __m256;
+  static constexpr int64_t n = 8;
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
   static V set1(float a) { return _mm256_set1_ps(a); }
+  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm256_add_ps(a, b); }
   static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
@@ -296,13 +302,17 @@ struct ExpLanes8 {
   }
 };
 
-inline __m256 exp_nonpositive8(__m256 x) { return exp_nonpositive_v<ExpLanes8>(x); }
+inline __m256 exp_nonpositive8(__m256 x) { return exp_nonpositive_v<Lanes8>(x); }
 #endif
 
 #if defined(TRIROUTE_AVX512)
-struct ExpLanes16 {
+struct Lanes16 {
   using V = __m512;
+  static constexpr int64_t n = 16;
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static V set1(float a) { return _mm512_set1_ps(a); }
+  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
   static V add(V a, V b) { return _mm512_add_ps(a, b); }
   static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
   static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
@@ -316,7 +326,7 @@ struct ExpLanes16 {
   }
 };
 
-inline __m512 exp_nonpositive16(__m512 x) { return exp_nonpositive_v<ExpLanes16>(x); }
+inline __m512 exp_nonpositive16(__m512 x) { return exp_nonpositive_v<Lanes16>(x); }
 #endif
 
 // s[t] = exp(s[t] - m) for t < c (arguments <= 0); returns their sum. The sum is one order on every
@@ -442,28 +452,6 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d,
   }
   return m;
 }
-
-#if defined(TRIROUTE_AVX2)
-// One vector width's loads, stores, broadcast and fused multiply-add, for code written once over both.
-struct Lanes8 {
-  using V = __m256;
-  static constexpr int64_t n = 8;
-  static V load(const float* p) { return _mm256_loadu_ps(p); }
-  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
-  static V set1(float x) { return _mm256_set1_ps(x); }
-  static V fmadd(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
-};
-#endif
-#if defined(TRIROUTE_AVX512)
-struct Lanes16 {
-  using V = __m512;
-  static constexpr int64_t n = 16;
-  static V load(const float* p) { return _mm512_loadu_ps(p); }
-  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
-  static V set1(float x) { return _mm512_set1_ps(x); }
-  static V fmadd(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
-};
-#endif
 
 #if defined(TRIROUTE_AVX2)
 // For each of NH heads h: acc[h][i..i + 4 L) += sum_t p[h][t] * v_t[i..i + 4 L), for each step of
