@@ -13,7 +13,8 @@ of `--iters` calls (ms) of both paths and the C++ op's K/V bytes read (its count
 
 `--baseline REV`: the attention op built from `kernels/csrc/decode_ops.cpp` as of git revision REV
 too (its library renamed `triroute_baseline`, built with the same flags in its own folder), called
-interleaved with this tree's op on the same inputs (A B A B, `--iters` pairs): per batch the medians,
+interleaved with this tree's op on the same inputs (A B, B A, ..., `--iters` pairs: neither always runs
+second): per batch the medians,
 the median and quartiles of the per-call ratios (this tree / baseline) and the largest difference of
 their outputs. Its `decode_linear` joins the linear rows' rounds the same way (`ratio_vs_baseline`:
 quartiles of this tree / baseline; `bits_equal_baseline`: the two outputs' bits). A change to the kernel is measured against the code it replaces in one process, where
@@ -24,8 +25,8 @@ positions 0..t, every head full), the call a prefill makes per layer.
 
 Linear: `decode_linear` against `F.linear` (BLAS) at the 160m recipe's decode matmuls (a query
 projection 768 x 768, an expert's first matrix 1,024 x 768, the LM head 50,304 x 768), x of `batch`
-rows; each call takes the next of enough copies of the weight to fill 256 MB, so every weight comes
-from memory as in a decode step. Interleaved (A B A B), per shape the medians, the weight bytes read
+rows; each call takes the next of enough copies of the weight to fill 1 GiB (at least eight), so every
+weight comes from memory as in a decode step. Interleaved (each call's order rotated every round), per shape the medians, the weight bytes read
 per second by each, and the median of the per-call ratios F.linear / decode_linear.
 """
 
@@ -49,6 +50,9 @@ from triroute_kernels.paged_ops import paged_attention, paged_attention_torch
 from triroute_kernels.quant import SUPPORTED_BITS
 
 H, H_KV, D, GROUP, PAGE = 12, 3, 64, 32, 16
+WEIGHT_POOL_BYTES = 1 << 30
+"""The linear rows' copies of a weight fill this much, over three times a server's last-level cache
+(300 MB on the AMX Xeon of docs/kernels.md), and at least eight: no call finds its weight in a cache."""
 
 
 def build_cache(batch: int, context: int, gen: torch.Generator):
@@ -146,8 +150,9 @@ def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
     diff = float((ours_op(*op_args, torch.zeros(2, dtype=torch.long))
                   - ops.paged_attention(*op_args, torch.zeros(2, dtype=torch.long))).abs().max())
     ours, base = [], []
-    for _ in range(iters):
-        for times, fn in ((ours, lambda c: ours_op(*op_args, c)), (base, lambda c: ops.paged_attention(*op_args, c))):
+    pair = ((ours, lambda c: ours_op(*op_args, c)), (base, lambda c: ops.paged_attention(*op_args, c)))
+    for i in range(iters):
+        for times, fn in pair[i % 2:] + pair[:i % 2]:  # A B, then B A: neither always runs second
             counters = torch.zeros(2, dtype=torch.long)
             t0 = time.perf_counter()
             fn(counters)
@@ -164,16 +169,17 @@ def linear_rows(batch: int, iters: int, gen: torch.Generator, base=None, rev: st
     baseline's ops, `--baseline`) its `decode_linear` as well, in the same interleaved rounds."""
     rows = []
     for name, (N, K) in LINEAR_SHAPES.items():
-        copies = max(2, (256 << 20) // (N * K * 4))
+        copies = max(8, WEIGHT_POOL_BYTES // (N * K * 4))
         weights = [torch.randn(N, K, generator=gen) for _ in range(copies)]
         x = torch.randn(batch, K, generator=gen)
         err = max(float((decode_linear(x, w) - F.linear(x, w)).abs().max()) for w in weights[:2])
         fns = {"decode_linear": decode_linear, "F.linear": F.linear}
-        if base is not None:
-            fns["baseline"] = base.decode_linear
+        if base is not None:  # both libraries' ops called alike, without the Python API
+            fns |= {"this_tree_op": torch.ops.triroute.decode_linear, "baseline": base.decode_linear}
         times = {label: [] for label in fns}
+        order = list(fns.items())
         for i in range(max(iters, copies)):
-            for j, (label, fn) in enumerate(fns.items()):
+            for j, (label, fn) in enumerate(order[i % len(order):] + order[:i % len(order)]):  # each follows each
                 w = weights[(len(fns) * i + j) % copies]
                 t0 = time.perf_counter()
                 fn(x, w)
@@ -187,7 +193,7 @@ def linear_rows(batch: int, iters: int, gen: torch.Generator, base=None, rev: st
             "max_abs_diff": err,
         })
         if base is not None:
-            ratios = sorted(a / b for a, b in zip(times["decode_linear"], times["baseline"]))
+            ratios = sorted(a / b for a, b in zip(times["this_tree_op"], times["baseline"]))
             q = statistics.quantiles(ratios, n=4)
             rows[-1] |= {"baseline": rev, "baseline_ms": round(1e3 * statistics.median(times["baseline"]), 3),
                          "ratio_vs_baseline": [round(q[0], 3), round(statistics.median(ratios), 3), round(q[2], 3)],
