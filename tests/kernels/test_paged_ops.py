@@ -134,10 +134,11 @@ def _keys_in_many_blocks(page_order):
 @pytest.mark.parametrize("d, gs", [(64, 32), (32, 16), (16, 8)], ids=["d64", "d32", "d16"])
 def test_heads_that_read_the_same_keys_accumulate_together(H_kv, d, gs):
     """The kernel accumulates P.V for up to four heads of a row that read the same keys of a block
-    at once: groups of 12 and 6 query heads with five full heads (a set of four, then one), three
-    heads of one window, two of another, a skip and a full head after it; decode rows and prefill
-    rows of one chunk. Each head's output is its own (reference and twin); d 64 and 32 with
-    groups of 32 and 16 also take the unpacking by table lookup of the 2- and 4-bit pools."""
+    at once. Twelve query heads: six full, three of one window, two of another, a skip. In one group
+    of 12 the full heads make a set of four, then a set of two across the skip; in two groups of 6,
+    sets of four and two, the windows' sets of two, two and one. Decode rows and prefill rows of one
+    chunk. Each head's output is its own (reference and twin); d 64 and 32 with groups of 32 and 16
+    also take the unpacking by table lookup of the 2- and 4-bit pools."""
     gen = torch.Generator().manual_seed(7 * d + H_kv)
     H = 12
     stores, tables = _mixed_pools([90, 33], H_kv, 16, gen, d, gs)
