@@ -151,12 +151,6 @@ inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
     return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts), _mm512_set1_epi32(3));
   }
 }
-
-// Channels i..i+15 of a packed row as float32.
-template <int BITS>
-inline __m512 codes16(const uint8_t* codes, int64_t i) {
-  return _mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i));
-}
 #endif
 
 // Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32.
@@ -165,25 +159,20 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
 #if defined(TRIROUTE_AVX512)
-  if constexpr (BITS <= 4) {
-    if (gs % 16 == 0) {  // a group's 2^BITS values, code * scale + zero with the same two roundings,
-      // computed once into one register, then each channel's value looked up by its code
-      const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-      for (int64_t g0 = 0; g0 < d; g0 += gs) {
-        const __m512 table = _mm512_add_ps(_mm512_mul_ps(levels, _mm512_set1_ps(static_cast<float>(scale[g0 / gs]))),
-                                           _mm512_set1_ps(static_cast<float>(zero[g0 / gs])));
-        for (int64_t i = g0; i < g0 + gs; i += 16)
-          _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table));
-      }
-      return;
-    }
-  }
   if (gs % 16 == 0) {  // the same two roundings, 16 channels at a time
     for (int64_t g0 = 0; g0 < d; g0 += gs) {
       const __m512 sc = _mm512_set1_ps(static_cast<float>(scale[g0 / gs]));
       const __m512 z = _mm512_set1_ps(static_cast<float>(zero[g0 / gs]));
-      for (int64_t i = g0; i < g0 + gs; i += 16)
-        _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(codes16<BITS>(codes, i), sc), z));
+      if constexpr (BITS <= 4) {  // the group's 2^BITS values computed once into one register, then
+        // each channel's value looked up by its code
+        const __m512 table =
+            _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc), z);
+        for (int64_t i = g0; i < g0 + gs; i += 16)
+          _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table));
+      } else {
+        for (int64_t i = g0; i < g0 + gs; i += 16)
+          _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i)), sc), z));
+      }
     }
     return;
   }
