@@ -39,15 +39,23 @@ import math
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+REPO = Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
 
-from triroute_kernels import allocate_kv_pools, decode_linear, cpu_ops, quantize_pack_into_torch
-from triroute_kernels.paged_ops import paged_attention, paged_attention_torch
-from triroute_kernels.quant import SUPPORTED_BITS
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.forced_decisions import budget_mix  # noqa: E402
+from megatron_triroute.routing.modes import read_start  # noqa: E402
+from megatron_triroute.training.recipes import get_recipe  # noqa: E402
+from triroute_kernels import allocate_kv_pools, decode_linear, cpu_ops, quantize_pack_into_torch  # noqa: E402
+from triroute_kernels.paged_ops import paged_attention, paged_attention_torch  # noqa: E402
+from triroute_kernels.quant import SUPPORTED_BITS  # noqa: E402
 
 H, H_KV, D, GROUP, PAGE = 12, 3, 64, 32, 16
 WEIGHT_POOL_BYTES = 1 << 30
@@ -83,13 +91,6 @@ def head_ranges(heads: str, batch: int, context: int, gen: torch.Generator) -> t
     mode drawn from the 160m recipe's budget mix and its first key `modes.read_start`'s."""
     if heads == "full":
         return torch.zeros(batch, H, dtype=torch.long)
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.forced_decisions import budget_mix
-    from megatron_triroute.routing.modes import read_start
-    from megatron_triroute.training.recipes import get_recipe
-
     config = get_recipe("160m").triroute.validate()
     mix = torch.tensor(budget_mix(config, context)["attn"])
     mode = torch.multinomial(mix, batch * H, replacement=True, generator=gen).view(batch, H)
@@ -125,8 +126,7 @@ def baseline_ops(rev: str):
     """torch.ops.triroute_baseline: the decode ops of `decode_ops.cpp` at git revision `rev` (module doc)."""
     from torch.utils.cpp_extension import load
 
-    root = Path(__file__).resolve().parents[1]
-    source = subprocess.run(["git", "show", f"{rev}:kernels/csrc/decode_ops.cpp"], cwd=root, check=True,
+    source = subprocess.run(["git", "show", f"{rev}:kernels/csrc/decode_ops.cpp"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
     source = source.replace("TORCH_LIBRARY(triroute,", "TORCH_LIBRARY(triroute_baseline,")
     source = source.replace("TORCH_LIBRARY_IMPL(triroute,", "TORCH_LIBRARY_IMPL(triroute_baseline,")
