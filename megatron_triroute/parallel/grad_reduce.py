@@ -98,13 +98,21 @@ def global_grad_norm(model: nn.Module, groups: ParallelGroups) -> float:
     return norm_from_parts(norm_parts(graded, module_device(model)), groups)
 
 
+NORM_CHUNK = 1 << 16
+"""Elements per piece of the fp64 norm on a CPU: there each piece is converted to fp64 whole before
+its norm, so a large gradient in one piece streams its fp64 copy through memory; pieces of 2^16 stay
+in cache (six 25 MB gradients: 14 ms against 94, one thread). A GPU's multi-tensor norm takes the
+gradients whole."""
+
+
 def norm_parts(graded: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """This rank's sums of squares [tp-sharded, replicated, expert] (fp64, on `device`) of the
     gradients in `graded`, (parameter, its gradient or gradient shard) pairs, each added to its
     parameter's `norm_part`: one multi-tensor fp64 norm per part, not a chain of ops per tensor."""
     by_part: list[list[torch.Tensor]] = [[], [], []]
     for param, grad in graded:
-        by_part[norm_part(param)].append(grad)
+        pieces = grad.reshape(-1).split(NORM_CHUNK) if grad.device.type == "cpu" and grad.numel() > NORM_CHUNK else (grad,)
+        by_part[norm_part(param)].extend(pieces)
     sums = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).to(device).square().sum()
             if grads else torch.zeros((), dtype=torch.float64, device=device) for grads in by_part]
     return torch.stack(sums)
