@@ -158,11 +158,11 @@ class RouterConfig:
     # --- execution ------------------------------------------------------------------------
     expert_compute: ExpertCompute = "auto"
     """How the experts run where one rank holds them all (expert parallel 1, no tensor parallel, no
-    capacity factor): `grouped`, every route in two grouped matmuls with no host read and no
+    capacity factor): `grouped`, every route in three grouped matmuls with no host read and no
     capacity (`experts/grouped.py`); `deepspeed`, DeepSpeed's MOELayer dispatch as with expert
-    parallelism (capacity from a host read, one call per expert); `auto`, grouped on a GPU and
-    DeepSpeed's on a CPU, where the grouped matmul is a loop: each measured the faster there
-    (docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
+    parallelism (capacity from a host read, one call per expert); `auto`, grouped (on a CPU too:
+    over the stacked expert weights it measured as fast as DeepSpeed's dispatch there, with fewer
+    ops and host reads; docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
     local_attention: LocalAttention = "blocks"
     """How the relaxed path computes the local mode (`model/mode_attention.py`): `blocks`, SDPA over
     query blocks of 16 and their b + w keys (copies of K/V per block; runs anywhere); `flex`,

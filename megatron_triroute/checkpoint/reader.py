@@ -24,6 +24,7 @@ import torch
 
 from ..config import TriRouteConfig
 from ..durability import resolve_dir
+from ..experts.stacked import stack_per_expert_names
 from .sharded import GLOBAL_FORMAT, current_name, full_model_state
 from .store import (
     EXTRA_DIR, CheckpointError, CheckpointNotFoundError, latest_valid_checkpoint, load_checkpoint, split_step_dir,
@@ -76,5 +77,6 @@ def read_model_checkpoint(path: str | Path, *, copy: bool = True) -> ModelCheckp
                 f"{path}: written with tensor/pipeline/expert parallel {shape}; a one-process read takes only "
                 "(1, 1, 1) in this earlier per-rank format. Fix: convert the checkpoint to a layout-independent "
                 "one first (or train with parallel.tensor=parallel.pipeline=parallel.expert=1).")
-        state = {current_name(k): v for k, v in shard["model"].items()}
+        # experts as the model now holds them: stacked per layer
+        state = stack_per_expert_names({current_name(k): v for k, v in shard["model"].items()})
     return ModelCheckpoint(step_path, step, meta, tree, config, state)

@@ -278,7 +278,6 @@ def load_model(directory: str | Path, model, optimizer=None) -> None:
     load_state(directory, model, optimizer)
 
 
-_EXPERT = re.compile(r"decoder\.layers\.(.+\.moe\.experts)\.(w\d\.weight)")
 _PER_LAYER = re.compile(r"decoder\.layers\.\d+\.")
 
 
@@ -306,20 +305,14 @@ def stored_tensors(directory: str | Path, prefix: str) -> dict[str, torch.Tensor
 
 def full_model_state(directory: str | Path, *, copy: bool = True) -> dict[str, torch.Tensor]:
     """The whole model in one process, without torch.distributed, under the names a
-    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`,
-    `…deepspeed_experts.<e>.w1.weight`): what exporters and one-process readers need, whatever
-    layout wrote the checkpoint. `copy=False` returns the per-layer (and per-expert) tensors as
-    views into the stacked global tensors: one copy of the model in memory instead of two."""
+    tensor/pipeline/expert 1/1/1 model's `state_dict()` uses (`decoder.layers.<l>.…`, a layer's
+    experts stacked: `…moe.experts.w1.weight` [experts, out, in]): what exporters and one-process
+    readers need, whatever layout wrote the checkpoint. `copy=False` returns the per-layer tensors
+    as views into the stacked global tensors: one copy of the model in memory instead of two."""
     out: dict[str, torch.Tensor] = {}
     for key, tensor in stored_tensors(directory, "model.").items():
         name = current_name(key)
-        expert = _EXPERT.fullmatch(name)
-        if expert:  # [layers, experts, ...]
-            for layer in range(tensor.shape[0]):
-                for e in range(tensor.shape[1]):
-                    out[f"decoder.layers.{layer}.{expert.group(1)}.deepspeed_experts.{e}.{expert.group(2)}"] = \
-                        tensor[layer, e].clone() if copy else tensor[layer, e]
-        elif _PER_LAYER.match(name):  # already one layer's (layer-group controllers, see model/gpt.py)
+        if _PER_LAYER.match(name):  # already one layer's (layer-group controllers, see model/gpt.py)
             out[name] = tensor
         elif name.startswith("decoder.layers."):  # [layers, ...]
             rest = name[len("decoder.layers."):]

@@ -4,11 +4,12 @@ The controller's expert head has already chosen, per token, ``k`` experts and th
 weights; index ``-1`` is the null expert (skip the FFN, output exactly zero). This layer does no
 routing of its own. It hands those routes to DeepSpeed 0.19.8's ``MOELayer`` through
 :class:`PrecomputedGate`, a gate that speaks ``MOELayer``'s sparse-route contract, so DeepSpeed's
-own dispatch (slot encode, all-to-all over the expert-parallel group, its ``Experts`` container,
-all-to-all back, weighted decode) does the rest. Expert parameters are created by DeepSpeed's
-``Experts`` and so carry ``allreduce=False`` and ``group_name``, which DeepSpeed's engine and
+own dispatch (slot encode, all-to-all over the expert-parallel group, the experts, all-to-all
+back, weighted decode) does the rest. The experts are :class:`~megatron_triroute.experts.stacked.StackedExperts`
+(three stacked parameters per layer, marked as DeepSpeed's ``Experts`` marks its own:
+``allreduce=False`` and ``group_name``, which DeepSpeed's engine and
 :func:`megatron_triroute.parallel.grad_reduce.reduce_gradients` use to reduce them over the
-expert-data-parallel group.
+expert-data-parallel group).
 
 Capacity. ``capacity_factor=None`` (default) never drops: the capacity is the largest number of
 routes any expert receives on any rank of the expert-parallel group (an all-reduce MAX), so a
@@ -19,13 +20,13 @@ beyond it are dropped deterministically, slot-major: every token's route in colu
 come first; the routes that do not fit are the dropped ones. A dropped route contributes zero and
 the token's other weights are not renormalised (the routing core owns the weights).
 
-Packed expert compute. DeepSpeed's ``Experts`` runs every expert on all ``capacity`` slots of its
+Packed expert compute. DeepSpeed's own ``Experts`` runs every expert on all ``capacity`` slots of its
 buffer, the unfilled ones included, so a no-drop step pays the fullest expert's load on every
 expert: ``E * capacity`` rows for the ``N * k`` routes (1.6-2.3x at the 160m shape with the
 routes of a fresh controller). Without tensor parallel the gate all-gathers every rank's route
 counts over the expert-parallel group (in place of the capacity's all-reduce; nothing with one
 rank) and reads them to the host in the single read that gives the capacity, so each rank knows
-how many slots of every (source rank, local expert) buffer are filled; :class:`PackedExperts` runs
+how many slots of every (source rank, local expert) buffer are filled; ``StackedExperts`` runs
 each expert on those rows only (one call over every source rank's) and pads its output with zeros
 to ``capacity``. That is exact: a buffer is filled from the front (``_slot_in_expert``), an unfilled
 slot's input is zero, a SwiGLU expert (no biases) maps zero to zero and adds nothing to its
@@ -33,11 +34,10 @@ weights' gradients, and the decode gives such slots no token. With tensor parall
 the slots per tensor-parallel rank) the whole buffer is computed, as DeepSpeed does.
 
 One rank, every expert. Where one rank holds every expert (expert parallel 1, no tensor parallel)
-and nothing is dropped, there is nothing to dispatch: with ``compute="grouped"`` (or ``"auto"`` on a
-GPU, the default) the layer skips ``MOELayer`` and runs the routes through
-:func:`megatron_triroute.experts.grouped.grouped_swiglu` (one sort, two grouped matmuls, no host
-read) over the same expert parameters, stacked per forward. On a CPU ``"auto"`` keeps ``MOELayer``,
-which measured faster there.
+and nothing is dropped, there is nothing to dispatch: with ``compute="grouped"`` or ``"auto"`` (the
+default) the layer skips ``MOELayer`` and runs the routes through
+:func:`megatron_triroute.experts.grouped.grouped_swiglu` (one sort, three grouped matmuls, no host
+read) over the same stacked expert parameters, on a GPU and on a CPU alike.
 
 Tensor parallel. With tensor parallel > 1, ``MOELayer`` assumes every tensor-parallel rank holds
 the same tokens: each rank dispatches a 1/tp slice of the capacity slots and the results are
@@ -48,19 +48,17 @@ layer refuses ``sequence_parallel=True`` with tp > 1; gather the sequence before
 
 from __future__ import annotations
 
-import functools
 import importlib
 import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from megatron_triroute.config import EXPERT_COMPUTE, EXPERT_COMPUTE_FIX
 from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu, order_by_expert
-from megatron_triroute.experts.swiglu import InitMethod, SwiGLUExpert
+from megatron_triroute.experts.stacked import InitMethod, StackedExperts, default_init_method
 from megatron_triroute.routing.gating import NULL_EXPERT
 
 if TYPE_CHECKING:
@@ -189,48 +187,6 @@ class PrecomputedGate(nn.Module):
         return math.ceil(int(capacity) / tp) * tp
 
 
-@functools.cache
-def _packed_experts_class() -> type:
-    """`PackedExperts`, built on DeepSpeed's ``Experts`` when first needed (DeepSpeed is imported
-    lazily, as in the rest of this module)."""
-    experts_base = importlib.import_module("deepspeed.moe.experts").Experts
-
-    class PackedExperts(experts_base):
-        """DeepSpeed's ``Experts`` (same parameters, attributes and state-dict keys) that runs each
-        expert on its filled slots only when its gate knows them (`PrecomputedGate.filled`), and
-        on the whole buffer, as DeepSpeed does, otherwise. See the module docstring."""
-
-        def bind_gate(self, gate: PrecomputedGate) -> None:
-            self.__dict__["_gate"] = gate  # a reference, not a submodule: no second state-dict entry
-
-        def forward(self, inputs: torch.Tensor) -> torch.Tensor:  # (ep, E_local, capacity, d)
-            gate = self.__dict__.get("_gate")
-            filled = gate.filled if gate is not None else None
-            if gate is not None:
-                gate.filled = None  # one forward's
-            if filled is None or len(filled) != inputs.shape[0] or len(filled[0]) != self.num_local_experts:
-                return super().forward(inputs)
-            capacity = inputs.shape[2]
-            if inputs.shape[0] == 1:  # one source rank: each expert's filled rows, padded, stacked once
-                outputs = [F.pad(expert(x[: filled[0][i]]), (0, 0, 0, capacity - filled[0][i]))
-                           for i, (expert, x) in enumerate(zip(self.deepspeed_experts, inputs.squeeze(0).unbind(0)))]
-                return torch.stack(outputs).unsqueeze(0)
-            # Buffers by unbind, not by indexing: an indexed select's backward writes its gradient
-            # into zeros of the whole (ep, E_local, capacity, d) buffer, once per expert (and source
-            # rank), and sums them; unbind's backward stacks the pieces once.
-            buffers = [expert_in.unbind(0) for expert_in in inputs.unbind(1)]  # [expert][rank] (capacity, d)
-            outputs = []
-            for i, expert in enumerate(self.deepspeed_experts):
-                rows = [per_rank[i] for per_rank in filled]  # filled slots from each source rank
-                # the expert's rows from every rank in one call
-                x = torch.cat([b[:r] for b, r in zip(buffers[i], rows)])
-                parts = expert(x).split(rows)
-                outputs.append(torch.stack([F.pad(part, (0, 0, 0, capacity - r)) for part, r in zip(parts, rows)]))
-            return torch.stack(outputs, dim=1)
-
-    return PackedExperts
-
-
 def _deepspeed_tensor_parallel_size() -> int:
     """The tensor-parallel size MOELayer slices by: DeepSpeed's ``groups.mpu`` (1 when unset)."""
     ds_groups = importlib.import_module("deepspeed.utils.groups")
@@ -294,7 +250,8 @@ class TriRouteExperts(nn.Module):
         self.top_k = top_k
         self.ep_group_name = groups.ep_group_name if groups is not None else "ep_size_1"
 
-        experts = _packed_experts_class()(SwiGLUExpert(d_model, d_expert), self.num_local_experts, self.ep_group_name)
+        _template_expert_draws(d_model, d_expert)
+        experts = StackedExperts(d_model, d_expert, self.num_local_experts, self.ep_group_name)
         _init_per_expert(experts, ep_rank * self.num_local_experts, num_experts, init_method, output_init_method)
         self.gate = PrecomputedGate(num_experts, top_k, capacity_factor)
         experts.bind_gate(self.gate)
@@ -304,71 +261,65 @@ class TriRouteExperts(nn.Module):
         self.compute = compute
         self.grouped = compute != "deepspeed" and ep == 1 and tp == 1 and capacity_factor is None
         """One rank holds every expert, nothing is sliced and nothing dropped: there is nothing to
-        dispatch, and `experts.grouped` can compute the routes in two grouped matmuls with no host
-        read (`compute="grouped"`, or "auto" on a GPU). Otherwise DeepSpeed's MOELayer (capacity,
-        all-to-all, per-expert calls), which "auto" also keeps on a CPU, where it is the faster."""
+        dispatch, and `experts.grouped` can compute the routes in three grouped matmuls with no host
+        read (`compute="grouped"` or "auto"). Otherwise DeepSpeed's MOELayer (capacity, all-to-all,
+        per-expert calls)."""
         if groups is not None:
             ds_groups = importlib.import_module("deepspeed.utils.groups")
             self.moe._set_ep_group(ds_groups._get_expert_parallel_group(self.ep_group_name))
 
     @property
-    def experts(self) -> nn.ModuleList:
-        """This rank's experts, local index order (global index ``ep_rank * E_local + i``)."""
-        return self.moe.experts.deepspeed_experts
+    def experts(self) -> StackedExperts:
+        """This rank's experts: stacked weights, local index order (global index ``ep_rank * E_local + i``)."""
+        return self.moe.experts
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """Megatron dist-checkpointing view: each weight (w1 gate, w3 up, w2 down) is one global
-        tensor `[..., num_experts, out, in]` keyed without the local index, this rank's experts at
-        their global ids `ep_rank * E_local + i`, so any expert-parallel size can load it. Experts
-        are replicated over the expert-data-parallel ranks; the first of them writes."""
+        tensor `[..., num_experts, out, in]`, this rank's experts at their global ids
+        `ep_rank * E_local + i`, so any expert-parallel size can load it. Experts are replicated over
+        the expert-data-parallel ranks; the first of them writes."""
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
         edp_rank = parallel_state.get_expert_data_parallel_rank() if parallel_state.model_parallel_is_initialized() else 0
         axis = len(sharded_offsets)
+        ep = self.num_experts // self.num_local_experts
         out = {}
-        for i, expert in enumerate(self.experts):
-            global_id = self.ep_rank * self.num_local_experts + i
-            for name, tensor in expert.state_dict(prefix="", keep_vars=True).items():
-                key = f"{prefix}moe.experts.{name}"
-                out[f"{prefix}moe.experts.deepspeed_experts.{i}.{name}"] = ShardedTensor.from_rank_offsets(
-                    key, tensor, *sharded_offsets, (axis, global_id, self.num_experts),
-                    replica_id=(0, 0, edp_rank), prepend_axis_num=axis + 1)
+        for name, tensor in self.experts.state_dict(prefix="", keep_vars=True).items():
+            key = f"{prefix}moe.experts.{name}"
+            out[key] = ShardedTensor.from_rank_offsets(key, tensor, *sharded_offsets, (axis, self.ep_rank, ep),
+                                                       replica_id=(0, 0, edp_rank), prepend_axis_num=axis)
         return out
 
     def forward(
         self, hidden: torch.Tensor, expert_index: torch.Tensor, expert_weight: torch.Tensor
     ) -> torch.Tensor:  # (N, d), (N, k), (N, k) -> (N, d)
         if self.uses_grouped(hidden):
-            return grouped_swiglu(hidden, expert_index, expert_weight, *self._stacked_weights())
+            return grouped_swiglu(hidden, expert_index, expert_weight, *self.experts.weights())
         self.gate.set_routes(expert_index, expert_weight)
         return self.moe(hidden, None)  # MOELayer reads (tokens, used_token)
 
     def uses_grouped(self, hidden: torch.Tensor) -> bool:
         """Whether a forward on `hidden` takes the grouped matmuls (see `grouped`); rows whose width
         is not a multiple of 16 bytes in the compute dtype take DeepSpeed's dispatch."""
-        return (self.grouped and (self.compute == "grouped" or hidden.is_cuda)
-                and grouped_layout_ok(self.experts[0].w1.weight.shape, compute_dtype(hidden)))
+        return (self.grouped
+                and grouped_layout_ok(self.experts.w1.weight.shape[1:], compute_dtype(hidden)))
 
-    def _stacked_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(w13 (E, 2F, D), w2 (E, D, F)) from the experts' own parameters (the state dict and the
-        gradients stay per expert). The experts' modules are not called on this path, so their
-        forward pre-hooks run here: Megatron's DDP waits there for a parameter all-gather still in
-        flight (overlap_param_gather)."""
-        for module in (lin for e in self.experts for lin in (e.w1, e.w3, e.w2)):
-            for key, hook in module._forward_pre_hooks.items():
-                if key in module._forward_pre_hooks_with_kwargs:
-                    hook(module, (), {})
-                else:
-                    hook(module, ())
-        F_, D = self.experts[0].w1.weight.shape
-        # one concatenation writes each expert's w1 then w3 in place: no stacked copies in between
-        w13 = torch.cat([w for e in self.experts for w in (e.w1.weight, e.w3.weight)]).view(len(self.experts), 2 * F_, D)
-        return w13, torch.stack([e.w2.weight for e in self.experts])
+
+def _template_expert_draws(d_model: int, d_expert: int) -> None:
+    """Advance the default generator as building the one template expert that DeepSpeed's
+    ``Experts`` container deep-copied did (each ``nn.Linear``'s own init of w1, w3, w2, then the
+    default normal init of the three), so that a seed builds the same model, every later module
+    included, as it did with that container."""
+    shapes = ((d_expert, d_model), (d_expert, d_model), (d_model, d_expert))
+    for shape in shapes:
+        nn.init.kaiming_uniform_(torch.empty(shape), a=math.sqrt(5))
+    for shape in shapes:
+        default_init_method(torch.empty(shape))
 
 
 def _init_per_expert(
-    experts: nn.Module,
+    experts: StackedExperts,
     first_global_index: int,
     num_experts: int,
     init_method: InitMethod | None,
@@ -380,7 +331,7 @@ def _init_per_expert(
     the generator advances the same way whatever the expert-parallel size.
     """
     base = int(torch.randint(0, 2**31 - num_experts, ()))
-    for i, expert in enumerate(experts.deepspeed_experts):
+    for i in range(experts.num_local_experts):
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(base + first_global_index + i)
-            expert.reset_parameters(init_method, output_init_method)
+            experts.reset_expert(i, init_method, output_init_method)

@@ -1,10 +1,11 @@
-"""Every expert of a layer in two grouped matmuls after one sort of the routes by expert.
+"""Every expert of a layer in three grouped matmuls after one sort of the routes by expert.
 
     out[n] = sum_j weight[n, j] * w2_e(silu(w1_e x_n) * w3_e x_n),   e = index[n, j]; -1: the null expert
 
 The N * k routes are ordered by expert (a stable sort; null routes last), the tokens gathered in that
 order, and each expert's rows multiplied by its own weights in one `torch.nn.functional.grouped_mm`
-per projection (w1 and w3 stacked into one), with the experts' row ranges given as device offsets.
+per projection, reading the stacked parameters in place, with the experts' row ranges given as
+device offsets.
 None of this code reads a count on the host and nothing needs a capacity: no route is dropped, and
 each expert computes its own routes only. On a Hopper GPU in bf16 each grouped matmul is one
 CUTLASS kernel, so the layer's forward and backward never wait for the device. Elsewhere PyTorch
@@ -57,17 +58,18 @@ def grouped_layout_ok(expert_weight_shape: torch.Size, dtype: torch.dtype) -> bo
     return all(n * dtype.itemsize % 16 == 0 for n in expert_weight_shape)
 
 
-def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w13: torch.Tensor,
+def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor,
                    w2: torch.Tensor) -> torch.Tensor:
-    """x (N, D), index/weight (N, k), w13 (E, 2F, D): each expert's w1 then w3 (nn.Linear layout),
-    w2 (E, D, F) -> (N, D) in the compute dtype (module doc)."""
+    """x (N, D), index/weight (N, k), w1, w3 (E, F, D), w2 (E, D, F): each expert's nn.Linear weights
+    stacked -> (N, D) in the compute dtype (module doc)."""
     N, k = index.shape
-    order, inverse, valid, offsets = sort_routes(index, w13.shape[0])
+    order, inverse, valid, offsets = sort_routes(index, w1.shape[0])
     dtype = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, k)
         rows = torch.where(valid, rows, 0)  # null rows: no gradient reaches the tokens through them
-        gate, up = F.grouped_mm(rows, w13.to(dtype).transpose(1, 2), offs=offsets).chunk(2, dim=-1)
+        gate = F.grouped_mm(rows, w1.to(dtype).transpose(1, 2), offs=offsets)
+        up = F.grouped_mm(rows, w3.to(dtype).transpose(1, 2), offs=offsets)
         y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)
         y = _GatherRows.apply(torch.where(valid, y, 0), inverse, order, 1).view(N, k, -1)  # back to (token, route)
         return (y * weight.to(dtype).unsqueeze(-1)).sum(1)

@@ -41,10 +41,9 @@ def engine_to_megatron(config: TriRouteConfig, state: dict[str, torch.Tensor]) -
         out[t + "input_layernorm.weight"] = state[s + "attn_norm.weight"]
         out[t + "pre_mlp_layernorm.weight"] = state[s + "ffn_norm.weight"]
         if r.expert_routing:
-            for e in range(r.num_experts):
-                for w in ("w1", "w2", "w3"):
-                    out[f"{t}mlp.experts.moe.experts.deepspeed_experts.{e}.{w}.weight"] = \
-                        state[f"{s}experts.{e}.{w}.weight"]
+            for w in ("w1", "w2", "w3"):  # the layer's experts stacked
+                out[f"{t}mlp.experts.moe.experts.{w}.weight"] = \
+                    torch.stack([state[f"{s}experts.{e}.{w}.weight"] for e in range(r.num_experts)])
         else:
             out[t + "mlp.mlp.linear_fc1.weight"] = torch.cat([state[s + "ffn.w1.weight"], state[s + "ffn.w3.weight"]])
             out[t + "mlp.mlp.linear_fc2.weight"] = state[s + "ffn.w2.weight"]

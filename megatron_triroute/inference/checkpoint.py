@@ -9,7 +9,7 @@ map onto `InferenceModel`'s:
                                                         [G query heads | k | v], d_h rows each)
     decoder.layers.L.self_attention.linear_proj     -> layers.L.wo  (D, H, d_h)
     decoder.layers.L.{input,pre_mlp}_layernorm      -> layers.L.{attn,ffn}_norm
-    decoder.layers.L.mlp.experts.moe.experts.deepspeed_experts.E.w{1,2,3} -> layers.L.experts.E.w{1,2,3}
+    decoder.layers.L.mlp.experts.moe.experts.w{1,2,3} (E, ...) -> layers.L.experts.E.w{1,2,3}  (each expert of the stack)
     decoder.layers.L.mlp.mlp.linear_fc1 / fc2       -> layers.L.ffn.w1, w3 (gate | up halves) / w2
     decoder.layers.L.controller.*                   -> layers.L.controller.*  (whitening and
                                                         gradient-balance running statistics included)
@@ -126,10 +126,10 @@ def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -
         out[dst + "ffn_norm.weight"] = take(src + "pre_mlp_layernorm.weight", (D,))
         if r.expert_routing:
             w = expert_width(m, r)
-            for e in range(r.num_experts):
-                base = f"{src}mlp.experts.moe.experts.deepspeed_experts.{e}."
-                for name, shape in (("w1", (w, D)), ("w3", (w, D)), ("w2", (D, w))):
-                    out[f"{dst}experts.{e}.{name}.weight"] = take(base + name + ".weight", shape)
+            for name, shape in (("w1", (w, D)), ("w3", (w, D)), ("w2", (D, w))):  # stacked over the experts
+                stacked = take(f"{src}mlp.experts.moe.experts.{name}.weight", (r.num_experts, *shape))
+                for e in range(r.num_experts):
+                    out[f"{dst}experts.{e}.{name}.weight"] = None if stacked is None else stacked[e]
         else:
             fc1 = take(src + "mlp.mlp.linear_fc1.weight", (2 * m.d_ff, D))
             if fc1 is not None:

@@ -45,3 +45,48 @@ def test_final_norm_under_its_earlier_name_loads(tmp_path, monkeypatch):
     full = full_model_state(tmp_path / "ckpt")
     assert torch.equal(full["decoder.final_layernorm.weight"], model.decoder.final_layernorm.weight.detach())
     assert "decoder.final_layernorm.norm.weight" not in full
+
+
+def _save_with_one_tensor_per_expert(directory, model, monkeypatch):
+    """What the writer did while each expert was its own module: every expert's weight one
+    ShardedTensor of the same global [layers, experts, out, in] tensor, at its global id."""
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    describe = sharded.model_sharded_state_dict
+
+    def per_expert(m):
+        out = {}
+        for key, st in describe(m).items():
+            if ".moe.experts.w" not in key:
+                out[key] = st
+                continue
+            assert st.prepend_axis_num == 1 and st.global_shape[1] == st.data.shape[0], (key, st)
+            layer, first = st.global_offset[:2]
+            for i, weight in enumerate(st.data.unbind(0)):
+                out[f"{key}.{i}"] = ShardedTensor.from_rank_offsets(
+                    st.key, weight, (0, layer, st.global_shape[0]), (1, first + i, st.global_shape[1]),
+                    replica_id=st.replica_id, prepend_axis_num=2)
+        return out
+
+    monkeypatch.setattr(sharded, "model_sharded_state_dict", per_expert)
+    save_model(directory, model)
+    monkeypatch.setattr(sharded, "model_sharded_state_dict", describe)
+
+
+def test_experts_written_one_tensor_per_expert_load_into_the_stacked_weights(tmp_path, monkeypatch):
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
+
+    cfg = tiny_triroute()
+    with single_process_parallel() as groups:
+        model = build_model(cfg, groups, seed=1)
+        _save_with_one_tensor_per_expert(tmp_path / "ckpt", model, monkeypatch)
+        stored = sharded.read_metadata(tmp_path / "ckpt").state_dict_metadata
+        key = "model.decoder.layers.mlp.experts.moe.experts.w1.weight"
+        assert len(stored[key].chunks) == cfg.model.n_layers * cfg.router.num_experts  # one chunk per expert
+        fresh = build_model(cfg, groups, seed=2)
+        assert not torch.equal(fresh.state_dict()[key[len("model."):].replace("layers.", "layers.0.")],
+                               model.state_dict()[key[len("model."):].replace("layers.", "layers.0.")])
+        load_model(tmp_path / "ckpt", fresh)
+        for name, value in model.state_dict().items():
+            if torch.is_tensor(value):
+                assert torch.equal(fresh.state_dict()[name], value), name

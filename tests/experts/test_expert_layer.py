@@ -5,17 +5,18 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megatron_triroute.experts import NULL_EXPERT, PrecomputedGate, SwiGLUExpert, TriRouteExperts
+from megatron_triroute.experts import NULL_EXPERT, PrecomputedGate, TriRouteExperts, stacked, swiglu
 from megatron_triroute.parallel.groups import ParallelGroups
 
 D_MODEL, D_EXPERT, NUM_EXPERTS = 8, 12, 4
 
 
-def expert_math(expert: SwiGLUExpert, x: torch.Tensor) -> torch.Tensor:
-    """w2 (silu(w1 x) * w3 x), written out with the weight matrices."""
-    gate = x @ expert.w1.weight.t()
-    value = x @ expert.w3.weight.t()
-    return (gate * torch.sigmoid(gate) * value) @ expert.w2.weight.t()
+def expert_math(weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """w2 (silu(w1 x) * w3 x), written out with one expert's weight matrices (w1, w3, w2)."""
+    w1, w3, w2 = weights
+    gate = x @ w1.t()
+    value = x @ w3.t()
+    return (gate * torch.sigmoid(gate) * value) @ w2.t()
 
 
 def hand_output(layer: TriRouteExperts, x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor,
@@ -26,7 +27,7 @@ def hand_output(layer: TriRouteExperts, x: torch.Tensor, index: torch.Tensor, we
         for j in range(index.shape[1]):
             e = int(index[n, j])
             if e != NULL_EXPERT and (kept is None or kept[n, j]):
-                out[n] += weight[n, j] * expert_math(layer.experts[e], x[n])
+                out[n] += weight[n, j] * expert_math(layer.experts.expert(e), x[n])
     return out
 
 
@@ -38,13 +39,15 @@ def make_layer(top_k: int, capacity_factor=None, seed: int = 0, compute: str = "
                            compute=compute)
 
 
-def test_swiglu_expert_matches_formula():
+def test_swiglu_matches_formula():
     torch.manual_seed(1)
-    expert = SwiGLUExpert(D_MODEL, D_EXPERT)
+    weights = (torch.randn(D_EXPERT, D_MODEL), torch.randn(D_EXPERT, D_MODEL), torch.randn(D_MODEL, D_EXPERT))
     x = torch.randn(5, D_MODEL)
-    assert all(lin.bias is None for lin in (expert.w1, expert.w2, expert.w3))
-    torch.testing.assert_close(expert(x), expert.w2(F.silu(expert.w1(x)) * expert.w3(x)), rtol=0, atol=0)
-    torch.testing.assert_close(expert(x), expert_math(expert, x), rtol=1e-6, atol=1e-7)
+    w1, w3, w2 = (torch.nn.Linear(1, 1, bias=False) for _ in range(3))
+    for lin, w in zip((w1, w3, w2), weights):
+        lin.weight = torch.nn.Parameter(w)
+    torch.testing.assert_close(swiglu(x, *weights), w2(F.silu(w1(x)) * w3(x)), rtol=0, atol=0)  # nn.Linear's
+    torch.testing.assert_close(swiglu(x, *weights), expert_math(weights, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("compute", ["deepspeed", "grouped"])
@@ -87,7 +90,7 @@ def test_null_expert_top2_runs_exactly_one_expert():
     assert (indices[:, 0] >= 0).sum() == 1 and indices[1, 0] == 2  # {null, j} dispatches only j
     assert (indices[:, 3] >= 0).sum() == 0
     assert layer.moe.exp_counts.sum() == 6  # six real routes out of ten
-    torch.testing.assert_close(out[0], weight[0, 1] * expert_math(layer.experts[2], x[0]), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out[0], weight[0, 1] * expert_math(layer.experts.expert(2), x[0]), rtol=1e-6, atol=1e-6)
     assert torch.equal(out[3], torch.zeros(D_MODEL))
     torch.testing.assert_close(out, hand_output(layer, x, index, weight), rtol=1e-6, atol=1e-6)
 
@@ -95,7 +98,7 @@ def test_null_expert_top2_runs_exactly_one_expert():
     (out * upstream).sum().backward()
     assert weight.grad[0, 0] == 0 and weight.grad[3].abs().sum() == 0
     # d out_0 / d weight_0j = f_j(x_0), so the gate gradient is <upstream_0, f_j(x_0)>
-    expected = (upstream[0] * expert_math(layer.experts[2], x[0])).sum()
+    expected = (upstream[0] * expert_math(layer.experts.expert(2), x[0])).sum()
     torch.testing.assert_close(weight.grad[0, 1], expected.detach(), rtol=1e-5, atol=1e-6)
 
 
@@ -193,13 +196,13 @@ def test_capacity_factor_with_skewed_routes_keeps_earliest_tokens():
 def test_expert_params_carry_deepspeed_moe_attributes():
     layer = make_layer(top_k=2)
     expert_params = list(layer.moe.experts.parameters())
-    assert len(expert_params) == 3 * NUM_EXPERTS
+    assert [tuple(p.shape) for p in expert_params] == [(NUM_EXPERTS, D_EXPERT, D_MODEL)] * 2 + [(NUM_EXPERTS, D_MODEL, D_EXPERT)]
     assert all(p.allreduce is False and p.group_name == "ep_size_1" for p in expert_params)
     from deepspeed.moe.utils import is_moe_param
 
     assert all(is_moe_param(p) for p in expert_params)
-    # each expert is initialised on its own (DeepSpeed's Experts deep-copies one expert)
-    assert not torch.equal(layer.experts[0].w1.weight, layer.experts[1].w1.weight)
+    # each expert is initialised on its own
+    assert not torch.equal(layer.experts.expert(0)[0], layer.experts.expert(1)[0])
 
 
 def test_sequence_parallel_with_tensor_parallel_is_refused():
@@ -225,18 +228,14 @@ def test_each_expert_runs_on_its_filled_slots_only_with_deepspeeds_values_and_gr
 
     def run(packed: bool):
         rows = []
-        hooks = [e.register_forward_pre_hook(lambda _, args: rows.append(args[0].shape[-2])) for e in layer.experts]
         xs, ws = x.clone().requires_grad_(), weight.clone().requires_grad_()
         layer.zero_grad()
-        if packed:
+        with pytest.MonkeyPatch.context() as mp:  # each expert call's rows
+            mp.setattr(stacked, "swiglu", lambda h, *w: rows.append(h.shape[-2]) or swiglu(h, *w))
+            if not packed:  # no filled counts from the gate: every expert over its whole buffer, as DeepSpeed's Experts
+                mp.delitem(layer.moe.experts.__dict__, "_gate")
             out = layer(xs, index, ws)
-        else:  # DeepSpeed's Experts.forward over the whole (ep, E, capacity, d) buffer
-            with pytest.MonkeyPatch.context() as mp:
-                mp.setattr(type(layer.moe.experts), "forward", type(layer.moe.experts).__mro__[1].forward)
-                out = layer(xs, index, ws)
         (out * torch.linspace(-1, 1, D_MODEL)).sum().backward()
-        for h in hooks:
-            h.remove()
         grads = [xs.grad, ws.grad, *(p.grad.clone() for p in layer.moe.experts.parameters())]
         return out.detach(), grads, rows
 
@@ -253,3 +252,22 @@ def test_each_expert_runs_on_its_filled_slots_only_with_deepspeeds_values_and_gr
     torch.testing.assert_close(out, full_out, rtol=1e-6, atol=1e-7)
     for got, want in zip(grads, full_grads):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_per_expert_names_of_earlier_checkpoints_load_into_the_stacked_weights():
+    """A state dict in DeepSpeed's one-module-per-expert names (`deepspeed_experts.<i>.w1.weight`)
+    loads into the stacked parameters, expert i at row i; the helper leaves other names alone and
+    refuses a run of experts with a gap."""
+    layer = make_layer(top_k=2, seed=4)
+    other = make_layer(top_k=2, seed=5)
+    legacy = {f"moe.experts.deepspeed_experts.{i}.{w}.weight": getattr(other.experts, w).weight[i].clone()
+              for i in range(NUM_EXPERTS) for w in ("w1", "w3", "w2")}
+    assert not torch.equal(layer.experts.w2.weight, other.experts.w2.weight)
+    layer.load_state_dict(legacy)
+    for w in ("w1", "w3", "w2"):
+        assert torch.equal(getattr(layer.experts, w).weight, getattr(other.experts, w).weight), w
+    converted = stacked.stack_per_expert_names({"a.b": torch.zeros(1), **legacy})
+    assert sorted(converted) == ["a.b", "moe.experts.w1.weight", "moe.experts.w2.weight", "moe.experts.w3.weight"]
+    del legacy["moe.experts.deepspeed_experts.2.w1.weight"]
+    with pytest.raises(ValueError, match="not 0..2"):
+        stacked.stack_per_expert_names(legacy)

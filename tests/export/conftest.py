@@ -86,10 +86,10 @@ def _write_checkpoints(rank, world_size, root, data, layouts):
             local = cfg.router.num_experts // groups.ep
             ref = {}
             for key, value in model.state_dict().items():
-                if ".deepspeed_experts." in key and torch.is_tensor(value):
-                    head, tail = key.split(".deepspeed_experts.")
-                    layer, e, w = int(head.split(".")[2]), int(tail.split(".")[0]), tail.split(".")[1]
-                    ref[f"{layer}.{groups.ep_rank * local + e}.{w}"] = value.detach().clone().contiguous()
+                if ".moe.experts.w" in key and torch.is_tensor(value):  # decoder.layers.<l>.….moe.experts.w1.weight
+                    layer, w = int(key.split(".")[2]), key.split(".moe.experts.")[1].split(".")[0]
+                    for e, expert in enumerate(value.unbind(0)):
+                        ref[f"{layer}.{groups.ep_rank * local + e}.{w}"] = expert.detach().clone().contiguous()
             save_file(ref, f"{root}/{name}_experts_rank{rank}.safetensors")
         destroy_parallel()
 

@@ -129,7 +129,8 @@ def test_ep4_export_equals_the_engine_and_holds_every_expert(ep4_checkpoint, tmp
 
 def test_the_export_reads_the_model_once(checkpoints):
     """The exporter's read (`copy=False`) gives the same tensors as the engine's, as views into the
-    stacked global tensors rather than per-layer clones (no second copy of the model)."""
+    stacked global tensors rather than per-layer clones (no second copy of the model); the engine's
+    (`copy=True`) holds a copy of each layer's experts."""
     from megatron_triroute.inference.checkpoint import load_inference_checkpoint
 
     _, copied = load_inference_checkpoint(checkpoints["ep2"])
@@ -138,7 +139,9 @@ def test_the_export_reads_the_model_once(checkpoints):
     experts = [viewed[f"layers.{layer}.experts.{e}.w1.weight"] for layer in range(2) for e in range(4)]
     assert len({t.untyped_storage().data_ptr() for t in experts}) == 1  # one stacked [layers, experts, ...] tensor
     assert len({copied[f"layers.{layer}.experts.{e}.w1.weight"].untyped_storage().data_ptr()
-                for layer in range(2) for e in range(4)}) == 8
+                for layer in range(2) for e in range(4)}) == 2  # a copy per layer, not the global tensor
+    assert experts[0].untyped_storage().data_ptr() not in {
+        copied[f"layers.{layer}.experts.0.w1.weight"].untyped_storage().data_ptr() for layer in range(2)}
 
 
 def test_experts_gathered_under_local_ids_are_refused(checkpoints):

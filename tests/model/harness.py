@@ -1,5 +1,7 @@
 """Builders shared by the Megatron-integration tests (run inside gloo processes)."""
 
+import re
+
 import torch
 
 from megatron_triroute.config import TriRouteConfig
@@ -60,3 +62,16 @@ def decision_margin(cfg: TriRouteConfig, decisions, idx: torch.Tensor, step: int
         top = probs.sort(-1, descending=True).values
         gaps.append((top[..., cfg.router.top_k - 1] - top[..., cfg.router.top_k]).min())
     return min(g.item() for g in gaps)
+
+
+_STACKED = re.compile(r"(.*moe\.experts\.)(w[123]\.weight)")
+
+
+def by_global_expert(name: str, tensor: torch.Tensor, first: int) -> dict[str, torch.Tensor]:
+    """A named parameter (or its gradient) keyed per global expert where it is a layer's stacked
+    expert weight (`…moe.experts.w1.weight` -> `…moe.experts.<first + i>.w1.weight`: local expert
+    i of a rank whose first expert is global `first`); any other name as it is."""
+    m = _STACKED.fullmatch(name)
+    if m is None:
+        return {name: tensor}
+    return {f"{m[1]}{first + i}.{m[2]}": t for i, t in enumerate(tensor.unbind(0))}

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 from tests.dist_utils import run_distributed
-from tests.model.harness import batch, build, decision_margin, tiny_triroute
+from tests.model.harness import batch, build, by_global_expert, decision_margin, tiny_triroute
 
 STEPS = 2
 MICRO_BATCHES = 4  # global batch: 4 sequences, one per micro-batch, split over the data-parallel ranks
 LR = 0.5
 LAYOUTS = ((2, 2), (1, 2), (2, 4))  # (tp, ep) on 4 ranks
-_EXPERT = re.compile(r"(.*deepspeed_experts\.)(\d+)(\..*)")
+_EXPERT = re.compile(r".*moe\.experts\.\d+\.w[123]\.weight")  # one global expert's (by_global_expert)
 
 
 def _micro_batch(cfg, i):
@@ -84,13 +84,10 @@ def _train(cfg, tp, ep):
             parts = [torch.empty_like(t) for _ in range(tp)]
             dist.all_gather(parts, t.contiguous(), group=tp_group)
             t = torch.cat(parts, p.partition_dim)
-        m = _EXPERT.match(name)
-        if m:  # local expert i is global expert ep_rank * E_local + i
-            name = f"{m[1]}{groups.ep_rank * e_local + int(m[2])}{m[3]}"
-        return name, t
+        return by_global_expert(name, t, groups.ep_rank * e_local)  # local expert i: global ep_rank * E_local + i
 
-    grads = [dict(full(n, g) for n, g in applied.items()) for applied in opt.applied]
-    params = dict(full(n, p.detach()) for n, p in named.items())
+    grads = [{k: v for n, g in applied.items() for k, v in full(n, g).items()} for applied in opt.applied]
+    params = {k: v for n, p in named.items() for k, v in full(n, p.detach()).items()}
     destroy_parallel()
     return decisions, grads, params, losses, norms
 
