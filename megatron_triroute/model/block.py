@@ -20,6 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..routing.state import RoutingInputs, RoutingState
+from .layer import attach_routing_losses
 
 
 def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, inputs: RoutingInputs, state: RoutingState,
@@ -45,8 +46,14 @@ def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, inputs: Routi
 
 
 def _run(layers, x, inputs, state, rotary_pos_emb):
+    """The layers in order; in training their routing losses computed once for all of them and
+    attached to the last output (inside a recomputed chunk: its own layers')."""
+    deferred: list | None = [] if layers and layers[0].training else None
     for layer in layers:
-        x, state = layer(hidden_states=x, inputs=inputs, state=state, rotary_pos_emb=rotary_pos_emb)
+        x, state = layer(hidden_states=x, inputs=inputs, state=state, rotary_pos_emb=rotary_pos_emb,
+                         deferred_losses=deferred)
+    if deferred:
+        x = attach_routing_losses(x, layers[0], deferred, inputs)
     return x, state
 
 

@@ -40,7 +40,7 @@ from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
 from ..routing.cost import MicroBatchCosts, budget_fractions, expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
-from ..routing.losses import router_aux_loss
+from ..routing.losses import layers_aux_loss
 from ..routing.gumbel import one_hot
 from ..routing.softmax import softmax
 from ..routing.noise import NoiseKey
@@ -80,8 +80,12 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
 
     def forward(self, hidden_states: torch.Tensor, inputs: RoutingInputs, state: RoutingState,
-                rotary_pos_emb=None) -> tuple[torch.Tensor, RoutingState]:
-        """hidden_states [T, B, d] -> (hidden_states [T, B, d], the routing state for the next layer)."""
+                rotary_pos_emb=None, deferred_losses: list | None = None) -> tuple[torch.Tensor, RoutingState]:
+        """hidden_states [T, B, d] -> (hidden_states [T, B, d], the routing state for the next layer).
+
+        In training the layer's auxiliary and budget losses (`routing_loss`) ride its output; given
+        `deferred_losses` (the block's loop), it appends its router output there instead, and the
+        caller attaches the losses of all its layers at once (`attach_routing_losses`)."""
         cfg, step = self.triroute, self.step_state
         x = hidden_states
         B, T = inputs.psi.shape[:2]
@@ -117,7 +121,10 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         # --- losses and statistics (lines 5-6) -------------------------------------------------
         costs = inputs.costs(cfg.model, cfg.router)  # the cost model's per-micro-batch constants
         if self.training:
-            x = MoEAuxLossAutoScaler.apply(x, self._aux_and_budget_loss(out, positions, costs))
+            if deferred_losses is None:
+                x = MoEAuxLossAutoScaler.apply(x, self.routing_loss([out], positions, costs))
+            else:
+                deferred_losses.append(out)
         if step.should_record(self.training):
             self._record(out, positions, costs, observe_budget=self.training)
 
@@ -127,22 +134,26 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             reward = reward_tap(reward, out, self.reward_baseline)
         return x, state.after(out, cfg, reward)
 
-    def _aux_and_budget_loss(self, out: RouterOutput, positions: torch.Tensor, costs: MicroBatchCosts) -> torch.Tensor:
-        """alpha L_bal + beta L_z + gamma L_ent of this layer, plus its share of
-        sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so each layer adds
-        lambda_r * sum_t c_r / (L * sum_t dense_r)."""
+    def routing_loss(self, outs: list[RouterOutput], positions: torch.Tensor, costs: MicroBatchCosts) -> torch.Tensor:
+        """alpha L_bal + beta L_z + gamma L_ent of the layers whose router outputs are `outs` (each
+        layer's axes its own, computed in one block: `layers_aux_loss`), plus their share of
+        sum_r lambda_r C_r (Eq. total): C_r is linear in the per-layer costs, so S layers add
+        lambda_r * sum_{l,t} c_r / (L * sum_t dense_r)."""
         cfg = self.triroute
-        aux, _ = router_aux_loss(out, cfg.losses, with_terms=False)
-        if out.extra_loss is not None:
-            aux = aux + out.extra_loss
+        aux = layers_aux_loss(outs, cfg.losses)
+        for out in outs:
+            if out.extra_loss is not None:
+                aux = aux + out.extra_loss
         if not cfg.budget.enabled:
             return aux
-        # This layer's share of C_r (Appendix A): its surrogate cost over the dense cost of all L layers.
-        # penalty() also subtracts lambda_r C*_r for each layer: a constant with no gradient.
-        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router, costs)], positions, cfg.model,
-                                costs)
-        share = self.step_state.budget.penalty(frac / cfg.model.n_layers)
+        # The layers' share of C_r (Appendix A): their surrogate cost over the dense cost of all L layers
+        # (budget_fractions averages over the S layers it is given). penalty() also subtracts lambda_r C*_r
+        # once: a constant with no gradient.
+        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router, costs) for out in outs],
+                                positions, cfg.model, costs)
+        share = self.step_state.budget.penalty(frac * len(outs) / cfg.model.n_layers)
         return aux + share.to(aux.dtype)
+
 
     @torch.no_grad()
     def _record(self, out: RouterOutput, positions: torch.Tensor, costs: MicroBatchCosts, observe_budget: bool) -> None:
@@ -171,3 +182,13 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         if observe_budget:
             self.step_state.budget.observe(cost, dense_sums)
 
+
+def attach_routing_losses(x: torch.Tensor, layer: TriRouteTransformerLayer, outs: list[RouterOutput],
+                          inputs: RoutingInputs) -> torch.Tensor:
+    """x with the routing losses of the layers that deferred them (`outs`, in the block's loop)
+    riding it into the backward (`layer`: any of them, for the config and the step state)."""
+    if not outs:
+        return x
+    cfg = layer.triroute
+    loss = layer.routing_loss(outs, inputs.positions, inputs.costs(cfg.model, cfg.router))
+    return MoEAuxLossAutoScaler.apply(x, loss)

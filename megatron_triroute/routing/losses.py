@@ -171,13 +171,8 @@ class _BalancingLoss(torch.autograd.Function):
         return None, None, None, *grads
 
 
-def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
-                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """sum over routed axes of alpha L_bal + beta L_z + gamma L_ent (the middle term of Eq. total).
-
-    Returns the total and a dict of detached per-axis terms for logging (`with_terms=False`: an
-    empty dict, and none of their ops run; the total is the same bit for bit).
-    """
+def loss_axes(out: RouterOutput) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """A layer's routed axes the balancing losses read: (name, logits, executed options) each."""
     axes = []
     if out.attn.logits is not None:
         # Token-granular attention has one logit group (H_a = 1) whose decision every head copies.
@@ -187,6 +182,28 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
         axes.append(("experts", out.expert_logits, out.experts.option))
     if out.bits.logits is not None:
         axes.append(("bits", out.bits.logits, out.bits.y.argmax(-1)))
+    return axes
+
+
+def layers_aux_loss(outs: list[RouterOutput], cfg: LossConfig) -> torch.Tensor:
+    """sum over the layers of `outs` of `router_aux_loss`'s total: every layer's axes as segments
+    of one block (`_BalancingLoss`), so each axis's terms and gradient are its own, as one layer's."""
+    axes = [axis for out in outs for axis in loss_axes(out)]
+    if not axes:
+        return torch.zeros(())
+    return _BalancingLoss.apply(cfg, False, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))[0]
+
+
+def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """sum over routed axes of alpha L_bal + beta L_z + gamma L_ent (the middle term of Eq. total).
+
+    Returns the total and a dict of detached per-axis terms for logging (`with_terms=False`: an
+    empty dict, and none of their ops run; the total is the same bit for bit).
+    """
+    if not with_terms:
+        return layers_aux_loss([out], cfg), {}
+    axes = loss_axes(out)
     if not axes:
         return torch.zeros(()), {}
     total, values = _BalancingLoss.apply(cfg, with_terms, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))

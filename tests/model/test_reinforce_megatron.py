@@ -44,12 +44,12 @@ def _worker(rank, world_size):
 
     outs = []
     hooks = [l.controller.register_forward_hook(lambda m, a, o: outs.append(o)) for l in model.decoder.layers]
-    aux = TriRouteTransformerLayer._aux_and_budget_loss
-    TriRouteTransformerLayer._aux_and_budget_loss = lambda self, out, pos, costs: torch.zeros(())
+    aux = TriRouteTransformerLayer.routing_loss
+    TriRouteTransformerLayer.routing_loss = lambda self, outs, pos, costs: torch.zeros(())
     try:
         model(tokens, idx, labels=labels)
     finally:
-        TriRouteTransformerLayer._aux_and_budget_loss = aux
+        TriRouteTransformerLayer.routing_loss = aux
         for h in hooks:
             h.remove()
     # The hand-written surrogate: w_t = 1 / N (the mean), baseline 0 before its first update.
