@@ -38,7 +38,7 @@ from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
 from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
-from ..routing.cost import MicroBatchCosts, budget_fractions, expected_cost, noise_free_cost
+from ..routing.cost import MicroBatchCosts, budget_fractions, layers_expected_cost, noise_free_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import layers_aux_loss
 from ..routing.gumbel import one_hot
@@ -146,12 +146,12 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
                 aux = aux + out.extra_loss
         if not cfg.budget.enabled:
             return aux
-        # The layers' share of C_r (Appendix A): their surrogate cost over the dense cost of all L layers
-        # (budget_fractions averages over the S layers it is given). penalty() also subtracts lambda_r C*_r
-        # once: a constant with no gradient.
-        frac = budget_fractions([expected_cost(out, positions, cfg.model, cfg.router, costs) for out in outs],
-                                positions, cfg.model, costs)
-        share = self.step_state.budget.penalty(frac * len(outs) / cfg.model.n_layers)
+        # The layers' share of C_r (Appendix A): their surrogate cost (summed over the S layers, computed
+        # in one pass) over the dense cost of all L layers. penalty() also subtracts lambda_r C*_r once:
+        # a constant with no gradient.
+        frac = budget_fractions([layers_expected_cost(outs, positions, cfg.model, cfg.router, costs)], positions,
+                                cfg.model, costs)
+        share = self.step_state.budget.penalty(frac / cfg.model.n_layers)
         return aux + share.to(aux.dtype)
 
 

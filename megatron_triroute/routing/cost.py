@@ -101,12 +101,33 @@ def expected_cost(out: RouterOutput, positions: torch.Tensor, model: ModelConfig
     c_mem   = sum_b y_cost[b] * bits_per_token(b)
     positions: (T,) or (B, T) 0-based positions in the sequence; `batch`: their `micro_batch_costs`.
     """
-    B, T = out.attn.y.shape[:2]
+    experts = None if out.experts is None else (out.expert_logits, out.experts.index)
+    return _expected_cost(out.attn.y_cost, out.bits.y_cost, experts, positions, model, router, batch)
+
+
+def layers_expected_cost(outs: list[RouterOutput], positions: torch.Tensor, model: ModelConfig,
+                         router: RouterConfig, batch: MicroBatchCosts | None = None) -> LayerCost:
+    """`expected_cost` of S layers in one pass: their decisions stacked, (S, B, T) flops and mem
+    (one layer: `expected_cost`'s own (B, T))."""
+    if len(outs) == 1:
+        return expected_cost(outs[0], positions, model, router, batch)
+    experts = None if outs[0].experts is None else (torch.stack([o.expert_logits for o in outs]),
+                                                     torch.stack([o.experts.index for o in outs]))
+    return _expected_cost(torch.stack([o.attn.y_cost for o in outs]), torch.stack([o.bits.y_cost for o in outs]),
+                          experts, positions, model, router, batch)
+
+
+def _expected_cost(attn_y_cost: torch.Tensor, bits_y_cost: torch.Tensor,
+                   experts: tuple[torch.Tensor, torch.Tensor] | None, positions: torch.Tensor, model: ModelConfig,
+                   router: RouterConfig, batch: MicroBatchCosts | None) -> LayerCost:
+    """Eq. cost from the decisions' tensors, with any leading dims before (B, T): attn_y_cost
+    (..., B, T, H, N_MODES), bits_y_cost (..., B, T, |bits|), experts (logits (..., B, T, E'),
+    index (..., B, T, k)) or None for a dense FFN."""
     keys = _keys(positions, router) if batch is None else batch.keys
     kappa = 2.0 * model.d_head * keys  # (B or 1, T, N_MODES)
-    attn = (out.attn.y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
-    flops = attn + _expert_flops(out, model, router)
-    mem = (out.bits.y_cost.double() * bit_costs(router, model, out.bits.y_cost.device)).sum(-1)
+    attn = (attn_y_cost.double() * kappa.unsqueeze(2)).sum(dim=(-1, -2))
+    flops = attn + _expert_flops(experts, attn.shape, attn.device, model, router)
+    mem = (bits_y_cost.double() * bit_costs(router, model, bits_y_cost.device)).sum(-1)
     return LayerCost(flops, mem)
 
 
@@ -165,13 +186,13 @@ class _NullSwapMargin(torch.autograd.Function):
         return dz.to(ctx.dtype), None, None
 
 
-def _expert_flops(out: RouterOutput, model: ModelConfig, router: RouterConfig) -> torch.Tensor:
-    kappa_dense = 3.0 * model.d_model * model.d_ff
-    B, T = out.attn.y.shape[:2]
-    if out.experts is None:
-        return torch.full((B, T), kappa_dense, dtype=torch.float64, device=out.attn.y.device)
+def _expert_flops(experts: tuple[torch.Tensor, torch.Tensor] | None, shape: torch.Size, device: torch.device,
+                  model: ModelConfig, router: RouterConfig) -> torch.Tensor:
+    """Expert MACs per token of `shape` from (logits, index), or the dense FFN's (None)."""
+    if experts is None:
+        return torch.full(shape, 3.0 * model.d_model * model.d_ff, dtype=torch.float64, device=device)
     kappa_e = 3.0 * model.d_model * expert_width(model, router)
-    return kappa_e * expert_count_surrogate(out.expert_logits, out.experts.index, router.null_expert)
+    return kappa_e * expert_count_surrogate(*experts, router.null_expert)
 
 
 @dataclass

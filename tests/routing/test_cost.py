@@ -214,3 +214,39 @@ def test_expert_count_surrogate_gradient_equals_autograd_through_its_formula():
         grads.append(logits.grad)
     torch.testing.assert_close(grads[0], grads[1], rtol=1e-6, atol=1e-9)
     assert grads[0].abs().sum() > 0
+
+
+def test_layers_expected_cost_stacks_each_layers_own_cost_and_gradient():
+    """S layers' decisions in one pass: each layer's (B, T) flops and mem, and the gradient of
+    their total to every layer's relaxed decisions and expert logits, as S `expected_cost` calls."""
+    from megatron_triroute.routing.cost import layers_expected_cost
+
+    cfg = small_config()
+    g = torch.Generator().manual_seed(3)
+    B, T, S = 2, 5, 3
+    positions = torch.arange(T)
+
+    def layer_output():
+        z_attn = torch.randn(B, T, 2, 3, generator=g, requires_grad=True)
+        z_bits = torch.randn(B, T, 4, generator=g, requires_grad=True)
+        logits = torch.randn(B, T, 5, generator=g, requires_grad=True)
+        y_attn, y_bits = torch.softmax(z_attn, -1), torch.softmax(z_bits, -1)  # relaxed, differentiable
+        return RouterOutput(attn=AxisDecision(y_attn, y_attn, z_attn.argmax(-1)),
+                            bits=AxisDecision(y_bits, y_bits, z_bits.argmax(-1)),
+                            experts=top_k_gating(logits, 2, True), expert_logits=logits), (z_attn, z_bits, logits)
+
+    outs, leaves = zip(*(layer_output() for _ in range(S)))
+    leaves = [t for group in leaves for t in group]
+    together = layers_expected_cost(list(outs), positions, cfg.model, cfg.router)
+    alone = [expected_cost(o, positions, cfg.model, cfg.router) for o in outs]
+    assert together.flops.shape == (S, B, T)
+    torch.testing.assert_close(together.flops, torch.stack([c.flops for c in alone]), rtol=1e-12, atol=0)
+    torch.testing.assert_close(together.mem, torch.stack([c.mem for c in alone]), rtol=1e-12, atol=0)
+    weights = torch.rand(S, B, T, generator=g, dtype=torch.float64)  # a different weight per layer and token
+    want = torch.autograd.grad(sum((w * (c.flops + c.mem)).sum() for w, c in zip(weights, alone)), leaves,
+                               retain_graph=True)
+    got = torch.autograd.grad((weights * (together.flops + together.mem)).sum(), leaves)
+    assert any(w.abs().sum() > 0 for w in want[2::3])  # the expert logits do get a gradient
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    assert layers_expected_cost([outs[0]], positions, cfg.model, cfg.router).flops.shape == (B, T)
