@@ -20,7 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..routing.state import RoutingInputs, RoutingState
-from .layer import attach_routing_losses
+from .layer import finish_routing
 
 
 def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, inputs: RoutingInputs, state: RoutingState,
@@ -46,14 +46,14 @@ def run_layers(layers: Sequence[torch.nn.Module], x: torch.Tensor, inputs: Routi
 
 
 def _run(layers, x, inputs, state, rotary_pos_emb):
-    """The layers in order; in training their routing losses computed once for all of them and
-    attached to the last output (inside a recomputed chunk: its own layers')."""
+    """The layers in order; in training their routing losses and statistics computed once for all
+    of them, the losses attached to the last output (inside a recomputed chunk: its own layers')."""
     deferred: list | None = [] if layers and layers[0].training else None
     for layer in layers:
         x, state = layer(hidden_states=x, inputs=inputs, state=state, rotary_pos_emb=rotary_pos_emb,
-                         deferred_losses=deferred)
+                         deferred=deferred)
     if deferred:
-        x = attach_routing_losses(x, layers[0], deferred, inputs)
+        x = finish_routing(x, layers[0], deferred, inputs)
     return x, state
 
 

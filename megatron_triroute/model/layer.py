@@ -38,7 +38,7 @@ from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
 from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
-from ..routing.cost import MicroBatchCosts, budget_fractions, layers_expected_cost, noise_free_cost
+from ..routing.cost import MicroBatchCosts, budget_fractions, hard_cost, layers_expected_cost
 from ..routing.pricing import price_decisions
 from ..routing.losses import layers_aux_loss
 from ..routing.gumbel import one_hot
@@ -80,12 +80,13 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         self.head_slice = slice(tp_rank * heads_local, (tp_rank + 1) * heads_local)
 
     def forward(self, hidden_states: torch.Tensor, inputs: RoutingInputs, state: RoutingState,
-                rotary_pos_emb=None, deferred_losses: list | None = None) -> tuple[torch.Tensor, RoutingState]:
+                rotary_pos_emb=None, deferred: list | None = None) -> tuple[torch.Tensor, RoutingState]:
         """hidden_states [T, B, d] -> (hidden_states [T, B, d], the routing state for the next layer).
 
-        In training the layer's auxiliary and budget losses (`routing_loss`) ride its output; given
-        `deferred_losses` (the block's loop), it appends its router output there instead, and the
-        caller attaches the losses of all its layers at once (`attach_routing_losses`)."""
+        In training the layer's auxiliary and budget losses (`routing_loss`) ride its output and it
+        records its router statistics (`_record`); given `deferred` (the block's loop in training),
+        it appends its router output there instead, and the caller does both for all its layers at
+        once (`finish_routing`)."""
         cfg, step = self.triroute, self.step_state
         x = hidden_states
         B, T = inputs.psi.shape[:2]
@@ -120,13 +121,13 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
 
         # --- losses and statistics (lines 5-6) -------------------------------------------------
         costs = inputs.costs(cfg.model, cfg.router)  # the cost model's per-micro-batch constants
-        if self.training:
-            if deferred_losses is None:
+        if deferred is not None:
+            deferred.append(out)
+        else:
+            if self.training:
                 x = MoEAuxLossAutoScaler.apply(x, self.routing_loss([out], positions, costs))
-            else:
-                deferred_losses.append(out)
-        if step.should_record(self.training):
-            self._record(out, positions, costs, observe_budget=self.training)
+            if step.should_record(self.training):
+                self._record([out], positions, costs, observe_budget=self.training)
 
         # --- the routing state the next layer reads -------------------------------------------
         reward = state.reward
@@ -156,39 +157,65 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
 
 
     @torch.no_grad()
-    def _record(self, out: RouterOutput, positions: torch.Tensor, costs: MicroBatchCosts, observe_budget: bool) -> None:
+    def _record(self, outs: list[RouterOutput], positions: torch.Tensor, costs: MicroBatchCosts,
+                observe_budget: bool) -> None:
+        """Add the router statistics of S consecutive layers, this one first, whose outputs are
+        `outs` to their rows of the statistics (their decisions stacked: one pass for all S)."""
         cfg, stats = self.triroute, self.step_state.statistics
         sl = stats.slices()
-        B, T = out.attn.y.shape[:2]
-        f64 = dict(dtype=torch.float64, device=out.attn.y.device)
-        parts = {"tokens": torch.full((1,), float(B * T), **f64)}  # in the row's layout order
-        parts["attn/fraction"] = one_hot(out.attn.hard, len(ATTN_MODES), torch.float64).sum((0, 1, 2)) / out.attn.hard.shape[2]
-        if out.attn.logits is not None:
-            parts["attn/prob"] = softmax(out.attn.logits.double()).mean(2).sum((0, 1))
-        if out.experts is not None:
-            n = out.experts.probs.shape[-1]
-            parts["experts/fraction"] = one_hot(out.experts.option, n, torch.float64).sum((0, 1, 2)) / cfg.router.top_k
-            parts["experts/prob"] = out.experts.probs.double().sum((0, 1))
-        parts["bits/fraction"] = one_hot(out.bits.hard, stats.n_bits, torch.float64).sum((0, 1))
-        if out.bits.logits is not None:
-            parts["bits/prob"] = softmax(out.bits.logits.double()).sum((0, 1))
-        hard = noise_free_cost(out, positions, cfg.model, cfg.router, costs)
-        cost = torch.stack([hard.flops.sum(), hard.kv_bits.sum()])
+        S = len(outs)
+        stack = lambda get: torch.stack([get(o) for o in outs]) if S > 1 else get(outs[0]).unsqueeze(0)  # noqa: E731
+        first = outs[0]
+        attn = stack(lambda o: o.attn.hard)  # (S, B, T, H)
+        B, T = attn.shape[1:3]
+        f64 = dict(dtype=torch.float64, device=attn.device)
+
+        def where_present(get, reduce):
+            """reduce(stacked) over the layers whose `get` is not None (a layer-group follower has
+            no attention logits), zeros in the other layers' rows; None when no layer has it."""
+            have = [i for i, o in enumerate(outs) if get(o) is not None]
+            if len(have) == S:
+                return reduce(stack(get))
+            if not have:
+                return None
+            values = reduce(torch.stack([get(outs[i]) for i in have]))
+            return values.new_zeros(S, values.shape[-1]).index_copy_(0, torch.tensor(have, device=attn.device), values)
+
+        parts = {"tokens": torch.full((S, 1), float(B * T), **f64)}  # in the row's layout order
+        parts["attn/fraction"] = one_hot(attn, len(ATTN_MODES), torch.float64).sum((1, 2, 3)) / attn.shape[3]
+        parts["attn/prob"] = where_present(lambda o: o.attn.logits, lambda z: softmax(z.double()).mean(3).sum((1, 2)))
+        if first.experts is not None:
+            n = first.experts.probs.shape[-1]
+            parts["experts/fraction"] = (one_hot(stack(lambda o: o.experts.option), n, torch.float64).sum((1, 2, 3))
+                                         / cfg.router.top_k)
+            parts["experts/prob"] = stack(lambda o: o.experts.probs).double().sum((1, 2))
+        bits = stack(lambda o: o.bits.hard)  # (S, B, T)
+        parts["bits/fraction"] = one_hot(bits, stats.n_bits, torch.float64).sum((1, 2))
+        parts["bits/prob"] = where_present(lambda o: o.bits.logits, lambda z: softmax(z.double()).sum((1, 2)))
+        index = None if first.experts is None else stack(lambda o: o.experts.index)
+        hard = hard_cost(attn, index, bits, positions, cfg.model, cfg.router, costs)  # the noise-free decisions'
+        cost = torch.stack([hard.flops.sum((1, 2)), hard.kv_bits.sum((1, 2))], -1)  # (S, 2)
         dense_sums = costs.dense_sums
-        parts["cost"], parts["dense"] = cost, dense_sums
-        # one add over the layer's row; a slice nothing recorded this micro-batch adds zeros
-        stats.sums[self.layer_number - 1].add_(torch.cat(
-            [parts[name] if name in parts else torch.zeros(s.stop - s.start, **f64) for name, s in sl.items()]))
+        parts["cost"], parts["dense"] = cost, dense_sums.expand(S, 2)
+        # one add over the layers' rows; a slice nothing recorded this micro-batch adds zeros
+        row = self.layer_number - 1
+        stats.sums[row:row + S].add_(torch.cat(
+            [parts[name] if parts.get(name) is not None else torch.zeros(S, s.stop - s.start, **f64)
+             for name, s in sl.items()], -1))
         if observe_budget:
-            self.step_state.budget.observe(cost, dense_sums)
+            self.step_state.budget.observe(cost.sum(0), dense_sums * S)
 
 
-def attach_routing_losses(x: torch.Tensor, layer: TriRouteTransformerLayer, outs: list[RouterOutput],
-                          inputs: RoutingInputs) -> torch.Tensor:
-    """x with the routing losses of the layers that deferred them (`outs`, in the block's loop)
-    riding it into the backward (`layer`: any of them, for the config and the step state)."""
+def finish_routing(x: torch.Tensor, layer: TriRouteTransformerLayer, outs: list[RouterOutput],
+                   inputs: RoutingInputs) -> torch.Tensor:
+    """In training, what the layers that deferred it (`outs`, consecutive, `layer` the first) leave
+    to the block's loop, done once for all of them: their routing losses riding x into the
+    backward, and their router statistics recorded."""
     if not outs:
         return x
     cfg = layer.triroute
-    loss = layer.routing_loss(outs, inputs.positions, inputs.costs(cfg.model, cfg.router))
-    return MoEAuxLossAutoScaler.apply(x, loss)
+    costs = inputs.costs(cfg.model, cfg.router)
+    x = MoEAuxLossAutoScaler.apply(x, layer.routing_loss(outs, inputs.positions, costs))
+    if layer.step_state.should_record(True):
+        layer._record(outs, inputs.positions, costs, observe_budget=True)
+    return x

@@ -224,13 +224,13 @@ def hard_cost(
 ) -> HardCost:
     """Hard accounting from integer decisions: attn_modes (B, T, H) in ATTN_MODES order,
     expert_index (B, T, k) with -1 = null (None = dense FFN), bit_option (B, T) index into
-    router.bits (or 0 = the uniform width); `batch`: the positions' `micro_batch_costs`."""
-    B, T, _ = attn_modes.shape
+    router.bits (or 0 = the uniform width), each with any leading dims (several layers' stacked);
+    `batch`: the positions' `micro_batch_costs`."""
     keys = _keys(positions, router) if batch is None else batch.keys  # (B or 1, T, N_MODES)
-    per_head = keys.unsqueeze(2).expand(B, T, attn_modes.shape[2], N_MODES).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
+    per_head = keys.unsqueeze(2).expand(*attn_modes.shape, N_MODES).gather(-1, attn_modes.unsqueeze(-1)).squeeze(-1)
     attn = 2.0 * model.d_head * per_head.sum(-1)
     if expert_index is None:
-        runs = torch.ones(B, T, dtype=torch.float64, device=attn_modes.device)
+        runs = torch.ones(attn.shape, dtype=torch.float64, device=attn_modes.device)
         ffn = runs * 3.0 * model.d_model * model.d_ff
     else:
         runs = (expert_index >= 0).sum(-1).double()

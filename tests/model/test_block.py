@@ -1,5 +1,6 @@
-"""The block computes its layers' routing losses once (every layer's axes in one block): the same
-gradients as each layer attaching its own."""
+"""The block computes its layers' routing losses and statistics once (every layer's axes in one
+block, their decisions stacked): the same gradients, statistics and budget observations as each
+layer doing its own."""
 
 import pytest
 import torch
@@ -31,16 +32,18 @@ def _grads(cfg, mode: str):
         model, groups = build(cfg, seed=2)
         engine = TrainEngine(model, groups, torch.optim.SGD(model.parameters(), lr=0.1), total_steps=10)
         tokens, labels, idx = batch(cfg, n=2, seed=1)
-        engine.train_step([MicroBatch(tokens, labels, torch.ones_like(tokens, dtype=torch.float), idx)], 0)
+        report = engine.train_step([MicroBatch(tokens, labels, torch.ones_like(tokens, dtype=torch.float), idx)], 0)
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        grads["statistics"] = report.statistics.clone()
+        grads["realised"], grads["lambdas"] = torch.tensor(report.realised), torch.tensor(report.lambdas)
     finally:
         block._run, TriRouteTransformerLayer.routing_loss = run, routing_loss
         destroy_parallel()
     return grads, calls
 
 
-def _worker(rank, world_size):
-    cfg = tiny_triroute()
+def _worker(rank, world_size, router):
+    cfg = tiny_triroute(**router)
     together, calls = _grads(cfg, "together")
     assert calls == [cfg.model.n_layers], calls  # one call for every layer of the stage
     alone, calls = _grads(cfg, "per_layer")
@@ -48,10 +51,15 @@ def _worker(rank, world_size):
     assert together.keys() == alone.keys()
     for name in together:
         torch.testing.assert_close(together[name], alone[name], rtol=1e-5, atol=1e-7, msg=name)
+    stats = together["statistics"]
+    assert stats.shape[0] == cfg.model.n_layers and (stats != 0).any(dim=1).all()  # every layer's row recorded
+    assert (together["realised"] > 0).all()
     without, _ = _grads(cfg, "none")  # the check can fail: the losses move the controllers' gradients
     assert any(not torch.allclose(together[n], without[n], atol=1e-6) for n in together if "controller" in n)
 
 
 @pytest.mark.distributed
-def test_the_blocks_routing_losses_give_each_layers_own_gradients():
-    run_distributed(_worker, 1, timeout=240)
+@pytest.mark.parametrize("router", [{}, {"attn_granularity": "layer_group", "layer_group_size": 2}],
+                         ids=["per_layer", "layer_group"])  # layer-group followers have no attention logits
+def test_the_blocks_routing_losses_and_statistics_equal_each_layers_own(router):
+    run_distributed(_worker, 1, router, timeout=240)
