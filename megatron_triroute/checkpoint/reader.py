@@ -24,8 +24,7 @@ import torch
 
 from ..config import TriRouteConfig
 from ..durability import resolve_dir
-from ..experts.stacked import stack_per_expert_names
-from .sharded import GLOBAL_FORMAT, current_name, full_model_state
+from .sharded import GLOBAL_FORMAT, current_name, full_model_state, stack_per_expert_names
 from .store import (
     EXTRA_DIR, CheckpointError, CheckpointNotFoundError, latest_valid_checkpoint, load_checkpoint, split_step_dir,
     step_dir_name,

@@ -91,6 +91,26 @@ def current_name(name: str) -> str:
     return _CURRENT_NAMES.get(name, name)
 
 
+_PER_EXPERT = re.compile(r"(.*)deepspeed_experts\.(\d+)\.(w[123])\.weight")
+
+
+def stack_per_expert_names(state: dict) -> dict:
+    """`state` with every run of per-expert tensors (`<p>deepspeed_experts.<i>.w1.weight`, i = 0..n-1,
+    DeepSpeed's ``Experts`` layout) replaced by one stacked tensor `<p>w1.weight` (n, ...), the
+    layout of `experts.stacked.StackedExperts`; other entries as they are."""
+    groups: dict[tuple[str, str], dict[int, str]] = {}
+    for key in state:
+        m = _PER_EXPERT.fullmatch(key)
+        if m:
+            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = key
+    out = {k: v for k, v in state.items() if not _PER_EXPERT.fullmatch(k)}
+    for (prefix, name), keys in groups.items():
+        if sorted(keys) != list(range(len(keys))):
+            raise ValueError(f"{prefix}deepspeed_experts: experts {sorted(keys)} are not 0..{len(keys) - 1}")
+        out[f"{prefix}{name}.weight"] = torch.stack([state[keys[i]] for i in range(len(keys))])
+    return out
+
+
 def _read_earlier_names(sharded: dict, metadata) -> dict:
     """`sharded` with each renamed tensor asked for under its earlier name where the checkpoint has
     only that one."""

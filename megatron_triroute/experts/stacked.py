@@ -16,18 +16,19 @@ hooks that modules' forward runs (Megatron DDP's wait for an overlapped paramete
 wherever the weights are used.
 
 Checkpoints written with one module per expert (``deepspeed_experts.<i>.w1.weight``, the layout of
-DeepSpeed's ``Experts``) load through :func:`stack_per_expert_names`.
+DeepSpeed's ``Experts``) load through :func:`megatron_triroute.checkpoint.sharded.stack_per_expert_names`.
 """
 
 from __future__ import annotations
 
 import functools
-import re
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ..checkpoint.sharded import stack_per_expert_names
 
 InitMethod = Callable[[torch.Tensor], object]  # Megatron convention: initialise a tensor in place
 
@@ -119,26 +120,6 @@ class StackedExperts(nn.Module):
             parts = swiglu(x, *experts[i]).split(rows)
             outputs.append(torch.stack([F.pad(part, (0, 0, 0, capacity - r)) for part, r in zip(parts, rows)]))
         return torch.stack(outputs, dim=1)
-
-
-_PER_EXPERT = re.compile(r"(.*)deepspeed_experts\.(\d+)\.(w[123])\.weight")
-
-
-def stack_per_expert_names(state: dict) -> dict:
-    """`state` with every run of per-expert tensors (`<p>deepspeed_experts.<i>.w1.weight`, i = 0..n-1,
-    DeepSpeed's ``Experts`` layout) replaced by one stacked tensor `<p>w1.weight` (n, ...), the
-    layout of :class:`StackedExperts`; other entries as they are."""
-    groups: dict[tuple[str, str], dict[int, str]] = {}
-    for key in state:
-        m = _PER_EXPERT.fullmatch(key)
-        if m:
-            groups.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = key
-    out = {k: v for k, v in state.items() if not _PER_EXPERT.fullmatch(k)}
-    for (prefix, name), keys in groups.items():
-        if sorted(keys) != list(range(len(keys))):
-            raise ValueError(f"{prefix}deepspeed_experts: experts {sorted(keys)} are not 0..{len(keys) - 1}")
-        out[f"{prefix}{name}.weight"] = torch.stack([state[keys[i]] for i in range(len(keys))])
-    return out
 
 
 def _stack_legacy_names(state_dict, prefix, *unused) -> None:

@@ -7,27 +7,31 @@ import torch
 
 from megatron_triroute.checkpoint import sharded
 from megatron_triroute.checkpoint.sharded import EARLIER_NAMES, full_model_state, load_model, save_model
+from megatron_triroute.distributed.one_process import build_model, single_process_parallel
 from tests.model.harness import tiny_triroute
 
 
-def _save_under_earlier_names(directory, model, monkeypatch):
+def _save_described_as(directory, model, monkeypatch, rewrite):
+    """save_model with the model's sharded description passed through `rewrite` (dict -> dict): what
+    an earlier writer described."""
     describe = sharded.model_sharded_state_dict
-
-    def earlier(m):
-        out = {}
-        for key, value in describe(m).items():
-            name = EARLIER_NAMES.get(key[len("model."):])
-            out[key] = replace(value, key=f"model.{name}") if name else value
-        return out
-
-    monkeypatch.setattr(sharded, "model_sharded_state_dict", earlier)
+    monkeypatch.setattr(sharded, "model_sharded_state_dict", lambda m: rewrite(describe(m)))
     save_model(directory, model)
     monkeypatch.setattr(sharded, "model_sharded_state_dict", describe)
 
 
-def test_final_norm_under_its_earlier_name_loads(tmp_path, monkeypatch):
-    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
+def _save_under_earlier_names(directory, model, monkeypatch):
+    def earlier(described):
+        out = {}
+        for key, value in described.items():
+            name = EARLIER_NAMES.get(key[len("model."):])
+            out[key] = replace(value, key=f"model.{name}") if name else value
+        return out
 
+    _save_described_as(directory, model, monkeypatch, earlier)
+
+
+def test_final_norm_under_its_earlier_name_loads(tmp_path, monkeypatch):
     cfg = tiny_triroute()
     with single_process_parallel() as groups:
         model = build_model(cfg, groups, seed=1)
@@ -52,11 +56,9 @@ def _save_with_one_tensor_per_expert(directory, model, monkeypatch):
     ShardedTensor of the same global [layers, experts, out, in] tensor, at its global id."""
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    describe = sharded.model_sharded_state_dict
-
-    def per_expert(m):
+    def per_expert(described):
         out = {}
-        for key, st in describe(m).items():
+        for key, st in described.items():
             if ".moe.experts.w" not in key:
                 out[key] = st
                 continue
@@ -68,14 +70,10 @@ def _save_with_one_tensor_per_expert(directory, model, monkeypatch):
                     replica_id=st.replica_id, prepend_axis_num=2)
         return out
 
-    monkeypatch.setattr(sharded, "model_sharded_state_dict", per_expert)
-    save_model(directory, model)
-    monkeypatch.setattr(sharded, "model_sharded_state_dict", describe)
+    _save_described_as(directory, model, monkeypatch, per_expert)
 
 
 def test_experts_written_one_tensor_per_expert_load_into_the_stacked_weights(tmp_path, monkeypatch):
-    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
-
     cfg = tiny_triroute()
     with single_process_parallel() as groups:
         model = build_model(cfg, groups, seed=1)

@@ -266,8 +266,10 @@ def test_per_expert_names_of_earlier_checkpoints_load_into_the_stacked_weights()
     layer.load_state_dict(legacy)
     for w in ("w1", "w3", "w2"):
         assert torch.equal(getattr(layer.experts, w).weight, getattr(other.experts, w).weight), w
-    converted = stacked.stack_per_expert_names({"a.b": torch.zeros(1), **legacy})
+    from megatron_triroute.checkpoint.sharded import stack_per_expert_names
+
+    converted = stack_per_expert_names({"a.b": torch.zeros(1), **legacy})
     assert sorted(converted) == ["a.b", "moe.experts.w1.weight", "moe.experts.w2.weight", "moe.experts.w3.weight"]
     del legacy["moe.experts.deepspeed_experts.2.w1.weight"]
     with pytest.raises(ValueError, match="not 0..2"):
-        stacked.stack_per_expert_names(legacy)
+        stack_per_expert_names(legacy)
