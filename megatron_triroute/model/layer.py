@@ -155,7 +155,6 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
         share = self.step_state.budget.penalty(frac / cfg.model.n_layers)
         return aux + share.to(aux.dtype)
 
-
     @torch.no_grad()
     def _record(self, outs: list[RouterOutput], positions: torch.Tensor, costs: MicroBatchCosts,
                 observe_budget: bool) -> None:
