@@ -302,26 +302,29 @@ class TriRouteController(nn.Module):
         undecided = lambda z: AxisDecision(None, None, None, logits=z)  # noqa: E731
         # gradient balancing's reference, once for the layer's axes (read where a backward can follow)
         reference = self._balance_reference() if raw and (self.training or torch.is_grad_enabled()) else None
+        # the logits the model path reads: every axis's gradient balanced in one node (the identity
+        # without a backward)
+        model_z = dict(zip(raw, GradBalance.balance_all([self.balance[a] for a in raw], list(raw.values()),
+                                                        reference))) if raw else {}
 
         if "attn" in raw:
-            attn = _expand_heads(self._categorical("attn", raw["attn"], noise, tau, reference), self.n_heads) if decide \
-                else undecided(raw["attn"])
+            attn = _expand_heads(self._categorical("attn", raw["attn"], model_z["attn"], noise, tau), self.n_heads) \
+                if decide else undecided(raw["attn"])
         elif router.attn_routing and prev is not None:  # layer_group follower reuses the leader's
             attn = AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard)
         else:
             attn = _constant_axis((B, T, self.n_heads), FULL, N_MODES, hidden.device)
 
         if "bits" in raw:
-            bits = self._categorical("bits", raw["bits"], noise, tau, reference) if decide else undecided(raw["bits"])
+            bits = self._categorical("bits", raw["bits"], model_z["bits"], noise, tau) if decide \
+                else undecided(raw["bits"])
         else:
             bits = _constant_axis((B, T), 0, 1, hidden.device)
 
         experts, expert_logits = None, None
         if "experts" in raw:
             expert_logits = raw["experts"]
-            balanced = (self.balance["experts"](expert_logits, reference) if torch.is_grad_enabled()
-                        else expert_logits)  # gradient balancing is the identity without a backward
-            experts = top_k_gating(balanced, router.top_k, router.null_expert) if decide else None
+            experts = top_k_gating(model_z["experts"], router.top_k, router.null_expert) if decide else None
         return RouterOutput(attn=attn, bits=bits, experts=experts, expert_logits=expert_logits)
 
     def _balance_reference(self) -> torch.Tensor:
@@ -340,15 +343,15 @@ class TriRouteController(nn.Module):
         g = key.gumbel_axes({_AXIS_ID[a]: tuple(raw[a].shape) for a in axes}, dtype, noise_fn=self.ops.noise)
         return {a: g[_AXIS_ID[a]] for a in axes}
 
-    def _categorical(self, axis: str, z: torch.Tensor, noise: dict[str, torch.Tensor], tau: float,
-                     reference: torch.Tensor | None) -> AxisDecision:
-        """ST-Gumbel (or REINFORCE) decision for one axis; z: (B, T, [H_a,] O)."""
+    def _categorical(self, axis: str, z: torch.Tensor, z_model: torch.Tensor, noise: dict[str, torch.Tensor],
+                     tau: float) -> AxisDecision:
+        """ST-Gumbel (or REINFORCE) decision for one axis; z: (B, T, [H_a,] O) raw logits, z_model
+        the same gradient-balanced (what the model path's gradient reaches)."""
         hard = z.argmax(-1)
         if not self.training:
             y = one_hot(hard, z.shape[-1], z.dtype)
             return AxisDecision(y, y, hard, logits=z)
         g = noise[axis]
-        z_model = self.balance[axis](z, reference)
         if self.config.router.estimator == "reinforce":
             sample = (z.detach() + g).argmax(-1)  # Gumbel-max: an exact sample of softmax(z)
             y = one_hot(sample, z.shape[-1], z.dtype)

@@ -30,17 +30,28 @@ from .running_stats import RunningStatistic
 
 
 class _GradBalanceFn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, z: torch.Tensor, rho: torch.Tensor, acc: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(rho)
-        ctx.acc = acc
-        return z.view_as(z)
+    """Identity on each of a layer's axes' logits; backward: each axis's gradient adds its squared
+    L2 norm (float64) to its module's accumulator and is divided by its divisor. Every axis in one
+    node: one multi-tensor norm and one accumulation for all of them."""
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        (rho,) = ctx.saved_tensors
-        ctx.acc += grad.detach().to(torch.float64).pow(2).sum()
-        return grad / rho.to(grad.dtype), None, None
+    def forward(ctx, divisors: torch.Tensor, accs: list[torch.Tensor], *zs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.save_for_backward(divisors)
+        ctx.accs = accs
+        ctx.set_materialize_grads(False)  # an axis whose output takes no gradient adds nothing
+        return tuple(z.view_as(z) for z in zs)
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor | None):
+        (divisors,) = ctx.saved_tensors
+        present = [i for i, g in enumerate(grads) if g is not None]
+        if not present:
+            return (None, None, *grads)
+        norms = torch._foreach_norm([grads[i] for i in present], 2, dtype=torch.float64)
+        torch._foreach_mul_(norms, norms)  # squared norms
+        torch._foreach_add_([ctx.accs[i] for i in present], norms)
+        divisor = divisors.unbind()
+        return (None, None, *(None if g is None else g / divisor[i].to(g.dtype) for i, g in enumerate(grads)))
 
 
 class GradBalance(RunningStatistic):
@@ -55,11 +66,19 @@ class GradBalance(RunningStatistic):
 
     def forward(self, z: torch.Tensor, reference: torch.Tensor | None = None) -> torch.Tensor:
         """Identity; backward divides by rho / reference (reference None: by rho itself)."""
-        if not self.enabled or not torch.is_grad_enabled():
-            return z
+        return GradBalance.balance_all([self], [z], reference)[0]
+
+    @staticmethod
+    def balance_all(modules: list["GradBalance"], zs: list[torch.Tensor],
+                    reference: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """`forward` of each module on its own axis's logits, through one autograd node (the
+        modules share `enabled`)."""
+        if not modules[0].enabled or not torch.is_grad_enabled():
+            return list(zs)
         # rho and the reference are buffers and their functions: nothing tracks a gradient to stop
-        divisor = self.rho if reference is None else self.rho / reference
-        return _GradBalanceFn.apply(z, divisor, self._acc)
+        rho = torch.stack([m.rho for m in modules]) if len(modules) > 1 else modules[0].rho.view(1)
+        divisors = rho if reference is None else rho / reference
+        return list(_GradBalanceFn.apply(divisors, [m._acc for m in modules], *zs))
 
     def pending(self) -> torch.Tensor:
         return self._acc
