@@ -34,10 +34,6 @@ InitMethod = Callable[[torch.Tensor], object]  # Megatron convention: initialise
 
 default_init_method: InitMethod = functools.partial(nn.init.normal_, mean=0.0, std=0.02)
 
-PROJECTIONS = ("w1", "w3", "w2")
-"""gate, up and down projections, in the order each expert initialises them."""
-
-
 def swiglu(x: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     """One expert: w2(silu(w1 x) * w3 x), each w an nn.Linear weight (out, in); (..., d) -> (..., d)."""
     return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
