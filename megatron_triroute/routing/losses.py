@@ -185,13 +185,19 @@ def loss_axes(out: RouterOutput) -> list[tuple[str, torch.Tensor, torch.Tensor]]
     return axes
 
 
+def _balancing_loss(axes: list[tuple[str, torch.Tensor, torch.Tensor]], cfg: LossConfig, with_terms: bool
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`_BalancingLoss` over `axes` (`loss_axes` entries): (total, (axes, 4) terms or an empty
+    tensor); (0, None) without axes."""
+    if not axes:
+        return torch.zeros(()), None
+    return _BalancingLoss.apply(cfg, with_terms, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))
+
+
 def layers_aux_loss(outs: list[RouterOutput], cfg: LossConfig) -> torch.Tensor:
     """sum over the layers of `outs` of `router_aux_loss`'s total: every layer's axes as segments
     of one block (`_BalancingLoss`), so each axis's terms and gradient are its own, as one layer's."""
-    axes = [axis for out in outs for axis in loss_axes(out)]
-    if not axes:
-        return torch.zeros(())
-    return _BalancingLoss.apply(cfg, False, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))[0]
+    return _balancing_loss([axis for out in outs for axis in loss_axes(out)], cfg, False)[0]
 
 
 def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
@@ -201,14 +207,10 @@ def router_aux_loss(out: RouterOutput, cfg: LossConfig, with_terms: bool = True
     Returns the total and a dict of detached per-axis terms for logging (`with_terms=False`: an
     empty dict, and none of their ops run; the total is the same bit for bit).
     """
-    if not with_terms:
-        return layers_aux_loss([out], cfg), {}
     axes = loss_axes(out)
-    if not axes:
-        return torch.zeros(()), {}
-    total, values = _BalancingLoss.apply(cfg, with_terms, tuple(ex for _, _, ex in axes), *(z for _, z, _ in axes))
+    total, values = _balancing_loss(axes, cfg, with_terms)
     terms: dict[str, torch.Tensor] = {}
-    if with_terms:
+    if with_terms and axes:
         for (name, logits, _), (bal, z, ent, entropy) in zip(axes, values.unbind()):
             terms[f"{name}/load"], terms[f"{name}/z"] = bal, z
             terms[f"{name}/entropy_floor"] = ent if cfg.use_entropy_floor else torch.zeros(())
