@@ -34,6 +34,7 @@ from .side_features import (
     WIDTH_ONE_HOT,
     decision_feature_size,
 )
+from .trunk_grad import shared_trunk_logits
 from .whitening import RunningWhitening
 
 if (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT) != (slice(0, N_MODES), N_MODES, slice(N_MODES + 1, None)):
@@ -222,6 +223,9 @@ class TriRouteController(nn.Module):
             if few_rows(hidden):  # a decode step's few float32 rows on a CPU: one C++ call
                 z = self._fused_logits(hidden, side).view(B, T, -1)
                 return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
+        if sharing == "shared_trunk" and not folded:  # the same values, one hand-derived backward
+            z = shared_trunk_logits(hidden, side, self.input_norm, self.trunk, [self.heads[a] for a in self.sizes])
+            return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
         x = torch.cat([self.input_norm(hidden), side], dim=-1)
         if sharing == "separate":
             return {a: self.heads[a](self.trunks[a](x)) for a in self.sizes}
@@ -229,23 +233,8 @@ class TriRouteController(nn.Module):
         if sharing == "single_head":
             u = self.shared_head(h) if self.sizes else None
             return {a: u[..., :n] for a, n in self.sizes.items()}
-        if folded:
-            weight, bias = self._folded_heads()
-            z = torch.addmm(bias, h, weight.t()).view(B, T, -1)  # (B, T, sum of the heads' sizes)
-            return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
-        return self._heads_together(h)
-
-    def _heads_together(self, h: torch.Tensor) -> dict[str, torch.Tensor]:
-        """Every head of the shared trunk (`RouterHead.forward` each) as one matmul over their
-        weights stacked, one whitening pass (`RunningWhitening.whiten_all`) and one gain and bias:
-        the parameters and statistics stay per head."""
-        heads = [self.heads[a] for a in self.sizes]
-        if len(heads) == 1:
-            return {a: heads[0](h) for a in self.sizes}
-        u = F.linear(h, torch.cat([hd.proj.weight for hd in heads]))
-        if heads[0].whiten is not None:
-            u = torch.cat([hd.gain for hd in heads]) * RunningWhitening.whiten_all([hd.whiten for hd in heads], u)
-        z = u + torch.cat([hd.bias for hd in heads])
+        weight, bias = self._folded_heads()  # folded: the shared trunk's other case returned above
+        z = torch.addmm(bias, h, weight.t()).view(B, T, -1)  # (B, T, sum of the heads' sizes)
         return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))
 
     def _folded_heads(self) -> tuple[torch.Tensor, torch.Tensor]:

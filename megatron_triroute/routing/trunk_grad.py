@@ -1,0 +1,115 @@
+"""The shared-trunk controller's logits with a hand-derived backward, for training.
+
+    x = [RMSNorm(hidden; w_in); psi],  h = RMSNorm(W2 gelu(W1 x + b1) + b2; w_h),
+    u = W h (every head's projection stacked),  z = gain * whiten(u) + bias
+
+is what `Trunk` and `RouterHead` compute with autograd (the definition); this computes the same
+forward (the same ops in the same order, so the same values) and one backward for all of it
+(`tests/routing/test_trunk_grad.py` compares the two, values and every gradient, and counts the
+ops: 118 for a forward and backward where the modules under autograd dispatch 211). The backward:
+
+    dbias = sum_rows dz,  dgain = sum_rows dz * s,  du = dz * (gain / (std + eps)),
+    dW = du^T h,  dh = du W,
+    RMSNorm (y = w * x r, r = rsqrt(mean(x^2) + eps)):  dw = sum_rows dy * x r,
+        dx = r (g - x r mean(g * x r)),  g = dy * w,
+    dW2 = dt^T a, db2 = sum_rows dt, da = dt W2,  dpre = gelu'(pre) da,  dW1 = dpre^T x, ...
+
+The whitening statistics are detached buffers (no gradient through them); they accumulate in the
+forward exactly as `RunningWhitening.whiten_all` does, here by calling it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .whitening import RunningWhitening
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x; weight), rstd): `nn.RMSNorm`'s values with the reciprocal RMS kept for the backward."""
+    return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+
+
+def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                       weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dweight) of y = weight * x rstd over the last dim (rows: every other dim)."""
+    x_hat = x * rstd
+    d_weight = (dy * x_hat).sum(0)
+    g = dy * weight
+    dx = rstd * (g - x_hat * (g * x_hat).mean(-1, keepdim=True))
+    return dx, d_weight
+
+
+class SharedTrunkLogits(torch.autograd.Function):
+    """z (N, sum of the heads' sizes) of rows hidden (N, D), side (N, F); see the module doc.
+    `heads` is a tuple of (proj.weight, gain, bias) per head (gain None without whitening),
+    `whiten` the heads' `RunningWhitening` modules (None without), `eps` the two norms' eps."""
+
+    @staticmethod
+    def forward(ctx, meta, hidden, side, w_in, w1, b1, w2, b2, w_h, *head_params):
+        whiten, eps_in, eps_h, n_heads = meta
+        proj = head_params[:n_heads]
+        gain = head_params[n_heads:2 * n_heads] if whiten is not None else ()
+        bias = head_params[len(head_params) - n_heads:]
+        x_n, r_in = _rms_norm(hidden, w_in, eps_in)
+        x = torch.cat([x_n, side], -1)
+        pre = F.linear(x, w1, b1)
+        a = F.gelu(pre)
+        t = F.linear(a, w2, b2)
+        h, r_h = _rms_norm(t, w_h, eps_h)
+        weight = torch.cat(proj) if n_heads > 1 else proj[0]
+        u = F.linear(h, weight)
+        if whiten is not None:
+            s = RunningWhitening.whiten_all(whiten, u)
+            gain_all = torch.cat(gain) if n_heads > 1 else gain[0]
+            u = gain_all * s
+        else:
+            s = gain_all = None
+        z = u + (torch.cat(bias) if n_heads > 1 else bias[0])
+        ctx.meta = meta
+        ctx.sizes = [p.shape[0] for p in proj]
+        ctx.side_grad = side.requires_grad
+        ctx.save_for_backward(hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all)
+        return z
+
+    @staticmethod
+    def backward(ctx, dz):
+        hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all = ctx.saved_tensors
+        whiten, _, _, n_heads = ctx.meta
+        d_bias = dz.sum(0)
+        if whiten is not None:
+            var = torch.cat([m.var for m in whiten]) if n_heads > 1 else whiten[0].var
+            d_gain = (dz * s).sum(0)
+            du = dz * (gain_all / (var.sqrt() + whiten[0].eps))
+        else:
+            d_gain, du = None, dz
+        d_weight = du.t().mm(h)
+        dh = du.mm(weight)
+        dt, d_wh = _rms_norm_backward(dh, t, r_h, w_h)
+        d_w2, d_b2, da = dt.t().mm(a), dt.sum(0), dt.mm(w2)
+        d_pre = torch.ops.aten.gelu_backward(da, pre)
+        d_w1, d_b1, dx = d_pre.t().mm(x), d_pre.sum(0), d_pre.mm(w1)
+        D = hidden.shape[-1]
+        d_hidden, d_win = _rms_norm_backward(dx[:, :D], hidden, r_in, w_in)
+        d_side = dx[:, D:] if ctx.side_grad else None
+        split = lambda g: g.split(ctx.sizes) if n_heads > 1 else (g,)  # noqa: E731
+        heads = [*split(d_weight), *(split(d_gain) if d_gain is not None else ()), *split(d_bias)]
+        return (None, d_hidden, d_side, d_win, d_w1, d_b1, d_w2, d_b2, d_wh, *heads)
+
+
+def shared_trunk_logits(hidden: torch.Tensor, side: torch.Tensor, input_norm, trunk, heads: list) -> torch.Tensor:
+    """z (..., sum of the heads' sizes) of the controller's modules: `input_norm` (RMSNorm), `trunk`
+    (`Trunk`), `heads` (`RouterHead`s, all whitened or none), through `SharedTrunkLogits`."""
+    whiten = [hd.whiten for hd in heads] if heads[0].whiten is not None else None
+    params = [hd.proj.weight for hd in heads]
+    if whiten is not None:
+        if any(m.eps != whiten[0].eps for m in whiten):
+            raise ValueError("shared_trunk_logits: the heads' whitening must share eps")
+        params += [hd.gain for hd in heads]
+    params += [hd.bias for hd in heads]
+    meta = (whiten, input_norm.eps, trunk.norm.eps, len(heads))
+    z = SharedTrunkLogits.apply(meta, hidden.reshape(-1, hidden.shape[-1]), side.reshape(-1, side.shape[-1]),
+                                input_norm.weight, trunk.fc1.weight, trunk.fc1.bias, trunk.fc2.weight,
+                                trunk.fc2.bias, trunk.norm.weight, *params)
+    return z.view(*hidden.shape[:-1], z.shape[-1])
