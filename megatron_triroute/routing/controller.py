@@ -34,7 +34,7 @@ from .side_features import (
     WIDTH_ONE_HOT,
     decision_feature_size,
 )
-from .trunk_grad import shared_trunk_logits
+from .trunk_grad import run_forward_pre_hooks, shared_trunk_logits
 from .whitening import RunningWhitening
 
 if (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT) != (slice(0, N_MODES), N_MODES, slice(N_MODES + 1, None)):
@@ -233,6 +233,7 @@ class TriRouteController(nn.Module):
         if sharing == "single_head":
             u = self.shared_head(h) if self.sizes else None
             return {a: u[..., :n] for a, n in self.sizes.items()}
+        run_forward_pre_hooks([*self.heads.values(), *(hd.proj for hd in self.heads.values())])  # read, not called
         weight, bias = self._folded_heads()  # folded: the shared trunk's other case returned above
         z = torch.addmm(bias, h, weight.t()).view(B, T, -1)  # (B, T, sum of the heads' sizes)
         return dict(zip(self.sizes, z.split(list(self.sizes.values()), -1)))

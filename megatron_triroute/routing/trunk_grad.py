@@ -98,6 +98,19 @@ class SharedTrunkLogits(torch.autograd.Function):
         return (None, d_hidden, d_side, d_win, d_w1, d_b1, d_w2, d_b2, d_wh, *heads)
 
 
+def run_forward_pre_hooks(modules) -> None:
+    """Each module's forward pre-hooks, without its forward: for code that reads a module's
+    parameters without calling it. A data-parallel engine that all-gathers parameters while the
+    forward runs (Megatron-Core's distributed optimizer with `overlap_param_gather`) waits for a
+    module's parameters in such a hook; without it the read could see last step's values."""
+    for m in modules:
+        for key, hook in m._forward_pre_hooks.items():
+            if key in m._forward_pre_hooks_with_kwargs:
+                hook(m, (), {})
+            else:
+                hook(m, ())
+
+
 def shared_trunk_logits(hidden: torch.Tensor, side: torch.Tensor, input_norm, trunk, heads: list) -> torch.Tensor:
     """z (..., sum of the heads' sizes) of the controller's modules: `input_norm` (RMSNorm), `trunk`
     (`Trunk`), `heads` (`RouterHead`s, all whitened or none), through `SharedTrunkLogits`."""
@@ -108,6 +121,7 @@ def shared_trunk_logits(hidden: torch.Tensor, side: torch.Tensor, input_norm, tr
             raise ValueError("shared_trunk_logits: the heads' whitening must share eps")
         params += [hd.gain for hd in heads]
     params += [hd.bias for hd in heads]
+    run_forward_pre_hooks([input_norm, trunk.fc1, trunk.fc2, trunk.norm, *heads, *(hd.proj for hd in heads)])
     meta = (whiten, input_norm.eps, trunk.norm.eps, len(heads))
     z = SharedTrunkLogits.apply(meta, hidden.reshape(-1, hidden.shape[-1]), side.reshape(-1, side.shape[-1]),
                                 input_norm.weight, trunk.fc1.weight, trunk.fc1.bias, trunk.fc2.weight,

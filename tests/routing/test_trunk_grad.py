@@ -102,3 +102,23 @@ def test_the_training_logits_dispatch_fewer_ops_than_the_modules_under_autograd(
             sum(z.sum() for z in out.values()).backward()
         counts.append(ops.n)
     assert counts[0] <= 0.7 * counts[1], counts
+
+
+def test_every_module_whose_parameters_are_read_sees_its_forward_pre_hooks():
+    """The logits read the modules' parameters without calling them; a data-parallel engine that
+    all-gathers parameters during the forward waits for them in forward pre-hooks, so those run
+    for every module holding a parameter read (training), and for the heads when evaluation folds
+    them (tests/training/test_dp_engine.py covers the engine itself)."""
+    cfg = tiny_config()
+    hidden, side = make_inputs(cfg)
+    ctrl = TriRouteController(cfg, 0)
+    seen = []
+    holders = [m for m in ctrl.modules() if any(True for _ in m.parameters(recurse=False))]
+    for m in holders:
+        m.register_forward_pre_hook(lambda mod, args, seen=seen: seen.append(mod))
+    ctrl.train().logits(hidden, side)
+    assert {id(m) for m in holders} <= {id(m) for m in seen}
+    seen.clear()
+    with torch.no_grad():
+        ctrl.eval().logits(hidden, side)
+    assert {id(m) for m in holders} <= {id(m) for m in seen}
