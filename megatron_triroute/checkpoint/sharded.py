@@ -106,7 +106,9 @@ def stack_per_expert_names(state: dict) -> dict:
     out = {k: v for k, v in state.items() if not _PER_EXPERT.fullmatch(k)}
     for (prefix, name), keys in groups.items():
         if sorted(keys) != list(range(len(keys))):
-            raise ValueError(f"{prefix}deepspeed_experts: experts {sorted(keys)} are not 0..{len(keys) - 1}")
+            raise ValueError(f"{prefix}deepspeed_experts: the state holds experts {sorted(keys)} of the per-expert "
+                             f"layout, not 0..{len(keys) - 1}: a rank's shard is missing or the file is "
+                             "truncated; load the complete checkpoint (every rank's file) or an earlier one")
         out[f"{prefix}{name}.weight"] = torch.stack([state[keys[i]] for i in range(len(keys))])
     return out
 
