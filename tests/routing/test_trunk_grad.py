@@ -1,7 +1,7 @@
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.op_counter import StepCounter
 from megatron_triroute import TriRouteController
 from megatron_triroute.routing.trunk_grad import _rms_norm, _rms_norm_backward
 
@@ -76,16 +76,6 @@ def test_rms_norm_backward_equals_autograd_and_a_hand_computation():
     assert abs(float((dx * x.detach()).sum())) < 1e-5
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.n = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.n += 1
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_training_logits_dispatch_fewer_ops_than_the_modules_under_autograd():
     """What the hand-derived backward is for: counted, forward and backward of one layer's logits
     dispatch at most 70 % of the aten ops the modules dispatch under autograd (measured: 118 against
@@ -96,11 +86,11 @@ def test_the_training_logits_dispatch_fewer_ops_than_the_modules_under_autograd(
     for run in (lambda c, h, s: c.logits(h, s), autograd_logits):
         ctrl = TriRouteController(cfg, 0).train()
         h = hidden.clone().requires_grad_()
-        ops = _Ops()
+        ops = StepCounter()
         with ops:
             out = run(ctrl, h, side)
             sum(z.sum() for z in out.values()).backward()
-        counts.append(ops.n)
+        counts.append(ops.ops)
     assert counts[0] <= 0.7 * counts[1], counts
 
 
