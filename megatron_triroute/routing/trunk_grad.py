@@ -43,8 +43,10 @@ def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
 
 class SharedTrunkLogits(torch.autograd.Function):
     """z (N, sum of the heads' sizes) of rows hidden (N, D), side (N, F); see the module doc.
-    `heads` is a tuple of (proj.weight, gain, bias) per head (gain None without whitening),
-    `whiten` the heads' `RunningWhitening` modules (None without), `eps` the two norms' eps."""
+    `meta` = (the heads' `RunningWhitening` modules or None, the input norm's eps, the trunk norm's
+    eps, the number of heads n); then the input norm's weight, fc1's weight and bias, fc2's weight
+    and bias, the trunk norm's weight; then the heads' projection weights (n), their gains (n, with
+    whitening only) and their biases (n)."""
 
     @staticmethod
     def forward(ctx, meta, hidden, side, w_in, w1, b1, w2, b2, w_h, *head_params):
