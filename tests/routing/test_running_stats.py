@@ -1,19 +1,9 @@
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.op_counter import StepCounter
 from megatron_triroute.routing.grad_balance import GradBalance
 from megatron_triroute.routing.running_stats import commit_running_statistics, discard_running_statistics
 from megatron_triroute.routing.whitening import RunningWhitening
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _whitening_reference(mean, var, steps, acc, m):
@@ -54,7 +44,7 @@ def test_batched_commit_equals_each_module_s_float64_update_bit_for_bit():
     expected_rho = [b.rho.clone() if b._acc[0] <= 0 else
                     (0.99 * b.rho.double() + 0.01 * b._acc[0].sqrt()).float() for b in balances]
     container = torch.nn.ModuleList([m for pair in zip(whitening, balances + [None]) for m in pair if m is not None])
-    ops = _Ops()
+    ops = StepCounter()
     with ops:
         commit_running_statistics([container])
     for w, (mean, var, steps) in zip(whitening, expected_w):
@@ -67,10 +57,10 @@ def test_batched_commit_equals_each_module_s_float64_update_bit_for_bit():
     # twice the modules dispatch no more ops
     twice = torch.nn.ModuleList([*_filled_modules(2)[0], *_filled_modules(3)[0], *_filled_modules(4)[1],
                                  *_filled_modules(5)[1]])
-    ops_twice = _Ops()
+    ops_twice = StepCounter()
     with ops_twice:
         commit_running_statistics([twice])
-    assert ops_twice.count == ops.count, (ops.count, ops_twice.count)
+    assert ops_twice.ops == ops.ops, (ops.ops, ops_twice.ops)
 
 
 def test_discard_zeroes_every_accumulator_and_moves_no_statistic():
