@@ -1,8 +1,11 @@
 """The multi-process harness itself: a passing group ends with status 0 after its exit handlers ran
 (a manager a rank started is shut down, not orphaned) and without the interpreter's finalisation
-(where a gloo worker thread can abort the process); a rank's failed check reaches the parent."""
+(where a gloo worker thread can abort the process); a rank's failed check reaches the parent; a rank
+forked from the preloaded server sees the environment of the call and nothing it did not import
+itself, and its output reaches the test that started it."""
 
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -43,6 +46,21 @@ def _rank_one_fails(rank: int, world_size: int) -> None:
     assert rank != 1, "rank 1's own check failed"
 
 
+def _report_environment_and_modules(rank: int, world_size: int, root: str) -> None:
+    Path(root, f"env_{rank}").write_text(f"{os.environ.get('TRIROUTE_HARNESS_PROBE')}|{os.environ.get('OMP_NUM_THREADS')}|"
+                                         f"{'TRIROUTE_HARNESS_GONE' in os.environ}")
+    # the server preloads third-party libraries only: the project modules here are the rank's own imports
+    Path(root, f"modules_{rank}").write_text(" ".join(sorted(m for m in sys.modules if m.startswith("megatron_triroute"))))
+    print(f"rank {rank} says hello on stdout")
+    print(f"rank {rank} says hello on stderr", file=sys.stderr)
+
+
+def _rank_one_dies_silently(rank: int, world_size: int) -> None:
+    if rank == 1:
+        print("rank 1's last words", file=sys.stderr, flush=True)
+        os._exit(7)
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -70,3 +88,27 @@ def test_a_rank_ends_after_its_exit_handlers_without_finalisation(tmp_path):
     for rank in range(2):
         assert (tmp_path / f"atexit_{rank}").read_text() == "ran"
         assert not (tmp_path / f"finalised_{rank}").exists()
+
+
+def test_a_rank_sees_the_environment_of_the_call_and_its_output_reaches_the_test(tmp_path, monkeypatch, capfd):
+    first = tmp_path / "first"
+    first.mkdir()
+    monkeypatch.setenv("TRIROUTE_HARNESS_GONE", "1")
+    run_distributed(_report_environment_and_modules, 1, str(first))  # the fork server runs from here on
+    assert (first / "env_0").read_text() == "None|1|True"
+    monkeypatch.setenv("TRIROUTE_HARNESS_PROBE", "set after the server started")
+    monkeypatch.delenv("TRIROUTE_HARNESS_GONE")
+    run_distributed(_report_environment_and_modules, 2, str(tmp_path))
+    for rank in range(2):
+        assert (tmp_path / f"env_{rank}").read_text() == "set after the server started|1|False"
+        modules = (tmp_path / f"modules_{rank}").read_text().split()
+        assert "megatron_triroute.parallel.cpu_compat" in modules  # the shim, imported by the rank
+        assert not any(m.startswith(("megatron_triroute.inference", "megatron_triroute.training")) for m in modules)
+    _, err = capfd.readouterr()
+    for rank in range(2):
+        assert f"rank {rank} says hello on stdout" in err and f"rank {rank} says hello on stderr" in err
+
+
+def test_a_rank_that_dies_without_reporting_fails_the_group_with_its_last_output():
+    with pytest.raises(AssertionError, match=r"(?s)exited with codes \[.*7.*\].*rank 1: .*rank 1's last words"):
+        run_distributed(_rank_one_dies_silently, 2, timeout=60)
