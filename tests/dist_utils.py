@@ -1,13 +1,15 @@
 """Run a test function on N gloo processes on one CPU machine.
 
-The ranks are forked from a fork server that has imported torch, Megatron-Core and DeepSpeed once
-(`PRELOAD`), so a group starts without the 3-6 s of imports each freshly spawned rank paid on a
-2-core machine. Each rank is still a fresh process for what a test touches: the server only imports
-third-party libraries (no process group, no device, no test or project code), a rank takes the
-parent's environment as it is at the call (not as it was when the server started), and its output
-(stdout, stderr, a fatal signal's stack) is handed to the test that started it. A test should still
-batch several checks into one call rather than start a group per check.
+On a machine without CUDA the ranks are forked from a fork server that has imported torch,
+Megatron-Core and DeepSpeed once (`PRELOAD`), so a group starts without the 3-6 s of imports each
+freshly spawned rank pays on a 2-core machine (with CUDA they are spawned: `_start_method`). Each
+rank is still a fresh process for what a test touches: the server only imports third-party
+libraries (no process group, no device, no test or project code), a rank takes the parent's
+environment as it is at the call (not as it was when the server started), and its output (stdout,
+stderr, a fatal signal's stack) is handed to the test that started it. A test should still batch
+several checks into one call rather than start a group per check.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -36,11 +38,17 @@ depend on this project's environment switches), never this project's modules, wh
 itself after taking the parent's environment."""
 
 
-def _context():
-    """The fork-server context, its preload set (it applies when the server starts: the first call)."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
-    return ctx
+def _start_method(backend: str) -> str:
+    """The fork server (its preload set applies when it starts: the first call) for gloo on a machine
+    without CUDA. With CUDA, fresh spawned processes: importing DeepSpeed asks torch whether CUDA is
+    available, which initialises the CUDA driver in the server, and a process forked after that
+    cannot use the GPU."""
+    import torch
+
+    if backend != "gloo" or torch.cuda.is_available():
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+    return "forkserver"
 
 
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, errors, shim: bool, backend: str,
@@ -118,8 +126,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
     without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.
     """
-    ctx = _context()
-    errors = ctx.SimpleQueue()
+    start_method = _start_method(backend)
+    errors = mp.get_context(start_method).SimpleQueue()
     port = free_port()
     environ = dict(os.environ, OMP_NUM_THREADS="1")  # 4 ranks x default threads would oversubscribe 2 cores
     with tempfile.TemporaryDirectory(prefix="ranks-") as output:
@@ -128,7 +136,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             args=(world_size, port, fn, args, errors, cpu_shim, backend, environ, output),
             nprocs=world_size,
             join=False,
-            start_method="forkserver",
+            start_method=start_method,
         )
         reports: list[tuple[int, str]] = []
         try:

@@ -112,3 +112,14 @@ def test_a_rank_sees_the_environment_of_the_call_and_its_output_reaches_the_test
 def test_a_rank_that_dies_without_reporting_fails_the_group_with_its_last_output():
     with pytest.raises(AssertionError, match=r"(?s)exited with codes \[.*7.*\].*rank 1: .*rank 1's last words"):
         run_distributed(_rank_one_dies_silently, 2, timeout=60)
+
+
+def test_ranks_are_forked_from_the_preloaded_server_only_for_gloo_without_cuda(monkeypatch):
+    import torch
+
+    from tests.dist_utils import _start_method
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert _start_method("gloo") == "forkserver" and _start_method("nccl") == "spawn"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # the server would initialise the driver
+    assert _start_method("gloo") == "spawn"
