@@ -11,8 +11,9 @@ each expert computes its own routes only. On a Hopper GPU in bf16 each grouped m
 CUTLASS kernel, so the layer's forward and backward never wait for the device. Elsewhere PyTorch
 loops over the groups (on CUDA, in float32, it reads the offsets to do so: one wait per matmul).
 
-Rows past the last expert's range (the null routes) are never computed by the grouped matmul: their
-values are masked out before the combine, and their gradients before they reach the tokens. The
+Rows past the last expert's range (the null routes) are never computed by the grouped matmul, nor
+read by it: their values are masked out in the combine's gather, and their gradients in the backward
+of the tokens' gather, before they reach the tokens. The
 combine undoes the sort with a gather and sums each token's k routes in place; the backward of
 both gathers is a gather too (`_GatherRows`), so forward and backward add in a fixed order (no
 atomics).
@@ -66,12 +67,13 @@ def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w
     order, inverse, valid, offsets = sort_routes(index, w1.shape[0])
     dtype = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
-        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, k)
-        rows = torch.where(valid, rows, 0)  # null rows: no gradient reaches the tokens through them
+        # null rows: read by no grouped matmul; their gradient (which none computes) is zeroed on the way back
+        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, k, None, valid)
         gate = F.grouped_mm(rows, w1.to(dtype).transpose(1, 2), offs=offsets)
         up = F.grouped_mm(rows, w3.to(dtype).transpose(1, 2), offs=offsets)
         y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)
-        y = _GatherRows.apply(torch.where(valid, y, 0), inverse, order, 1).view(N, k, -1)  # back to (token, route)
+        # back to (token, route), the null routes' rows (which no matmul computed) zeroed
+        y = _GatherRows.apply(y, inverse, order, 1, (index >= 0).view(-1, 1), None).view(N, k, -1)
         return (y * weight.to(dtype).unsqueeze(-1)).sum(1)
 
 
@@ -80,18 +82,29 @@ class _GatherRows(torch.autograd.Function):
     `back` lists, for each of t's rows times `k`, the out row that took it (the sort's inverse
     permutation, or its order), so the gradient is grad.index_select(0, back) summed over each
     row's k copies. `index_select`'s own backward is an `index_add_`: atomic adds, slow in bf16
-    and not deterministic where k > 1 rows add into one token."""
+    and not deterministic where k > 1 rows add into one token.
+
+    The null routes' rows are masked inside, where they need it: `keep` (out's rows, (n, 1) bool)
+    zeroes the out rows it leaves out, in the forward only (their gradient goes back to rows that
+    no grouped matmul reads); `keep_grad` (the same for the gradient arriving at out) zeroes
+    those rows of the gradient, in the backward only (the out rows themselves are read by no
+    grouped matmul). One `torch.where` each, instead of a `torch.where` in autograd's graph, whose
+    backward is a second pass over the same rows."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, src: torch.Tensor, back: torch.Tensor, k: int) -> torch.Tensor:
-        ctx.save_for_backward(back)
+    def forward(ctx, t: torch.Tensor, src: torch.Tensor, back: torch.Tensor, k: int, keep: torch.Tensor | None,
+                keep_grad: torch.Tensor | None) -> torch.Tensor:
+        ctx.save_for_backward(back, keep_grad)
         ctx.k = k
-        return t.index_select(0, src)
+        out = t.index_select(0, src)
+        return out if keep is None else torch.where(keep, out, 0)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        (back,) = ctx.saved_tensors
+        back, keep_grad = ctx.saved_tensors
+        if keep_grad is not None:
+            grad = torch.where(keep_grad, grad, 0)
         rows = grad.index_select(0, back)
         if ctx.k > 1:
             rows = rows.view(-1, ctx.k, grad.shape[-1]).sum(1)
-        return rows, None, None, None
+        return rows, None, None, None, None, None

@@ -73,6 +73,58 @@ def test_every_route_null_gives_exact_zeros():
     assert torch.equal(x.grad, torch.zeros_like(x)) and torch.equal(weight.grad, torch.zeros_like(weight))
 
 
+class _Uncomputed(torch.autograd.Function):
+    """`F.grouped_mm` whose rows past the last group (which it never computes) hold NaN, in its
+    output and in its input's gradient: what uninitialised memory may hold on any device."""
+
+    @staticmethod
+    def forward(ctx, a, b, offs):
+        ctx.save_for_backward(a, b, offs)
+        out = _GROUPED_MM(a, b, offs=offs).clone()
+        out[int(offs[-1]):] = float("nan")
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offs = ctx.saved_tensors
+        with torch.enable_grad():
+            a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+            ga, gb = torch.autograd.grad(_GROUPED_MM(a_, b_, offs=offs), (a_, b_), grad.nan_to_num(0.0))
+        ga = ga.clone()
+        ga[int(offs[-1]):] = float("nan")
+        return ga, gb, None
+
+
+_GROUPED_MM = torch.nn.functional.grouped_mm
+
+
+def test_rows_no_grouped_matmul_computes_never_reach_a_value_or_a_gradient(monkeypatch):
+    """The null routes' rows are never computed by the grouped matmuls: with NaN there (forward and
+    backward), the output and every gradient still equal the per-expert twin's."""
+    monkeypatch.setattr(torch.nn.functional, "grouped_mm", lambda a, b, offs: _Uncomputed.apply(a, b, offs))
+    g = torch.Generator().manual_seed(5)
+    N, k = 9, 2
+    index = torch.randint(-1, E, (N, k), generator=g)
+    index[2] = NULL_EXPERT
+    assert (index < 0).any()
+    x, weight, upstream = torch.randn(N, D, generator=g), torch.rand(N, k, generator=g), torch.randn(N, D, generator=g)
+    w1, w3, w2 = _weights(5)
+    results = []
+    for grouped in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, w1, w3, w2)]
+        xs, ws, a, b, c = leaves
+        out = grouped_swiglu(xs, index, ws, a, b, c) if grouped else \
+            routed_experts_torch(xs, index, ws, list(a), list(b), list(c))
+        (out * upstream).sum().backward()
+        results.append((out.detach(), [t.grad for t in leaves]))
+    (out, grads), (want, want_grads) = results
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(grads, want_grads):
+        assert torch.isfinite(got).all()
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
 def _layer(compute: str, seed: int = 3) -> TriRouteExperts:
     torch.manual_seed(seed)
     return TriRouteExperts(D, F_, E, top_k=2, compute=compute)
