@@ -295,7 +295,8 @@ def routed_experts_static(x, index, weight, w1, w3, w2) -> torch.Tensor:
         h = F.silu(torch.bmm(w1[e], xr)) * torch.bmm(w3[e], xr)  # (N k, F, 1)
         y = torch.bmm(w2[e], h).view(N, k, -1) * gate.unsqueeze(-1)  # (N, k, D)
         return torch.where(real.unsqueeze(-1), y, 0).sum(1)  # a null route adds nothing
-    routed = torch.zeros(N, E, dtype=torch.bool, device=x.device).scatter_(1, expert, real)
+    # a null route shares expert 0's column with a real one: counted, not scattered (which one lands is undefined)
+    routed = torch.zeros(N, E, dtype=torch.int32, device=x.device).scatter_add_(1, expert, real.int()) > 0
     dense = torch.zeros(N, E, dtype=x.dtype, device=x.device).scatter_add_(1, expert, gate)  # (N, E)
     h = F.silu(torch.matmul(x, w1.transpose(1, 2))) * torch.matmul(x, w3.transpose(1, 2))  # (E, N, F)
     y = torch.matmul(h, w2.transpose(1, 2)) * dense.T.unsqueeze(-1)  # (E, N, D)

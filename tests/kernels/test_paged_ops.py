@@ -375,6 +375,7 @@ def test_static_routed_experts_equal_the_loop_and_read_nothing_back(N):
     w2 = torch.randn(E, Dm, F_, generator=gen) * 0.2
     index = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(N)])
     index[0, 1] = -1  # a null route
+    index[-1] = torch.tensor([0, -1])  # a real route to expert 0, then a null one (which reads expert 0)
     weight = torch.rand(N, k, generator=gen)
     want = routed_experts_torch(x, index, weight, w1, w3, w2)
     with StepCounter() as counter:
