@@ -31,7 +31,10 @@ PROGRAMS_PER_SM = 8
 """Split-K aims for this many (row, KV head, split) programs per multiprocessor."""
 DOT = True
 """Scores and the weighted sum of values as `tl.dot` over the group's query heads (padded to 16
-rows), in PRECISION; False: broadcast products reduced per head."""
+rows), in PRECISION, where both of its reductions are long enough (`dot_fits`); False: broadcast
+products reduced per head."""
+MIN_DOT_K = 16
+"""The shortest reduction `tl.dot` compiles (head dim for the scores, slots per block for P.V)."""
 PRECISION = "tf32x3"
 """tl.dot's input precision: tf32x3 keeps float32 accuracy on the tensor cores."""
 SKIP_UNREAD = False
@@ -212,6 +215,11 @@ def used_entries(page_tables: torch.Tensor) -> torch.Tensor:
     return torch.where(page_tables >= 0, entries, 0).amax(-1).contiguous()
 
 
+def dot_fits(d: int, slots_per_block: int) -> bool:
+    """Whether `tl.dot` can take both products: q.K^T reduces over d, P.V over a block's slots."""
+    return min(d, slots_per_block) >= MIN_DOT_K
+
+
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
                            pages_per_block=PAGES_PER_BLOCK, num_warps=NUM_WARPS, num_stages=None, dot=DOT,
                            skip=SKIP_UNREAD, precision=PRECISION, packed=PACKED):
@@ -221,6 +229,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     kp0 = pools.k_pools[0]
     H_kv, P, W = kp0.num_kv_heads, kp0.page_size, len(pools.bits)
     slots, bits = launch_pools(pools, d, P, "paged attention")
+    dot = dot and dot_fits(d, pages_per_block * P)
     if H % H_kv:
         raise ValueError(f"{H} query heads do not share {H_kv} KV heads evenly")
     G = H // H_kv
@@ -243,7 +252,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
         q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
         page_tables.long().contiguous(), used, out, lse, counters,
         R, M, per_split, float(sm_scale), *args,
-        H_Q=H, H_KV=H_kv, G=G, GP=max(16, triton.next_power_of_2(G)) if dot else triton.next_power_of_2(G), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
+        H_Q=H, H_KV=H_kv, G=G, GP=max(16 if dot else 1, triton.next_power_of_2(G)), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
         PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, PACKED=packed, num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
         BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], BITS3=bits[3],

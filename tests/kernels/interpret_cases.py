@@ -115,7 +115,14 @@ def test_default_splits_fill_the_device_but_keep_pages_per_split():
 from tests.kernels.scenario import mixed_pools  # noqa: E402
 from triroute_kernels import PoolLists  # noqa: E402
 from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
-from triroute_kernels.triton_paged import paged_attention_triton, used_entries  # noqa: E402
+from triroute_kernels.triton_paged import dot_fits, paged_attention_triton, used_entries  # noqa: E402
+
+
+def test_dot_only_where_both_of_its_reductions_reach_sixteen():
+    """tl.dot does not compile a reduction shorter than 16 on a GPU (the interpreter takes any):
+    a head dim of 8, or blocks of 8 slots, take the broadcast products instead."""
+    assert dot_fits(16, 16) and dot_fits(64, 64)
+    assert not dot_fits(8, 64) and not dot_fits(64, 8)
 
 
 @pytest.mark.parametrize("H_kv,H,splits,knobs", [
