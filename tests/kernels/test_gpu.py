@@ -126,9 +126,10 @@ def test_cache_append_on_cuda_is_one_triton_launch_equal_to_the_cpu_op():
     gpu = [[kp for kp, _ in pairs], [vp for _, vp in pairs]]
     c_gpu, lost = counts.cuda(), torch.zeros(1, dtype=torch.long, device="cuda")
     args = [t.cuda() for t in (k, v, option, rows, positions)]
+    tables_gpu, pools_gpu = tables.cuda(), PoolLists.of(*gpu)  # a copy from the host waits: made before the check
     torch.cuda.set_sync_debug_mode("error")
     try:
-        cache_append(*args, c_gpu, tables.cuda(), P, PoolLists.of(*gpu), lost)
+        cache_append(*args, c_gpu, tables_gpu, P, pools_gpu, lost)
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert torch.equal(c_gpu.cpu(), c_cpu) and lost.item() == 0
