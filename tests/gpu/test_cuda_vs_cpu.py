@@ -20,6 +20,7 @@ from tests.model.harness import batch, build, tiny_triroute
 pytestmark = pytest.mark.gpu
 
 SYSTEMS = ("triroute", "dense", "moe")
+LR = 1e-3
 
 
 def _run(rank, world_size, device_name, out_path, system, local_attention="blocks", d_model=None):
@@ -39,7 +40,7 @@ def _run(rank, world_size, device_name, out_path, system, local_attention="block
     model, groups = build(cfg)
     device = torch.device(device_name)
     model.to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     engine = TrainEngine(model, groups, optimizer, total_steps=4, clip_grad=1.0)
     batches = []
     for seed in range(2):
@@ -92,6 +93,9 @@ def test_training_step_evaluation_and_calibration_agree_on_cuda_and_cpu(system, 
     # bisection on a piecewise-constant realised cost: a decision at a tie may move the bracket
     assert torch.tensor(gpu["prices"]) == pytest.approx(torch.tensor(cpu["prices"]), rel=0.05, abs=0.02)
     assert gpu["params"].keys() == cpu["params"].keys()
+    # AdamW (lr 1e-3) moves an element by about lr whatever its gradient's size, so where a gradient
+    # is near zero (near eps, or within its sum's rounding) each device's rounding sets the step:
+    # parameters agree within 5 % of one step (a wrong gradient moves them by whole steps)
     for name, value in cpu["params"].items():
-        torch.testing.assert_close(gpu["params"][name].to(value.dtype), value, rtol=1e-4, atol=1e-5,
+        torch.testing.assert_close(gpu["params"][name].to(value.dtype), value, rtol=1e-4, atol=0.05 * LR,
                                    msg=lambda detail, name=name: f"{name}: {detail}")
