@@ -75,9 +75,11 @@ ExpertCompute = Literal["auto", "grouped", "deepspeed"]
 EXPERT_COMPUTE: tuple[str, ...] = get_args(ExpertCompute)
 """How one rank's experts may run (`RouterConfig.expert_compute`, `experts.TriRouteExperts`)."""
 EXPERT_COMPUTE_FIX = "use " + ", ".join(EXPERT_COMPUTE[:-1]) + " or " + EXPERT_COMPUTE[-1]
-LocalAttention = Literal["blocks", "flex"]
+LocalAttention = Literal["auto", "blocks", "flex"]
 LOCAL_ATTENTION: tuple[str, ...] = get_args(LocalAttention)
 """How the local mode's attention runs (`RouterConfig.local_attention`, `model.mode_attention`)."""
+FLEX_MIN_D_HEAD = 16
+"""The least head dim FlexAttention's kernel takes."""
 RouterCompile = Literal["auto", "inductor", "aot_eager", "eager"]
 ROUTER_COMPILE: tuple[str, ...] = get_args(RouterCompile)
 """`RouterConfig.compile`'s choices besides None (eager): `routing.compiled`."""
@@ -163,12 +165,12 @@ class RouterConfig:
     parallelism (capacity from a host read, one call per expert); `auto`, grouped (on a CPU too:
     over the stacked expert weights it measured as fast as DeepSpeed's dispatch there, with fewer
     ops and host reads; docs/parallelism.md). Expert-parallel runs always take DeepSpeed's."""
-    local_attention: LocalAttention = "blocks"
+    local_attention: LocalAttention = "auto"
     """How the relaxed path computes the local mode (`model/mode_attention.py`): `blocks`, SDPA over
     query blocks of 16 and their b + w keys (copies of K/V per block; runs anywhere); `flex`,
     FlexAttention with a sliding-window block mask, compiled into one fused kernel on a GPU (no
-    backward on a CPU). The same attention either way; flex is not the default until it has passed
-    the CUDA-against-CPU training test (docs/gpu.md)."""
+    backward on a CPU; d_head >= 16); `auto`, flex on a GPU where d_head >= 16 (the faster there,
+    docs/gpu.md), blocks otherwise. The same attention either way."""
     compile: RouterCompile | None = None
     """torch.compile backend for the routing ops (counter-based noise, ST-Gumbel relaxation and the
     relaxed K/V write's quantisation, `routing.compiled`); None: eager; `auto`: inductor for a
@@ -229,9 +231,10 @@ class RouterConfig:
             _fail(f"{path}.expert_compute", self.expert_compute, "unknown", EXPERT_COMPUTE_FIX)
         if self.local_attention not in LOCAL_ATTENTION:
             _fail(f"{path}.local_attention", self.local_attention, "unknown", "use " + ", ".join(LOCAL_ATTENTION))
-        if self.local_attention == "flex" and model is not None and model.d_head < 16:
+        if self.local_attention == "flex" and model is not None and model.d_head < FLEX_MIN_D_HEAD:
             _fail(f"{path}.local_attention", self.local_attention,
-                  f"FlexAttention's kernel needs d_head >= 16 (d_head={model.d_head})", "use blocks")
+                  f"FlexAttention's kernel needs d_head >= {FLEX_MIN_D_HEAD} (d_head={model.d_head})",
+                  "use blocks or auto")
         if self.compile is not None and self.compile not in ROUTER_COMPILE:
             _fail(f"{path}.compile", self.compile, "not a torch.compile backend for the routing ops",
                   "use " + ", ".join(ROUTER_COMPILE) + ", or leave it unset (eager)")

@@ -42,7 +42,7 @@ class RoutedAttentionSubmodules:
 
 
 def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int,
-                     local: str = "blocks") -> torch.Tensor:
+                     local: str = "auto") -> torch.Tensor:
     """Relaxed routed attention, out = sum_m y[m] * Attn^(m) (Alg. 1, line 4): q (B, T, H, d),
     k/v (B, T, H_kv, d) written values, modes (B, T, H, N_MODES) -> (B, T, H, d). Same math as the
     tests' oracle `tests/oracles.reference_attention`; each mode's attention costs only the keys it

@@ -3,9 +3,9 @@
 Read ranges come from `routing.modes` (`read_start`): full reads keys 0..t, which is exactly
 causal attention, so it runs on SDPA's causal fast path (FlashAttention where available) with
 native GQA; local reads max(0, t - w)..t, computed blockwise at O(T (w + b)) instead of as a
-masked T x T attention (`router.local_attention=flex` takes FlexAttention with a sliding-window
-block mask instead, `flex_local_attention`: compiled on a GPU into one fused kernel that skips the
-key blocks outside the window; no backward on a CPU):
+masked T x T attention (`router.local_attention=flex`, and `auto` on a GPU, take FlexAttention
+with a sliding-window block mask instead, `flex_local_attention`: compiled on a GPU into one fused
+kernel that skips the key blocks outside the window; no backward on a CPU):
 
     queries in blocks of b; block i (queries i*b .. i*b + b - 1) reads the b + w keys
     i*b - w .. i*b + b - 1 (positions < 0 are padding), masked to each query's own range.
@@ -23,6 +23,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..config import FLEX_MIN_D_HEAD
 from ..routing.modes import FULL, LOCAL, read_start
 
 LOCAL_QUERY_BLOCK = 16
@@ -180,12 +181,18 @@ def _flex(device_type: str):
     return torch.compile(flex_attention, dynamic=False) if device_type == "cuda" else flex_attention
 
 
+def takes_flex(local: str, q: torch.Tensor) -> bool:
+    """Whether `router.local_attention` (`local`) runs the local mode through FlexAttention for q:
+    flex always; auto on a GPU at a head dim its kernel takes."""
+    return local == "flex" or (local == "auto" and q.is_cuda and q.shape[-1] >= FLEX_MIN_D_HEAD)
+
+
 def local_mode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int,
-                         local: str = "blocks") -> torch.Tensor:
-    """The local mode by `router.local_attention` (`local`): blocks or flex."""
-    return flex_local_attention(q, k, v, window) if local == "flex" else local_attention(q, k, v, window)
+                         local: str = "auto") -> torch.Tensor:
+    """The local mode by `router.local_attention` (`local`): blocks, flex or auto (`takes_flex`)."""
+    return flex_local_attention(q, k, v, window) if takes_flex(local, q) else local_attention(q, k, v, window)
 
 
-MODE_ATTENTION = {FULL: lambda q, k, v, window, local="blocks": full_attention(q, k, v), LOCAL: local_mode_attention}
+MODE_ATTENTION = {FULL: lambda q, k, v, window, local="auto": full_attention(q, k, v), LOCAL: local_mode_attention}
 """The attention of each reading mode (`routing.modes.READING_MODES`): (q, k, v, window, local) -> ctx,
 `local` the local mode's kernel (`router.local_attention`)."""

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from megatron_triroute.model.attention import routed_attention
-from megatron_triroute.model.mode_attention import flex_local_attention, full_attention, local_attention, local_mode_attention
+from megatron_triroute.model.mode_attention import (flex_local_attention, full_attention, local_attention,
+                                                   local_mode_attention, takes_flex)
 from megatron_triroute.routing.gumbel import st_gumbel_softmax
 from megatron_triroute.routing.modes import FULL, LOCAL, N_MODES, read_mask
 from megatron_triroute.routing.quant import fake_quantize, relaxed_kv_write
@@ -164,6 +165,7 @@ def test_on_cuda_flex_local_values_and_gradients_equal_the_blocks(dtype):
     make = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, requires_grad=True)
     q, k, v = make(B, T, H_kv * G, d), make(B, T, H_kv, d), make(B, T, H_kv, d)
     up = torch.randn(B, T, H_kv * G, d, device="cuda", dtype=dtype)
+    assert takes_flex("auto", q) and not takes_flex("auto", q[..., :8])  # auto: flex here, not at d_head 8
     results = {}
     for local in ("flex", "blocks"):
         out = local_mode_attention(q, k, v, window, local)
@@ -177,6 +179,15 @@ def test_local_attention_setting_names_its_choices():
     from megatron_triroute.config import ConfigError
     from tests.routing.helpers import tiny_config
 
-    assert tiny_config().router.local_attention == "blocks"
-    with pytest.raises(ConfigError, match="local_attention.*blocks, flex"):
+    assert tiny_config().router.local_attention == "auto"
+    with pytest.raises(ConfigError, match="local_attention.*auto, blocks, flex"):
         tiny_config(local_attention="fused")
+
+
+def test_auto_takes_the_blocks_on_a_cpu_and_flex_takes_flex_anywhere():
+    """`auto` chooses flex only for a CUDA tensor at d_head >= 16 (the CUDA side is checked by the
+    gpu-marked test above); on a CPU it is the blocks, value for value."""
+    q = torch.randn(1, 40, 4, 16)
+    k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
+    assert not takes_flex("auto", q) and not takes_flex("blocks", q) and takes_flex("flex", q)
+    assert torch.equal(local_mode_attention(q, k, v, 8, "auto"), local_mode_attention(q, k, v, 8, "blocks"))

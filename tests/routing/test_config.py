@@ -54,7 +54,9 @@ def test_flex_local_attention_needs_a_head_dim_of_16():
     cfg.router.kv_group_size, cfg.router.local_attention = 8, "flex"
     with pytest.raises(ConfigError, match="local_attention.*d_head >= 16.*use blocks"):
         cfg.validate()
-    cfg.model.n_heads = 4  # d_head = 16
+    cfg.router.local_attention = "auto"  # blocks at this head dim
+    cfg.validate()
+    cfg.model.n_heads, cfg.router.local_attention = 4, "flex"  # d_head = 16
     cfg.validate()
 
 
