@@ -7,7 +7,7 @@
 #      Dense vs TriRoute step time, tokens/s, model TFLOP/s and MFU, a device profile and a host
 #      profile of two steps of each; then micro-batch 16 with the experts on DeepSpeed's dispatch
 #      (router.expert_compute=deepspeed) against the grouped matmuls the default takes, and with the
-#      local mode through FlexAttention (router.local_attention=flex);
+#      local mode as blockwise SDPA (router.local_attention=blocks) against FlexAttention, the GPU's default;
 #   3. benchmarks/bench_paged_attention.py: one layer's decode attention over the mixed-precision
 #      pools against SDPA over a dense float16 cache, CUDA-graph timed, batch 1 and 64 at 2,048 and
 #      8,192 context;
@@ -18,7 +18,7 @@
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
 # MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,host}.txt of the last,
-# bench-mb16-deepspeed-experts.json, bench-mb16-flex-local.json, paged-attention.json, and per training
+# bench-mb16-deepspeed-experts.json, bench-mb16-blocks-local.json, paged-attention.json, and per training
 # run train-NAME.log (its last line holds the run's summary). Runs write their checkpoints under
 # ${GPU_RUNS:-/tmp/gpu-runs}. Each stage has its own time limit; a failing stage does not stop the
 # next, and the exit status is the number of stages that failed.
@@ -55,9 +55,9 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
   # the experts through DeepSpeed's dispatch, against the grouped matmuls the default takes on a GPU
   stage bench-train-step-deepspeed-experts 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch 16 \
     --bf16 --warmup 3 --repeats 10 triroute.router.expert_compute=deepspeed --out "$OUT/bench-mb16-deepspeed-experts.json"
-  # the local mode through FlexAttention (router.local_attention=flex) against the default blocks
-  stage bench-train-step-flex-local 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch 16 \
-    --bf16 --warmup 3 --repeats 10 triroute.router.local_attention=flex --out "$OUT/bench-mb16-flex-local.json"
+  # the local mode as blockwise SDPA (router.local_attention=blocks) against FlexAttention, the default on a GPU
+  stage bench-train-step-blocks-local 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch 16 \
+    --bf16 --warmup 3 --repeats 10 triroute.router.local_attention=blocks --out "$OUT/bench-mb16-blocks-local.json"
   stage bench-paged-attention 150 bash -c "\"$PY\" benchmarks/bench_paged_attention.py --graph --json > \"$OUT/paged-attention.json\""
   for recipe in 160m 160m-dense; do
     rm -rf "$RUNS/$recipe"
