@@ -31,6 +31,7 @@ from typing import Callable, Mapping, TypeVar
 import torch
 
 from .device_values import to_device
+from .kernel_check import first_use_check
 
 _MASK32 = 0xFFFFFFFF
 _CHAIN = 0x85EBCA6B
@@ -176,21 +177,14 @@ _TRITON_CHECKED: dict[str, Callable[..., torch.Tensor] | None] = {}
 def _checked_triton_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
     """The Triton kernel once it has given the chain's bits on a probe on `device` (one comparison
     per process), else None with a warning: the chain serves instead, the noise never changes."""
-    import warnings
-
-    try:
+    def load():
         from triroute_kernels.triton_noise import counter_uniform_triton
 
-        words = torch.arange(7, dtype=torch.int64, device=device) * 0x9E3779B9 % 2**32
-        probe = (words[:2], words[2:5], words.view(1, 7), counter_words(5, device))
-        if torch.equal(counter_uniform_triton(*probe), counter_uniform_torch(*probe)):
-            return counter_uniform_triton
-        reason = "its values differ from the tensor chain's"
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernel of the routing noise's hash is not used on {device} ({reason}); the "
-                  "tensor chain computes the same noise. Fix: report it with your triton and GPU versions")
-    return None
+        return counter_uniform_triton
+
+    words = torch.arange(7, dtype=torch.int64, device=device) * 0x9E3779B9 % 2**32
+    probe = (words[:2], words[2:5], words.view(1, 7), counter_words(5, device))
+    return first_use_check(device, load, counter_uniform_torch, probe, "the routing noise's hash")
 
 
 @dataclass(frozen=True)

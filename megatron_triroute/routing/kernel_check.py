@@ -1,0 +1,27 @@
+"""A GPU kernel taken only once it has given its definition's values: the first-use check of the
+routing path's Triton kernels (the noise's hash, the relaxed K/V write's values)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Callable
+
+import torch
+
+
+def first_use_check(device: torch.device, load: Callable[[], Callable[..., torch.Tensor]],
+                    reference: Callable[..., torch.Tensor], probe: tuple, what: str) -> Callable[..., torch.Tensor] | None:
+    """The kernel `load()` gives, once it has returned exactly `reference`'s values on the `probe`
+    arguments (tensors on `device`); else None, with a warning naming why (other values, or a
+    kernel that fails to build there): the caller's tensor chain serves instead, the values never
+    change. Callers keep the answer per device and layout, so this runs once for each."""
+    try:
+        kernel = load()
+        if torch.equal(kernel(*probe), reference(*probe)):
+            return kernel
+        reason = "its values differ from the tensor chain's"
+    except Exception as e:  # a Triton build that fails on this GPU
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"the Triton kernel of {what} is not used on {device} ({reason}); the tensor chain computes "
+                  "the same values. Fix: report it with your triton and GPU versions")
+    return None
