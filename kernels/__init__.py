@@ -11,8 +11,8 @@ online softmax, the mixed-width cache write and a decode step's append, the rout
 built once per machine) with PyTorch twins as the fallback. Training's kernels are the routing
 noise's counter hash (`torch.ops.triroute.counter_uniform` in C++, `triton_noise` on a GPU), whose
 definition is the tensor chain of `megatron_triroute.routing.noise`, and two C++ CPU ops defined by
-tensor ops of `megatron_triroute.routing`: the relaxed K/V write's values (`quantized_values`) and
-the routing axes' softmax (`few_softmax`). The package imports only torch (and triton): nothing of
+tensor ops of `megatron_triroute.routing`: the relaxed K/V write's values (`quantized_values`; on a
+GPU `triton_quant`) and the routing axes' softmax (`few_softmax`). The package imports only torch (and triton): nothing of
 `megatron_triroute`.
 """
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
-from triroute_kernels import takes_cpu_kernel
+from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 from triroute_kernels.quant import (
     METADATA_BITS_PER_GROUP,
     dequantize_groups,
@@ -31,6 +31,7 @@ from triroute_kernels.quant import (
 from triroute_kernels.quant import group_channels as _groups
 
 from .device_values import device_constant
+from .kernel_check import first_use_check
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
@@ -102,11 +103,52 @@ class _RelaxedWrite(torch.autograd.Function):
 def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> torch.Tensor:
     """(B, T, |bits|, H_kv * d_h) in x's dtype: [Q_b(x) for b in bits] along dim 2, equal to
     `fake_quantize(x, b, group_size)` bit for bit. On a CPU, for float32 x, the C++ kernel
-    (`torch.ops.triroute.quantized_values`, where built) computes them in one pass; under
-    torch.compile, and elsewhere, the tensor chain (`quantized_values_torch`) does."""
+    (`torch.ops.triroute.quantized_values`, where built) computes them in one pass; on a GPU the
+    Triton kernel (`triroute_kernels.triton_quant`, once its first-use check has passed for the
+    layout); under torch.compile, and elsewhere, the tensor chain (`quantized_values_torch`) does."""
     if takes_cpu_kernel(x):
         return torch.ops.triroute.quantized_values(x, list(bits), group_size)
+    if x.is_cuda and not torch.compiler.is_compiling():
+        kernel = _triton_values(x, tuple(bits), group_size)
+        if kernel is not None:
+            return kernel(x, bits, group_size)
     return quantized_values_torch(x, bits, group_size)
+
+
+_TRITON_CHECKED: dict[tuple, Callable[..., torch.Tensor] | None] = {}
+
+
+def _triton_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> Callable[..., torch.Tensor] | None:
+    """The Triton kernel for x's device, dtype and layout at these widths, checked at its first use
+    (`first_use_check`, on two tokens of x's layout); None where triton is missing or the layout is
+    not the kernel's."""
+    if not HAS_TRITON:
+        return None
+    from triroute_kernels import triton_quant
+
+    if not triton_quant.fits(x, bits, group_size):
+        return None
+    key = (str(x.device), x.dtype, x.shape[-2], x.shape[-1], bits, group_size)
+    if key not in _TRITON_CHECKED:
+        _TRITON_CHECKED[key] = checked_values_kernel(x.device, x.dtype, x.shape[-2], x.shape[-1], bits, group_size)
+    return _TRITON_CHECKED[key]
+
+
+def checked_values_kernel(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int,
+                          bits: tuple[int, ...], group_size: int) -> Callable[..., torch.Tensor] | None:
+    """`triton_quant.quantized_values_triton` once it has given the chain's values on a probe of
+    this layout: two tokens with a constant group, rounding ties and a wide range."""
+    def load():
+        from triroute_kernels.triton_quant import quantized_values_triton
+
+        return quantized_values_triton
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 2, kv_heads, head_dim, generator=gen) * 3
+    x[0, 0, 0, :group_size] = 0.25  # a constant group: scale 0
+    x[0, 1, 0, :group_size] = torch.arange(group_size) * 0.5  # codes on rounding ties at some widths
+    return first_use_check(device, load, quantized_values_torch, (x.to(device, dtype), bits, group_size),
+                           "the relaxed K/V write's values")
 
 
 @torch.no_grad()

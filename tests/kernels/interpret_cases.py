@@ -292,3 +292,48 @@ def test_triton_noise_is_taken_only_after_its_first_use_check(monkeypatch):
     monkeypatch.setattr(tn, "counter_uniform_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert noise._checked_triton_kernel(torch.device("cpu")) is None
+
+
+# --- the relaxed K/V write's values (triton_quant) ----------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits, group, d", [((2, 4, 8, 16), 8, 32), ((16, 8), 32, 64), ((4,), 16, 16),
+                                             ((16,), 8, 8), ((8, 2, 16), 32, 32)])
+def test_triton_quantized_values_equal_the_chain_bit_for_bit(dtype, bits, group, d):
+    """Every width's values in one launch against `quantized_values_torch` (the definition), with a
+    constant group, rounding ties, large and tiny magnitudes, and a row count that leaves a partial
+    block of rows."""
+    from megatron_triroute.routing.quant import quantized_values_torch
+    from triroute_kernels.triton_quant import quantized_values_triton
+
+    gen = torch.Generator().manual_seed(len(bits) * 100 + group + d)
+    x = torch.randn(3, 7, 2, d, generator=gen) * torch.logspace(-3, 3, 7).view(1, 7, 1, 1)
+    x[0, 0, 0, :group] = -1.5  # scale 0
+    x[0, 1, 1, :group] = torch.arange(group) * 0.5  # ties at some widths
+    x = x.to(dtype)
+    got = quantized_values_triton(x, bits, group, rows_per_program=4)
+    want = quantized_values_torch(x, bits, group)
+    assert got.dtype == want.dtype == dtype and got.shape == want.shape == (3, 7, len(bits), 2 * d)
+    assert torch.equal(got, want), (got.float() - want.float()).abs().max()
+
+
+def test_triton_quantized_values_refuse_a_layout_they_do_not_take():
+    from triroute_kernels.triton_quant import fits, quantized_values_triton
+
+    x = torch.randn(1, 2, 2, 24)
+    assert not fits(x, (2, 16), 8) and fits(torch.randn(1, 2, 2, 32), (2, 16), 8)
+    with pytest.raises(ValueError, match="use quantized_values_torch"):
+        quantized_values_triton(x, (2, 16), 8)
+
+
+def test_triton_quantized_values_are_taken_only_after_their_first_use_check(monkeypatch):
+    """The probe comparison a GPU's first relaxed write of a layout runs: the kernel passes it; a
+    kernel that gives other values is left out with a warning, and the chain serves."""
+    import triroute_kernels.triton_quant as tq
+
+    from megatron_triroute.routing import quant
+
+    cpu = torch.device("cpu")
+    assert quant.checked_values_kernel(cpu, torch.bfloat16, 2, 32, (2, 4, 8, 16), 8) is tq.quantized_values_triton
+    monkeypatch.setattr(tq, "quantized_values_triton", lambda x, *a: quant.quantized_values_torch(x, *a) * 1.001)
+    with pytest.warns(UserWarning, match="relaxed K/V write's values.*values differ"):
+        assert quant.checked_values_kernel(cpu, torch.float32, 2, 32, (2, 16), 8) is None

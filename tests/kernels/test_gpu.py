@@ -148,3 +148,19 @@ def test_gpu_noise_hash_takes_triton_and_equals_the_cpu_chain():
     assert noise._hash_kernel(torch.device("cuda")) is not None  # its first-use check passed
     on_gpu = noise.counter_uniform(*(a.cuda() for a in args))
     assert torch.equal(on_gpu.cpu(), noise.counter_uniform_torch(*args))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_relaxed_write_values_take_triton_and_equal_the_cpu_chain(dtype):
+    """The relaxed K/V write's values at a 160m layout (3 KV heads of 64, groups of 32): the Triton
+    kernel passes its first-use check and gives the CPU chain's values bit for bit."""
+    pytest.importorskip("triton")
+    from megatron_triroute.routing import quant
+
+    bits, group = (2, 4, 8, 16), 32
+    gen = torch.Generator().manual_seed(1)
+    x = (torch.randn(4, 512, 3, 64, generator=gen) * torch.logspace(-2, 2, 512).view(1, 512, 1, 1)).to(dtype)
+    x[0, 0, 0, :group] = 0.5  # a constant group
+    on_gpu = x.cuda()
+    assert quant._triton_values(on_gpu, bits, group) is not None  # its first-use check passed
+    assert torch.equal(quant.quantized_values(on_gpu, bits, group).cpu(), quant.quantized_values_torch(x, bits, group))
