@@ -4,9 +4,19 @@ routing path's Triton kernels (the noise's hash, the relaxed K/V write's values)
 from __future__ import annotations
 
 import warnings
-from typing import Callable
+from typing import Callable, Hashable
 
 import torch
+
+_CHECKED: dict[Hashable, Callable[..., torch.Tensor] | None] = {}
+
+
+def checked_once(key: Hashable, check: Callable[[], Callable[..., torch.Tensor] | None]) -> Callable[..., torch.Tensor] | None:
+    """`check()`'s answer (a kernel or None) for `key` (a kernel, device and layout), computed at
+    the key's first use in this process and kept."""
+    if key not in _CHECKED:
+        _CHECKED[key] = check()
+    return _CHECKED[key]
 
 
 def first_use_check(device: torch.device, load: Callable[[], Callable[..., torch.Tensor]],
@@ -14,7 +24,7 @@ def first_use_check(device: torch.device, load: Callable[[], Callable[..., torch
     """The kernel `load()` gives, once it has returned exactly `reference`'s values on the `probe`
     arguments (tensors on `device`); else None, with a warning naming why (other values, or a
     kernel that fails to build there): the caller's tensor chain serves instead, the values never
-    change. Callers keep the answer per device and layout, so this runs once for each."""
+    change. Callers keep the answer per device and layout (`checked_once`), so this runs once for each."""
     try:
         kernel = load()
         if torch.equal(kernel(*probe), reference(*probe)):

@@ -31,7 +31,7 @@ from typing import Callable, Mapping, TypeVar
 import torch
 
 from .device_values import to_device
-from .kernel_check import first_use_check
+from .kernel_check import checked_once, first_use_check
 
 _MASK32 = 0xFFFFFFFF
 _CHAIN = 0x85EBCA6B
@@ -164,14 +164,8 @@ def _hash_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
     if device.type == "cpu":
         return torch.ops.triroute.counter_uniform if cpu_ops_available() else None
     if device.type == "cuda" and HAS_TRITON:
-        key = str(device)
-        if key not in _TRITON_CHECKED:
-            _TRITON_CHECKED[key] = _checked_triton_kernel(device)
-        return _TRITON_CHECKED[key]
+        return checked_once(("noise", str(device)), lambda: _checked_triton_kernel(device))
     return None
-
-
-_TRITON_CHECKED: dict[str, Callable[..., torch.Tensor] | None] = {}
 
 
 def _checked_triton_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:

@@ -31,7 +31,7 @@ from triroute_kernels.quant import (
 from triroute_kernels.quant import group_channels as _groups
 
 from .device_values import device_constant
-from .kernel_check import first_use_check
+from .kernel_check import checked_once, first_use_check
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
@@ -115,9 +115,6 @@ def quantized_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) ->
     return quantized_values_torch(x, bits, group_size)
 
 
-_TRITON_CHECKED: dict[tuple, Callable[..., torch.Tensor] | None] = {}
-
-
 def _triton_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> Callable[..., torch.Tensor] | None:
     """The Triton kernel for x's device, dtype and layout at these widths, checked at its first use
     (`first_use_check`, on two tokens of x's layout); None where triton is missing or the layout is
@@ -128,10 +125,9 @@ def _triton_values(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> C
 
     if not triton_quant.fits(x, bits, group_size):
         return None
-    key = (str(x.device), x.dtype, x.shape[-2], x.shape[-1], bits, group_size)
-    if key not in _TRITON_CHECKED:
-        _TRITON_CHECKED[key] = checked_values_kernel(x.device, x.dtype, x.shape[-2], x.shape[-1], bits, group_size)
-    return _TRITON_CHECKED[key]
+    layout = (x.dtype, x.shape[-2], x.shape[-1], bits, group_size)
+    return checked_once(("relaxed write values", str(x.device), *layout),
+                        lambda: checked_values_kernel(x.device, *layout))
 
 
 def checked_values_kernel(device: torch.device, dtype: torch.dtype, kv_heads: int, head_dim: int,
