@@ -140,7 +140,7 @@ def checked_values_kernel(device: torch.device, dtype: torch.dtype, kv_heads: in
         return quantized_values_triton
 
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 2, kv_heads, head_dim, generator=gen) * 3
+    x = torch.randn(1, 2, kv_heads, head_dim, generator=gen) * 2.5
     x[0, 0, 0, :group_size] = 0.25  # a constant group: scale 0
     x[0, 1, 0, :group_size] = torch.arange(group_size) * 0.5  # codes on rounding ties at some widths
     return first_use_check(device, load, quantized_values_torch, (x.to(device, dtype), bits, group_size),
