@@ -63,6 +63,21 @@ def _round_half_even(y):
 
 
 @triton.jit
+def group_scale_zero(lo, hi, LEVELS: tl.constexpr):
+    """The cache's float16 scale and zero of groups with range [lo, hi] at 2^b - 1 = LEVELS:
+    half((hi - lo) / LEVELS), a true division, and half(lo)."""
+    return tl.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16), lo.to(tl.float16)
+
+
+@triton.jit
+def group_codes(x, s, z, LEVELS: tl.constexpr):
+    """float32 codes of x with the float32 values of its group's scale s and zero z (broadcast to
+    x): clamp(round_half_even((x - z) / s), 0, LEVELS), dividing by 1 where s is 0."""
+    codes = _round_half_even(tl.div_rn(x - z, tl.where(s > 0.0, s, 1.0)))
+    return tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0)
+
+
+@triton.jit
 def quantize_row(x_row, codes_ptr, scale_ptr, zero_ptr, base, D: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr):
     """Quantise one (token, kv head) row of D float32 values at `x_row` into row `base` (slot *
@@ -80,15 +95,10 @@ def quantize_row(x_row, codes_ptr, scale_ptr, zero_ptr, base, D: tl.constexpr, B
     x = tl.load(x_row + chan).to(tl.float32)
     lo = tl.min(tl.min(x, axis=2), axis=1)  # [NG]
     hi = tl.max(tl.max(x, axis=2), axis=1)
-    scale16 = tl.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16)
-    zero16 = lo.to(tl.float16)
+    scale16, zero16 = group_scale_zero(lo, hi, LEVELS)
     s = scale16.to(tl.float32)[:, None, None]
-    z = zero16.to(tl.float32)[:, None, None]
-    pos = s > 0.0
-    safe = tl.where(pos, s, 1.0)
-    codes = _round_half_even(tl.div_rn(x - z, safe))
-    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0)
-    codes = tl.where(pos, codes, 0.0).to(tl.int32)
+    codes = group_codes(x, s, zero16.to(tl.float32)[:, None, None], LEVELS)
+    codes = tl.where(s > 0.0, codes, 0.0).to(tl.int32)  # a constant group stores code 0
     packed = tl.sum(codes << (j_idx[None, None, :] * BITS), axis=2)  # [NG, BPG]
     tl.store(codes_ptr + base * NBYTES + g_idx[:, None] * BPG + b_idx[None, :], packed.to(tl.uint8))
     tl.store(scale_ptr + base * NG + g_idx, scale16)

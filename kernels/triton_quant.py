@@ -3,7 +3,7 @@ Q_b(x) of `megatron_triroute.routing.quant.quantized_values_torch` (the definiti
 CUDA tensors (or CPU tensors under TRITON_INTERPRET=1).
 
 Per group of GROUP channels of one (token, kv head) row, each width b < 16 takes the cache's
-arithmetic (`triton_ops.quantize_row`): scale = half((max - min) / (2^b - 1)), zero = half(min),
+arithmetic (`triton_ops.group_scale_zero`, `group_codes`, as `quantize_row`): scale = half((max - min) / (2^b - 1)), zero = half(min),
 code = clamp(round_half_even((x - zero) / scale), 0, 2^b - 1) (0 where scale is 0), value =
 code * scale + zero, then x's dtype; b = 16 is float16(x). One read of x, one write of the values:
 the tensor chain makes about fifteen passes over a buffer of every width's values. The launch turns
@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .triton_ops import _round_half_even
+from .triton_ops import _pow2, group_codes, group_scale_zero
 
 MAX_WIDTHS = 4
 """Widths one launch writes (the bit options of a router)."""
@@ -28,12 +28,10 @@ def _width_values(x, lo, hi, BITS: tl.constexpr):
     if BITS >= 16:
         return x.to(tl.float16).to(tl.float32)
     LEVELS: tl.constexpr = (1 << BITS) - 1
-    s = tl.div_rn(hi - lo, LEVELS * 1.0).to(tl.float16).to(tl.float32)[:, :, None]
-    z = lo.to(tl.float16).to(tl.float32)[:, :, None]
-    safe = tl.where(s > 0.0, s, 1.0)
-    codes = _round_half_even(tl.div_rn(x - z, safe))
-    codes = tl.minimum(tl.maximum(codes, 0.0), LEVELS * 1.0)
-    return codes * s + z
+    scale16, zero16 = group_scale_zero(lo, hi, LEVELS)
+    s = scale16.to(tl.float32)[:, :, None]
+    z = zero16.to(tl.float32)[:, :, None]
+    return group_codes(x, s, z, LEVELS) * s + z  # a constant group: any code gives z, as the chain's
 
 
 @triton.jit
@@ -69,10 +67,6 @@ def _quantized_values_kernel(x_ptr, out_ptr, rows, H_KV,
         tl.store(out_ptr + at + 2 * H_KV * D, _to_out(_width_values(x, lo, hi, BITS2), dtype, BF16), mask=m)
     if NB > 3:
         tl.store(out_ptr + at + 3 * H_KV * D, _to_out(_width_values(x, lo, hi, BITS3), dtype, BF16), mask=m)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def fits(x: torch.Tensor, bits: tuple[int, ...], group_size: int) -> bool:
