@@ -122,16 +122,17 @@ def estimate_rank_memory(run: RunConfig, world_size: int) -> dict[str, float]:
             "total_gib": total / GIB}
 
 
-MEASURED_ON = ("one H200, the 160m shape, micro-batch 16 x 2,048, bf16, local spec, 2026-11-28, commit 26b567b "
-               "(docs/gpu.md, fifth run)")
+MEASURED_ON = ("one H200, the 160m shape, micro-batch 16 x 2,048, bf16, local spec, 2026-11-28, commit b23e0fb "
+               "(docs/gpu.md, sixth run)")
 """Where `DENSE_MFU` and `STEP_RATIO` were measured (`benchmarks/bench_train_step.py`)."""
 DENSE_MFU = 0.20
-"""Dense's model FLOPs utilisation there: 194-200 model TFLOP/s of a 989 TFLOP/s peak (196-201 over four
+"""Dense's model FLOPs utilisation there: 192-194 model TFLOP/s of a 989 TFLOP/s peak (194-201 over five
 earlier machine starts)."""
-STEP_RATIO = {"triroute": 1.79}
-"""A system's training step time over Dense's on the same backbone there (TriRoute with its default local
-mode, FlexAttention on a GPU: 1.79, and 1.75 on another machine start; 1.83 with the blocks). Systems not
-listed (Dense aside, 1 by definition) have not been measured on a GPU."""
+STEP_RATIO = {"triroute": 1.76}
+"""A system's training step time over Dense's on the same backbone there (TriRoute with its defaults, the
+relaxed K/V write's values by the Triton kernel: the per-step median 1.76, and 1.69 in a second run on the
+same machine; 1.85 with those values by the tensor chain, between the two). Systems not listed (Dense aside,
+1 by definition) have not been measured on a GPU."""
 
 
 def on_gpus(run: RunConfig) -> RunConfig:
