@@ -6,9 +6,11 @@ Compiles `triton_paged._paged_attention_kernel` ahead of time for a CUDA archite
 sm_90, the H100 and H200) with the ptxas that Triton ships, at the 160m shape (12 query heads,
 3 KV heads, d 64, page 16, group 32, the 2/4/8/16-bit pools) and the module's knob defaults, and
 prints the compiled kernel's resources: registers per thread, stack (spilled registers), shared
-memory, warps, pipeline stages, and the programs one multiprocessor can hold by registers
-(65,536 per SM on Hopper). `key=value` overrides a compile-time constant (PB=2, NPOOLS=1,
-BITS0=16, PREC=ieee, DOT=0, ...) or an option (num_warps=2, num_stages=1).
+memory, warps, pipeline stages, the programs one multiprocessor can hold by registers (65,536 per SM
+on Hopper), and the vector loads in its PTX. Every tensor argument is taken as 16-byte aligned, as a
+launch specialises it (torch's allocations are), so loads vectorise as they do on the device. `key=value` overrides a compile-time constant (PB=2, NPOOLS=1,
+BITS0=16, PREC=ieee, DOT=0, CODES=1, EARLY=1, ...) or an option (num_warps=2, num_stages=1,
+maxnreg=128).
 
 Why: decode attention on a GPU is bound by how many programs each multiprocessor keeps in flight
 (docs/gpu.md); a variant's registers and spills are its device-independent proxy, read here for
@@ -37,7 +39,7 @@ from triroute_kernels import triton_paged  # noqa: E402
 
 REGISTERS_PER_SM = 65_536
 SHAPE_160M = dict(H_Q=12, H_KV=3, G=4, GP=16, D=64, P=16, GROUP=32, NPOOLS=4, BITS0=2, BITS1=4, BITS2=8, BITS3=16)
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "maxnreg")
 
 
 def _arg_type(name: str) -> str:
@@ -59,7 +61,7 @@ def _arg_type(name: str) -> str:
 
 def defaults() -> dict:
     return SHAPE_160M | dict(PB=triton_paged.PAGES_PER_BLOCK, DOT=triton_paged.DOT, SKIP=triton_paged.SKIP_UNREAD,
-                             PREC=triton_paged.PRECISION, PACKED=triton_paged.PACKED,
+                             PREC=triton_paged.PRECISION, PACKED=triton_paged.PACKED, EARLY=triton_paged.EARLY, CODES=triton_paged.CODES,
                              num_warps=triton_paged.NUM_WARPS)
 
 
@@ -72,9 +74,11 @@ def compile_report(arch: int = 90, **overrides) -> dict:
     if unknown:
         raise ValueError(f"not compile-time constants of the kernel: {sorted(unknown)}")
     signature = {n: "constexpr" if n in constants else _arg_type(n) for n in fn.arg_names}
+    # as a launch specialises them: every tensor argument 16-byte aligned (torch's allocations are)
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if signature[n].startswith("*")}
     options = {k: v for k, v in knobs.items() if k in OPTIONS}
-    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants), target=GPUTarget("cuda", arch, 32),
-                            options=options)
+    kernel = triton.compile(ASTSource(fn, signature, constexprs=constants, attrs=aligned),
+                            target=GPUTarget("cuda", arch, 32), options=options)
     with tempfile.TemporaryDirectory() as tmp:
         cubin = Path(tmp) / "k.cubin"
         cubin.write_bytes(kernel.asm["cubin"])
@@ -86,6 +90,7 @@ def compile_report(arch: int = 90, **overrides) -> dict:
     return {"knobs": {k: knobs[k] for k in sorted(knobs)}, "arch": f"sm_{arch}", "registers": regs,
             "stack_bytes": int(fields["STACK"]), "shared_bytes": kernel.metadata.shared, "num_warps": warps,
             "num_stages": kernel.metadata.num_stages,
+            "vector_loads": len(re.findall(r"ld\.global(?:\.\w+)*\.v[248]\.", kernel.asm["ptx"])),
             "programs_per_sm_by_registers": REGISTERS_PER_SM // (regs * 32 * warps)}
 
 
@@ -106,7 +111,8 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         print(f"{report['arch']}: {report['registers']} registers/thread, {report['stack_bytes']} B stack, "
               f"{report['shared_bytes']} B shared, {report['num_warps']} warps, {report['num_stages']} stages; "
-              f"{report['programs_per_sm_by_registers']} programs per SM by registers  ({a.overrides or 'defaults'})")
+              f"{report['programs_per_sm_by_registers']} programs per SM by registers, {report['vector_loads']} vector loads  "
+              f"({a.overrides or 'defaults'})")
     return report
 
 

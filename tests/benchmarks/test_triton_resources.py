@@ -26,3 +26,11 @@ def test_compiled_resources_of_two_block_sizes(bench):
 def test_an_unknown_constant_is_refused(bench):
     with pytest.raises(ValueError, match="PAGES"):
         bench.compile_report(PAGES=2)
+
+
+def test_aligned_loads_vectorise_and_a_register_cap_holds(bench):
+    """Compiled as a launch specialises it (16-byte aligned tensors): the packed rows' loads are
+    vector loads; `maxnreg` caps the registers; the codes-domain block compiles for sm_90."""
+    capped = bench.compile_report(maxnreg=96, CODES=1, EARLY=1, NPOOLS=1, PB=1)
+    assert capped["vector_loads"] > 0 and capped["registers"] <= 96
+    assert capped["programs_per_sm_by_registers"] >= 5
