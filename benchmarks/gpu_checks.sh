@@ -10,7 +10,8 @@
 #      local mode as blockwise SDPA (router.local_attention=blocks) against FlexAttention, the GPU's default;
 #   3. benchmarks/bench_paged_attention.py: one layer's decode attention over the mixed-precision
 #      pools against SDPA over a dense float16 cache, CUDA-graph timed, batch 1 and 64 at 2,048 and
-#      8,192 context;
+#      8,192 context; then the kernel's knobs not yet measured on a GPU (`--variants`: payload loads
+#      beside the positions, the codes' domain, a register cap, two pages per block) at 8,192;
 #   4. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
 #      for the 160m recipe, TriRoute and Dense, on an already-built dataset.
 #
@@ -18,8 +19,9 @@
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
 # MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,host}.txt of the last,
-# bench-mb16-deepspeed-experts.json, bench-mb16-blocks-local.json, paged-attention.json, and per training
-# run train-NAME.log (its last line holds the run's summary). Runs write their checkpoints under
+# bench-mb16-deepspeed-experts.json, bench-mb16-blocks-local.json, paged-attention.json,
+# paged-attention-variants.json, and per training run train-NAME.log (its last line holds the run's
+# summary); OUTDIR/all.tgz packs them all (for a runner that returns few files). Runs write their checkpoints under
 # ${GPU_RUNS:-/tmp/gpu-runs}. Each stage has its own time limit; a failing stage does not stop the
 # next, and the exit status is the number of stages that failed.
 set -uo pipefail
@@ -59,6 +61,10 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
   stage bench-train-step-blocks-local 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch 16 \
     --bf16 --warmup 3 --repeats 10 triroute.router.local_attention=blocks --out "$OUT/bench-mb16-blocks-local.json"
   stage bench-paged-attention 150 bash -c "\"$PY\" benchmarks/bench_paged_attention.py --graph --json > \"$OUT/paged-attention.json\""
+  stage bench-paged-attention-variants 200 bash -c "\"$PY\" benchmarks/bench_paged_attention.py --graph --json \
+    --batches 64 1 --contexts 8192 --repeats 7 --variants early=1 codes=1 codes=1,early=1 maxnreg=128 \
+    early=1,maxnreg=128 codes=1,early=1,maxnreg=128 early=1,pages_per_block=2 codes=1,early=1,pages_per_block=2 \
+    > \"$OUT/paged-attention-variants.json\""
   for recipe in 160m 160m-dense; do
     rm -rf "$RUNS/$recipe"
     stage "train-$recipe" 100 bash launchers/local.sh --recipe "$recipe" data.path="$DATA" output_dir="$RUNS/$recipe" \
@@ -68,4 +74,5 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
   done
 } 2>&1 | tee "$OUT/checks.log"
 echo "stages failed: $(wc -l < "$FAILS") $(tr '\n' ' ' < "$FAILS")"
+tar czf "$OUT/all.tgz" --exclude=all.tgz -C "$OUT" .
 exit "$(wc -l < "$FAILS")"

@@ -39,6 +39,12 @@ PRECISION = "tf32x3"
 """tl.dot's input precision: tf32x3 keeps float32 accuracy on the tensor cores."""
 SKIP_UNREAD = False
 """Branch over blocks no head of the group reads (False: masked loads only, a loop without branches)."""
+CODES = False
+"""Scores and P.V in the codes' domain (`_block_codes`: scale and zero applied per group after two tf32
+products on the exact codes, no dequantised tile), where the groups allow (`codes_fits`)."""
+EARLY = False
+"""Where every head of a group reads from position 0, load K and V masked by the page, beside the
+positions (False: after them, masked by the slots some head reads)."""
 PACKED = True
 """Unpack each row's code bytes in registers, one scale and zero per group (False: per-channel gathers)."""
 NUM_WARPS = 4
@@ -83,13 +89,121 @@ def _load_rows(data, scale, zero, slot, hkv, valid,
 
 
 @triton.jit
-def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, n_any, slot,
+def _split_tf32(x):
+    """x = hi + lo with hi exact in tf32 (its low 13 mantissa bits cleared); lo carries the rest, so two
+    tf32 products against a tf32-exact operand give float32 accuracy."""
+    hi = (x.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+    return hi, x - hi
+
+
+@triton.jit
+def _halves(x, R: tl.constexpr, D: tl.constexpr, NG: tl.constexpr):
+    """An [R, D] tile as its two quantisation groups' [R, D // 2] tiles (NG 2); NG 1: x itself twice."""
+    if NG == 1:
+        a = x
+        b = x
+    else:
+        a, b = tl.split(tl.permute(tl.reshape(x, (R, 2, D // 2)), (0, 2, 1)))
+    return a, b
+
+
+@triton.jit
+def _cols(x, S: tl.constexpr, NG: tl.constexpr):
+    """An [S, NG] tile's columns as [S] vectors (NG 1: the one column twice)."""
+    if NG == 1:
+        a = tl.reshape(x, (S,))
+        b = a
+    else:
+        a, b = tl.split(x)
+    return a, b
+
+
+@triton.jit
+def _dot2(a_hi, a_lo, b):
+    """a @ b in float32 accuracy where b is exact in tf32: two tf32 products."""
+    return tl.dot(a_hi, b, input_precision="tf32") + tl.dot(a_lo, b, input_precision="tf32")
+
+
+@triton.jit
+def _load_codes(data, scale, zero, slot, hkv, valid,
+                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """[S, D] float32 codes (exact in tf32), [S, NG] float32 scale and zero of KV head `hkv` at `slot`;
+    16-bit: the float16 values (exact in tf32), scale 1 and zero 0. Rows not `valid` read 0."""
+    NG: tl.constexpr = D // GROUP
+    row = slot * H_KV + hkv  # [S]
+    m = valid[:, None]
+    g_idx = tl.arange(0, NG)
+    if BITS == 16:
+        code = tl.load(data + row[:, None] * D + tl.arange(0, D)[None, :], mask=m, other=0.0).to(tl.float32)
+        sc = tl.full([S, NG], 1.0, tl.float32)
+        zp = tl.zeros([S, NG], tl.float32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D * BITS // 8
+        byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)
+        shift = tl.arange(0, PER) * BITS
+        code = tl.reshape((byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), (S, D)).to(tl.float32)
+        sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+        zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+    return code, sc, zp
+
+
+@triton.jit
+def _block_codes(m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b, lo_h, hi, sm_scale, tp,
+                 in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
+                 GP: tl.constexpr, S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
+                 GROUP: tl.constexpr):
+    """`_block` in the codes' domain: a key's dequantised value per group is code * scale + zero, so
+    q.k = sum over groups of scale * (q_g . code_g) + zero * sum(q_g), and P.V per group is
+    (P * scale) . code + P . zero. The codes (and 16-bit values) are exact in tf32, so each product
+    is two tf32 passes (the other operand split, `_split_tf32`) and no [S, D] dequantised tile exists.
+    Groups: NG = D // GROUP of 1 or 2."""
+    NG: tl.constexpr = D // GROUP
+    valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, S]
+    ck, sck, zpk = _load_codes(data_k, scale_k, zero_k, slot, hkv, rows, S, H_KV, D, BITS, GROUP)
+    cka, ckb = _halves(ck, S, D, NG)
+    ska, skb = _cols(sck, S, NG)
+    zka, zkb = _cols(zpk, S, NG)
+    s = _dot2(qa_hi, qa_lo, tl.trans(cka)) * ska[None, :] + qsum_a[:, None] * zka[None, :]
+    if NG == 2:
+        s += _dot2(qb_hi, qb_lo, tl.trans(ckb)) * skb[None, :] + qsum_b[:, None] * zkb[None, :]
+    s = tl.where(valid, s * sm_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
+    alpha = tl.exp(m_i - m_use)
+    p = tl.exp(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    cv, scv, zpv = _load_codes(data_v, scale_v, zero_v, slot, hkv, rows, S, H_KV, D, BITS, GROUP)
+    cv = tl.where(any_head[:, None], cv, 0.0)  # a slot no head reads adds nothing, whatever its payload
+    scv = tl.where(any_head[:, None], scv, 0.0)
+    zpv = tl.where(any_head[:, None], zpv, 0.0)
+    cva, cvb = _halves(cv, S, D, NG)
+    sva, svb = _cols(scv, S, NG)
+    zva, zvb = _cols(zpv, S, NG)
+    pa_hi, pa_lo = _split_tf32(p * sva[None, :])
+    out_a = _dot2(pa_hi, pa_lo, cva) + tl.sum(p * zva[None, :], axis=1)[:, None]  # [GP, GROUP]
+    if NG == 2:
+        pb_hi, pb_lo = _split_tf32(p * svb[None, :])
+        out_b = _dot2(pb_hi, pb_lo, cvb) + tl.sum(p * zvb[None, :], axis=1)[:, None]
+        out = tl.reshape(tl.permute(tl.join(out_a, out_b), (0, 2, 1)), (GP, D))
+    else:
+        out = out_a
+    acc = acc * alpha[:, None] + out
+    macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
+    nbytes += n_any.to(tl.int64) * row_bytes
+    return m_new, l_i, acc, macs, nbytes
+
+
+@triton.jit
+def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
            data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
            S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
            DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
-    """One block of slots into the group's online softmax (state: max, sum, accumulator per head)."""
+    """One block of slots into the group's online softmax (state: max, sum, accumulator per head).
+    K and V are loaded at the slots `rows` (a superset of `any_head`); V's rows outside `any_head` are
+    zeroed, so a slot that no head reads adds nothing even where its payload is not finite."""
     valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, S]
-    k = _load_rows(data_k, scale_k, zero_k, slot, hkv, any_head, S, H_KV, D, BITS, GROUP, PACKED)
+    k = _load_rows(data_k, scale_k, zero_k, slot, hkv, rows, S, H_KV, D, BITS, GROUP, PACKED)
     if DOT:
         s = tl.dot(q, tl.trans(k), input_precision=PREC) * sm_scale
     else:
@@ -99,7 +213,8 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a head with nothing read yet
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(s - m_use[:, None])
-    v = _load_rows(data_v, scale_v, zero_v, slot, hkv, any_head, S, H_KV, D, BITS, GROUP, PACKED)
+    v = _load_rows(data_v, scale_v, zero_v, slot, hkv, rows, S, H_KV, D, BITS, GROUP, PACKED)
+    v = tl.where(any_head[:, None], v, 0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
@@ -111,11 +226,34 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
 
 
 @triton.jit
-def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
+def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
+               data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
+               S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr):
+    """`_block_codes` (CODES; `qs` the split query) or `_block`."""
+    if CODES:
+        qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b = qs
+        m_i, l_i, acc, macs, nbytes = _block_codes(
+            m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b, lo_h, hi, sm_scale, tp, in_hi,
+            any_head, rows, n_any, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, GP, S,
+            H_KV, D, BITS, GROUP)
+    else:
+        m_i, l_i, acc, macs, nbytes = _block(
+            m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot, data_k,
+            scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, S, H_KV, D, BITS, GROUP, DOT, PREC, PACKED)
+    return m_i, l_i, acc, macs, nbytes
+
+
+@triton.jit
+def _pool_loop(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
                H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
-    """The table entries [first, last) of one pool, PB entries (PB * P slots) per iteration."""
+               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr,
+               BY_PAGE: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr):
+    """The table entries [first, last) of one pool, PB entries (PB * P slots) per iteration. BY_PAGE:
+    K and V are loaded masked by the page alone, beside the positions (two dependent loads, not three:
+    for a group whose heads all read from position 0, where the positions rule out only slots past
+    the row's last one); else masked by the slots some head reads."""
     j = tl.arange(0, PB * P)  # the slots of PB consecutive table entries, read as one block
     for i in range(first, last, PB):
         entry = i + j // P
@@ -125,17 +263,42 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale,
         in_hi = (tp >= 0) & (tp <= hi)
         any_head = in_hi & (tp >= lo_min)  # the slots some head of the group reads
         n_any = tl.sum(any_head.to(tl.int32), axis=0)
+        if BY_PAGE:
+            rows = page >= 0
+        else:
+            rows = any_head
         if SKIP:  # a block no head reads is skipped past its positions
             if n_any > 0:
-                m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
-                                                     any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                     scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP,
-                                                     DOT, PREC, PACKED)
+                m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
+                                                         in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
+                                                         data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
+                                                         BITS, GROUP, DOT, PREC, PACKED, CODES, GP)
         else:  # masked loads: the bytes of a block no head reads are not fetched either
-            m_i, l_i, acc, macs, nbytes = _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi,
-                                                 any_head, n_any, slot, data_k, scale_k, zero_k, data_v,
-                                                 scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D, BITS, GROUP,
-                                                 DOT, PREC, PACKED)
+            m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
+                                                     in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
+                                                     data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
+                                                     BITS, GROUP, DOT, PREC, PACKED, CODES, GP)
+    return m_i, l_i, acc, macs, nbytes
+
+
+@triton.jit
+def _pool_pass(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale,
+               data_k, scale_k, zero_k, data_v, scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv,
+               H_KV: tl.constexpr, D: tl.constexpr, P: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
+               PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr,
+               EARLY: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr):
+    """One pool's entries [first, last) into the group's softmax state (`_pool_loop`); EARLY: its
+    loads masked by the page where every head of the group reads from position 0."""
+    if EARLY and lo_min == 0:
+        m_i, l_i, acc, macs, nbytes = _pool_loop(
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v, scale_v,
+            zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv, H_KV, D, P, BITS, GROUP, PB, DOT, SKIP, PREC,
+            PACKED, True, CODES, GP)
+    else:
+        m_i, l_i, acc, macs, nbytes = _pool_loop(
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v, scale_v,
+            zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv, H_KV, D, P, BITS, GROUP, PB, DOT, SKIP, PREC,
+            PACKED, False, CODES, GP)
     return m_i, l_i, acc, macs, nbytes
 
 
@@ -149,7 +312,7 @@ def _paged_attention_kernel(
     dk3, sk3, zk3, dv3, sv3, zv3, pos3, rb3,
     H_Q: tl.constexpr, H_KV: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
     GROUP: tl.constexpr, NPOOLS: tl.constexpr, PB: tl.constexpr, DOT: tl.constexpr, SKIP: tl.constexpr,
-    PREC: tl.constexpr, PACKED: tl.constexpr,
+    PREC: tl.constexpr, PACKED: tl.constexpr, EARLY: tl.constexpr, CODES: tl.constexpr,
     BITS0: tl.constexpr, BITS1: tl.constexpr, BITS2: tl.constexpr, BITS3: tl.constexpr,
 ):
     n = tl.program_id(0)
@@ -174,29 +337,34 @@ def _paged_attention_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     macs = tl.sum(tl.zeros([GP], tl.int64), axis=0)
     nbytes = tl.sum(tl.zeros([GP], tl.int64), axis=0)
+    NG: tl.constexpr = D // GROUP
+    qa, qb = _halves(q, GP, D, NG)  # CODES: the query per quantisation group, split for two tf32 products
+    qa_hi, qa_lo = _split_tf32(qa)
+    qb_hi, qb_lo = _split_tf32(qb)
+    qs = (qa_hi, qa_lo, qb_hi, qb_lo, tl.sum(qa, axis=1), tl.sum(qb, axis=1))
     row = table_ptr + r * M
     pool_stride = R * M
     used = used_ptr + r  # per pool: the row's table entries up to its last page (a loop's end)
     if NPOOLS > 0:
         m_i, l_i, acc, macs, nbytes = _pool_pass(
-            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk0, sk0, zk0, dv0, sv0, zv0, pos0,
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, dk0, sk0, zk0, dv0, sv0, zv0, pos0,
             row, first, tl.minimum(last, tl.load(used)), rb0, hkv,
-            H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC, PACKED)
+            H_KV, D, P, BITS0, GROUP, PB, DOT, SKIP, PREC, PACKED, EARLY, CODES, GP)
     if NPOOLS > 1:
         m_i, l_i, acc, macs, nbytes = _pool_pass(
-            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk1, sk1, zk1, dv1, sv1, zv1, pos1,
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, dk1, sk1, zk1, dv1, sv1, zv1, pos1,
             row + pool_stride, first, tl.minimum(last, tl.load(used + R)), rb1, hkv,
-            H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC, PACKED)
+            H_KV, D, P, BITS1, GROUP, PB, DOT, SKIP, PREC, PACKED, EARLY, CODES, GP)
     if NPOOLS > 2:
         m_i, l_i, acc, macs, nbytes = _pool_pass(
-            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk2, sk2, zk2, dv2, sv2, zv2, pos2,
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, dk2, sk2, zk2, dv2, sv2, zv2, pos2,
             row + 2 * pool_stride, first, tl.minimum(last, tl.load(used + 2 * R)), rb2, hkv,
-            H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC, PACKED)
+            H_KV, D, P, BITS2, GROUP, PB, DOT, SKIP, PREC, PACKED, EARLY, CODES, GP)
     if NPOOLS > 3:
         m_i, l_i, acc, macs, nbytes = _pool_pass(
-            m_i, l_i, acc, macs, nbytes, q, lo_h, lo_min, hi, sm_scale, dk3, sk3, zk3, dv3, sv3, zv3, pos3,
+            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, dk3, sk3, zk3, dv3, sv3, zv3, pos3,
             row + 3 * pool_stride, first, tl.minimum(last, tl.load(used + 3 * R)), rb3, hkv,
-            H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC, PACKED)
+            H_KV, D, P, BITS3, GROUP, PB, DOT, SKIP, PREC, PACKED, EARLY, CODES, GP)
     read = l_i > 0.0
     den = tl.where(read, l_i, 1.0)
     at = (split * N + n) * H_Q + head
@@ -220,9 +388,18 @@ def dot_fits(d: int, slots_per_block: int) -> bool:
     return min(d, slots_per_block) >= MIN_DOT_K
 
 
+def codes_fits(d: int, group_size: int, slots_per_block: int, device: torch.device) -> bool:
+    """Whether the codes-domain block (`CODES`) takes this layout: one or two quantisation groups per
+    head, and on a GPU `tl.dot`'s reductions (a group's channels, a block's slots) of at least 16."""
+    if d // group_size not in (1, 2):
+        return False
+    return device.type != "cuda" or min(group_size, slots_per_block) >= MIN_DOT_K
+
+
 def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, counters, num_splits=None,
                            pages_per_block=PAGES_PER_BLOCK, num_warps=NUM_WARPS, num_stages=None, dot=DOT,
-                           skip=SKIP_UNREAD, precision=PRECISION, packed=PACKED):
+                           skip=SKIP_UNREAD, precision=PRECISION, packed=PACKED, early=EARLY, maxnreg=None,
+                           codes=CODES):
     """`paged_ops.paged_attention` in one Triton launch (module doc); `pools` a `PoolLists`.
     The keyword arguments are tuning knobs (defaults: the module constants)."""
     N, H, d = q.shape
@@ -230,6 +407,7 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
     H_kv, P, W = kp0.num_kv_heads, kp0.page_size, len(pools.bits)
     slots, bits = launch_pools(pools, d, P, "paged attention")
     dot = dot and dot_fits(d, pages_per_block * P)
+    codes = codes and codes_fits(d, pools.group_size, pages_per_block * P, q.device)
     if H % H_kv:
         raise ValueError(f"{H} query heads do not share {H_kv} KV heads evenly")
     G = H // H_kv
@@ -252,9 +430,9 @@ def paged_attention_triton(q, pools, page_tables, request, lo, hi, sm_scale, cou
         q.float().contiguous(), lo.long().contiguous(), hi.long().contiguous(), request.long().contiguous(),
         page_tables.long().contiguous(), used, out, lse, counters,
         R, M, per_split, float(sm_scale), *args,
-        H_Q=H, H_KV=H_kv, G=G, GP=max(16 if dot else 1, triton.next_power_of_2(G)), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
-        PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, PACKED=packed, num_warps=num_warps,
-        **({} if num_stages is None else {"num_stages": num_stages}),
+        H_Q=H, H_KV=H_kv, G=G, GP=max(16 if dot or codes else 1, triton.next_power_of_2(G)), D=d, P=P, GROUP=pools.group_size, NPOOLS=W,
+        PB=pages_per_block, DOT=dot, SKIP=skip, PREC=precision, PACKED=packed, EARLY=early, CODES=codes, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}), **({} if maxnreg is None else {"maxnreg": maxnreg}),
         BITS0=bits[0], BITS1=bits[1], BITS2=bits[2], BITS3=bits[3],
     )
     if splits == 1:

@@ -115,7 +115,7 @@ def test_default_splits_fill_the_device_but_keep_pages_per_split():
 from tests.kernels.scenario import mixed_pools  # noqa: E402
 from triroute_kernels import PoolLists  # noqa: E402
 from triroute_kernels.paged_ops import paged_attention_torch  # noqa: E402
-from triroute_kernels.triton_paged import dot_fits, paged_attention_triton, used_entries  # noqa: E402
+from triroute_kernels.triton_paged import codes_fits, dot_fits, paged_attention_triton, used_entries  # noqa: E402
 
 
 def test_dot_only_where_both_of_its_reductions_reach_sixteen():
@@ -130,7 +130,9 @@ def test_dot_only_where_both_of_its_reductions_reach_sixteen():
     # the tuning knobs' other settings (bench_paged_attention.py --variants)
     (2, 4, 2, {"dot": False, "skip": True}), (1, 3, 1, {"packed": False, "pages_per_block": 1}),
     (2, 4, 2, {"precision": "ieee", "pages_per_block": 2}),
-    (1, 3, 1, {"skip": True, "pages_per_block": 2})])
+    (1, 3, 1, {"skip": True, "pages_per_block": 2}), (2, 4, 2, {"early": True}),
+    (4, 4, 3, {"early": True, "pages_per_block": 2}), (1, 3, 1, {"codes": True}),
+    (2, 4, 2, {"codes": True, "early": True}), (4, 4, 3, {"codes": True, "pages_per_block": 2})])
 def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters(H_kv, H, splits, knobs):
     """Mixed widths in one batch, GQA groups of 1-3 heads (3: a padded group), full, local and
     skipped heads within one group, decode and prefill rows, split-K; output to 1e-5 and the
@@ -178,6 +180,24 @@ def test_triton_paged_attention_stops_at_each_rows_last_page_and_skips_holes(pag
     assert torch.equal(got_c, want_c) and got_c[0] > 0
 
 
+@pytest.mark.parametrize("group", [D, D // 4])
+def test_codes_domain_with_one_group_per_head_and_where_it_does_not_fit(group):
+    """The codes-domain block with one quantisation group per head (the group is the head), and a
+    layout of four groups, which `codes_fits` sends to the dequantising block: both equal the twin."""
+    gen = torch.Generator().manual_seed(11)
+    stores, tables = mixed_pools([21, 6], 2, P, gen, (2, 4, 8, 16), D, group)
+    request, hi = torch.tensor([0, 1, 0]), torch.tensor([20, 5, 9])
+    lo = torch.tensor([[0, 3, 0, 0], [0, 0, 1, 0], [4, 0, 0, 10]])
+    q = torch.randn(3, 4, D, generator=gen)
+    pools = PoolLists.of([s.k_pool for s in stores], [s.v_pool for s in stores])
+    assert codes_fits(D, group, 4 * P, q.device) == (group == D)
+    got_c, want_c = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+    got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, codes=True)
+    want = paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, 0.3, want_c)
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
+    assert torch.equal(got_c, want_c) and got_c[0] > 0
+
+
 def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group():
     """NaN payload in the pages wholly before the group's earliest start must not reach the output."""
     gen = torch.Generator().manual_seed(4)
@@ -193,6 +213,27 @@ def test_triton_paged_attention_never_reads_pages_before_every_head_of_the_group
     want = naive_attention(q, [st], GS, lo, hi, 0.25)[0]
     assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
     assert c.tolist()[0] == 2 * D * (6 + 10)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"early": True}, {"early": True, "codes": True}])
+def test_triton_paged_attention_ignores_the_payload_of_slots_past_the_row(knobs):
+    """NaN payload in slots past the row's last position, on pages it reads: with the loads masked by
+    the page (early) they are fetched, and must still add nothing."""
+    gen = torch.Generator().manual_seed(5)
+    st = fill_pools(quantize_pack_into_torch, 4, [list(range(50))], 1, D, GS, P, gen)
+    tables = st.page_table.long().unsqueeze(0)
+    past = st.k_pool.token_pos > 44
+    assert past.any() and (st.k_pool.token_pos[tables[0, 0]] > 44).any()
+    for pool in (st.k_pool, st.v_pool):
+        pool.scale[past] = float("nan")
+    pools = PoolLists.of([st.k_pool], [st.v_pool])
+    q = torch.randn(1, 2, D, generator=gen)
+    lo, hi = torch.tensor([[0, 0]]), torch.tensor([44])
+    c = torch.zeros(2, dtype=torch.long)
+    got = paged_attention_triton(q, pools, tables, torch.tensor([0]), lo, hi, 0.25, c, **knobs)
+    want = naive_attention(q, [st], GS, lo, hi, 0.25)[0]
+    assert torch.allclose(got, want, atol=1e-5), (got - want).abs().max()
+    assert c.tolist()[0] == 2 * D * 2 * 45
 
 
 # --- the all-pools cache append (triton_append) -----------------------------------------------------
