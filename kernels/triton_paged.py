@@ -198,10 +198,10 @@ def _block_codes(m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a
 def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
            data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
            S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-           DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr):
+           DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, ZERO_V: tl.constexpr):
     """One block of slots into the group's online softmax (state: max, sum, accumulator per head).
-    K and V are loaded at the slots `rows` (a superset of `any_head`); V's rows outside `any_head` are
-    zeroed, so a slot that no head reads adds nothing even where its payload is not finite."""
+    K and V are loaded at the slots `rows` (`any_head`, or a superset of it: then ZERO_V zeroes V's rows
+    outside `any_head`, so a slot that no head reads adds nothing even where its payload is not finite)."""
     valid = in_hi[None, :] & (tp[None, :] >= lo_h[:, None])  # [GP, S]
     k = _load_rows(data_k, scale_k, zero_k, slot, hkv, rows, S, H_KV, D, BITS, GROUP, PACKED)
     if DOT:
@@ -214,7 +214,8 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
     alpha = tl.exp(m_i - m_use)
     p = tl.exp(s - m_use[:, None])
     v = _load_rows(data_v, scale_v, zero_v, slot, hkv, rows, S, H_KV, D, BITS, GROUP, PACKED)
-    v = tl.where(any_head[:, None], v, 0.0)
+    if ZERO_V:
+        v = tl.where(any_head[:, None], v, 0.0)
     l_i = l_i * alpha + tl.sum(p, axis=1)
     if DOT:
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PREC)
@@ -229,7 +230,8 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
 def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
-               DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr):
+               DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr,
+               BY_PAGE: tl.constexpr):
     """`_block_codes` (CODES; `qs` the split query) or `_block`."""
     if CODES:
         qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b = qs
@@ -240,7 +242,8 @@ def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi
     else:
         m_i, l_i, acc, macs, nbytes = _block(
             m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot, data_k,
-            scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, S, H_KV, D, BITS, GROUP, DOT, PREC, PACKED)
+            scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, S, H_KV, D, BITS, GROUP, DOT, PREC, PACKED,
+            BY_PAGE)
     return m_i, l_i, acc, macs, nbytes
 
 
@@ -272,12 +275,12 @@ def _pool_loop(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale,
                 m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
                                                          in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
                                                          data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
-                                                         BITS, GROUP, DOT, PREC, PACKED, CODES, GP)
+                                                         BITS, GROUP, DOT, PREC, PACKED, CODES, GP, BY_PAGE)
         else:  # masked loads: the bytes of a block no head reads are not fetched either
             m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
                                                      in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
                                                      data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
-                                                     BITS, GROUP, DOT, PREC, PACKED, CODES, GP)
+                                                     BITS, GROUP, DOT, PREC, PACKED, CODES, GP, BY_PAGE)
     return m_i, l_i, acc, macs, nbytes
 
 
@@ -289,11 +292,17 @@ def _pool_pass(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale,
                EARLY: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr):
     """One pool's entries [first, last) into the group's softmax state (`_pool_loop`); EARLY: its
     loads masked by the page where every head of the group reads from position 0."""
-    if EARLY and lo_min == 0:
-        m_i, l_i, acc, macs, nbytes = _pool_loop(
-            m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v, scale_v,
-            zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv, H_KV, D, P, BITS, GROUP, PB, DOT, SKIP, PREC,
-            PACKED, True, CODES, GP)
+    if EARLY:
+        if lo_min == 0:
+            m_i, l_i, acc, macs, nbytes = _pool_loop(
+                m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v,
+                scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv, H_KV, D, P, BITS, GROUP, PB, DOT,
+                SKIP, PREC, PACKED, True, CODES, GP)
+        else:
+            m_i, l_i, acc, macs, nbytes = _pool_loop(
+                m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v,
+                scale_v, zero_v, pos_ptr, table_ptr, first, last, row_bytes, hkv, H_KV, D, P, BITS, GROUP, PB, DOT,
+                SKIP, PREC, PACKED, False, CODES, GP)
     else:
         m_i, l_i, acc, macs, nbytes = _pool_loop(
             m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale, data_k, scale_k, zero_k, data_v, scale_v,
@@ -337,11 +346,13 @@ def _paged_attention_kernel(
     acc = tl.zeros([GP, D], tl.float32)
     macs = tl.sum(tl.zeros([GP], tl.int64), axis=0)
     nbytes = tl.sum(tl.zeros([GP], tl.int64), axis=0)
-    NG: tl.constexpr = D // GROUP
-    qa, qb = _halves(q, GP, D, NG)  # CODES: the query per quantisation group, split for two tf32 products
-    qa_hi, qa_lo = _split_tf32(qa)
-    qb_hi, qb_lo = _split_tf32(qb)
-    qs = (qa_hi, qa_lo, qb_hi, qb_lo, tl.sum(qa, axis=1), tl.sum(qb, axis=1))
+    if CODES:  # the query per quantisation group, split for two tf32 products, and its sums
+        qa, qb = _halves(q, GP, D, D // GROUP)
+        qa_hi, qa_lo = _split_tf32(qa)
+        qb_hi, qb_lo = _split_tf32(qb)
+        qs = (qa_hi, qa_lo, qb_hi, qb_lo, tl.sum(qa, axis=1), tl.sum(qb, axis=1))
+    else:
+        qs = q  # not read
     row = table_ptr + r * M
     pool_stride = R * M
     used = used_ptr + r  # per pool: the row's table entries up to its last page (a loop's end)
