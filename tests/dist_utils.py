@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import signal
 import socket
 import sys
 import tempfile
@@ -124,7 +125,8 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     destroys its process groups and exits 1; ``fn`` runs inside the CPU shim (``cpu_shim=False``: without it).
     ``backend="nccl"`` (GPU machines) gives rank r the CUDA device r. ``fn`` must be a module-level function (it is pickled by name). The first
     rank to report a failure has its traceback is re-raised in the parent as an ``AssertionError``; a rank that dies
-    without reporting (segfault, kill) or a group that outlives ``timeout`` seconds also fails.
+    without reporting (segfault, kill, an exit of its own) fails the group with its exit code and last output, ahead
+    of the reports its peers make after it (a reset connection); a group that outlives ``timeout`` seconds also fails.
     """
     start_method = _start_method(backend)
     errors = mp.get_context(start_method).SimpleQueue()
@@ -147,12 +149,20 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
             silent = _hand_over_output(output, world_size)
     while not errors.empty():
         reports.append(errors.get())
+    codes = [p.exitcode for p in context.processes]
+    # A rank that died without reporting (an exit code of its own or a signal, not the SIGTERM that
+    # ends the rest of a failed group) is the cause: its peers' reports (a reset connection) come after.
+    reported = {rank for rank, _ in reports}
+    died = [r for r, code in enumerate(codes) if code not in (0, None, -signal.SIGTERM) and r not in reported]
+    if died and finished:
+        after = "".join(f"\n\nrank {rank} reported after it:\n{tb}" for rank, tb in reports[:1])
+        raise AssertionError(f"{fn.__name__} on {world_size} processes exited with codes {codes}: rank(s) {died} "
+                             f"died without reporting; the last of their output:\n{silent}{after}")
     if reports:
         rank, tb = reports[0]  # the first report is usually the cause; later ones see a dead peer
         raise AssertionError(f"rank {rank} of {world_size} failed ({len(reports)} rank(s) reported):\n{tb}")
     if not finished:
         raise AssertionError(f"{world_size} processes running {fn.__name__} did not finish in {timeout} s")
-    codes = [p.exitcode for p in context.processes]
     if any(code != 0 for code in codes):
         raise AssertionError(f"{fn.__name__} on {world_size} processes exited with codes {codes}; the last of "
                              f"their output:\n{silent}")

@@ -61,6 +61,22 @@ def _rank_one_dies_silently(rank: int, world_size: int) -> None:
         os._exit(7)
 
 
+def _rank_one_dies_then_rank_zero_reports(rank: int, world_size: int, flag: str) -> None:
+    """Rank 1 dies without a report; rank 0 (deaf to the SIGTERM that ends a failed group's other
+    ranks) reports only after it, as a peer whose connection was reset does."""
+    import signal
+
+    if rank == 1:
+        print("rank 1's last words", file=sys.stderr, flush=True)
+        Path(flag).touch()
+        os._exit(7)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    while not os.path.exists(flag):
+        time.sleep(0.01)
+    time.sleep(0.2)
+    raise RuntimeError("Connection reset by peer")
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -112,6 +128,17 @@ def test_a_rank_sees_the_environment_of_the_call_and_its_output_reaches_the_test
 def test_a_rank_that_dies_without_reporting_fails_the_group_with_its_last_output():
     with pytest.raises(AssertionError, match=r"(?s)exited with codes \[.*7.*\].*rank 1: .*rank 1's last words"):
         run_distributed(_rank_one_dies_silently, 2, timeout=60)
+
+
+def test_a_silent_death_leads_the_message_ahead_of_the_report_a_peer_makes_after_it(tmp_path):
+    """The order a flaky group showed: rank 1 exits 7 without a report, then rank 0 reports the reset
+    connection. The message names the death first, with its last output, and keeps the report."""
+    with pytest.raises(AssertionError) as failure:
+        run_distributed(_rank_one_dies_then_rank_zero_reports, 2, str(tmp_path / "dead"), timeout=60)
+    text = str(failure.value)
+    assert text.startswith("_rank_one_dies_then_rank_zero_reports on 2 processes exited with codes [1, 7]"), text
+    assert "rank(s) [1] died without reporting" in text and "rank 1's last words" in text
+    assert text.index("rank 1's last words") < text.index("rank 0 reported after it") < text.index("reset by peer")
 
 
 def test_ranks_are_forked_from_the_preloaded_server_only_for_gloo_without_cuda(monkeypatch):
