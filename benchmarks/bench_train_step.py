@@ -28,7 +28,8 @@ the process group is NCCL, each timed step ends with a device synchronise, and `
 trainer's autocast. Model TFLOP/s counts `metrics.training_flops_per_token` at the dense cost
 (the FLOPs both models are charged at equal active FLOPs), and MFU divides it by `--peak-tflops`.
 `--profile DIR` records two extra steps of each model with `torch.profiler` and writes the top
-operators by device time to `DIR/NAME_ops.txt`; `--host-profile DIR` runs two more steps of each
+operators by device time to `DIR/NAME_ops.txt`, and that time by the line of code that called each
+operator (a backward operator: its autograd node) to `DIR/NAME_sources.txt`; `--host-profile DIR` runs two more steps of each
 under cProfile and writes the Python functions that take the host's time to `DIR/NAME_host.txt`
 (the whole profile, callers included, to `DIR/NAME_host.pstats`).
 
@@ -200,20 +201,61 @@ def _spread(values: list[float]) -> dict:
 def _profile(engines: dict, data: list, device: torch.device, out: Path) -> None:
     """Two steps of each model under torch.profiler; the top 80 operators and kernels by their own
     (device or CPU) time, names up to 120 characters (a kernel's template arguments tell apart the
-    elementwise kernels)."""
+    elementwise kernels), to DIR/NAME_ops.txt; the same time by where in the code each operator was
+    called (`by_source`) to DIR/NAME_sources.txt."""
     from torch.profiler import ProfilerActivity, profile
 
     out.mkdir(parents=True, exist_ok=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     for name, engine in engines.items():
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=True) as prof:
             for step, mb in enumerate(data[:2]):
                 engine.train_step([mb], 10_000 + step)
             _sync(device)
         table = prof.key_averages().table(sort_by=sort, row_limit=80, max_name_column_width=120)
         (out / f"{name}_ops.txt").write_text(table)
-        print(f"profile of {name}: {out / f'{name}_ops.txt'}")
+        (out / f"{name}_sources.txt").write_text(format_sources(by_source(prof.events(), device.type == "cuda")))
+        print(f"profile of {name}: {out / f'{name}_ops.txt'}, {out / f'{name}_sources.txt'}")
+
+
+SOURCE_ROOTS = ("megatron_triroute/", "triroute_kernels/", "kernels/", "megatron/core/", "deepspeed/")
+"""Code whose lines an operator's time is charged to: this project's, then the libraries it adapts."""
+
+
+def by_source(events, device_time: bool) -> dict:
+    """{(where, operator): [self time in ms, calls]} over a profile's operator events (recorded
+    `with_stack`, so Python frames enclose them): the operator's own device time (its kernels; CPU
+    time without `device_time`), charged to the innermost enclosing frame under `SOURCE_ROOTS`, or to
+    the autograd node a backward operator ran in ("backward NAME"), whichever encloses it first."""
+    table: dict = {}
+    for ev in events:
+        if ev.device_type.name != "CPU" or ".py(" in ev.name or ev.name.startswith(("<built-in", "autograd::")):
+            continue  # Python frames (the stack itself) and autograd's bookkeeping
+        spent = (ev.self_device_time_total if device_time else ev.self_cpu_time_total) / 1e3
+        if spent <= 0:
+            continue
+        where, parent = None, ev.cpu_parent  # the innermost enclosing frame of our code, or autograd node
+        while where is None and parent is not None:
+            if parent.name.startswith("autograd::engine::evaluate_function: "):
+                where = "backward " + parent.name.split(": ", 1)[1]
+            elif ".py(" in parent.name and any(r in parent.name for r in SOURCE_ROOTS):
+                where = parent.name
+            parent = parent.cpu_parent
+        row = table.setdefault((where or "other", ev.name), [0.0, 0])
+        row[0] += spent
+        row[1] += 1
+    return table
+
+
+def format_sources(table: dict, rows: int = 80) -> str:
+    """`by_source`'s largest rows: ms, calls, operator, where (paths from the package roots)."""
+    total = sum(ms for ms, _ in table.values())
+    lines = [f"{total:.1f} ms in all; the largest {min(rows, len(table))} of {len(table)} (where, operator):"]
+    for (where, op), (ms, calls) in sorted(table.items(), key=lambda kv: -kv[1][0])[:rows]:
+        short = next((where[where.index(r):] for r in SOURCE_ROOTS if r in where), where)
+        lines.append(f"{ms:10.2f} ms {calls:7d}  {op:<36} {short}")
+    return "\n".join(lines) + "\n"
 
 
 def _host_profile(engines: dict, data: list, device: torch.device, out: Path) -> dict:

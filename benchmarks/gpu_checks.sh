@@ -18,7 +18,7 @@
 #   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
-# MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,host}.txt of the last,
+# MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,sources,host}.txt of the last,
 # bench-mb16-deepspeed-experts.json, bench-mb16-blocks-local.json, paged-attention.json,
 # paged-attention-variants.json, and per training run train-NAME.log (its last line holds the run's
 # summary); OUTDIR/all.tgz packs them all (for a runner that returns few files). Runs write their checkpoints under

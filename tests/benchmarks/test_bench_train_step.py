@@ -90,3 +90,23 @@ def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     for name in ("triroute", "dense"):
         assert "train_step" in (tmp_path / f"{name}_host.txt").read_text()
         assert 0 < result["host_profile_s_per_step"][name] < 60
+
+
+def test_profile_time_by_source_charges_our_frames_and_autograd_nodes(bench):
+    """`by_source` charges an operator to the innermost enclosing frame of the package (here
+    `scale_gradients`' multi-tensor multiply) and a backward operator to its autograd node."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from megatron_triroute.parallel.grad_reduce import scale_gradients
+
+    x = torch.randn(256, 256, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], with_stack=True) as prof:
+        (x * 3).sum().backward()
+        scale_gradients([x.grad], 0.5)
+    table = bench.by_source(prof.events(), device_time=False)
+    wheres = {where for where, _ in table}
+    assert any(w.endswith("scale_gradients") and "megatron_triroute/parallel/grad_reduce.py(" in w for w in wheres)
+    assert ("backward MulBackward0", "aten::mul") in table
+    assert all(ms > 0 and calls > 0 for ms, calls in table.values())
+    text = bench.format_sources(table)
+    assert "ms in all" in text and "megatron_triroute/parallel/grad_reduce.py(" in text
