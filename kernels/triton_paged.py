@@ -10,7 +10,8 @@ loop ends at the row's last page in that pool (`used_entries`), so a pool a row 
 barely anything. Splits of the page list (split-K, so a small batch still fills the GPU) are merged
 by log-sum-exp. Executed attention MACs and K/V bytes are added to `counters` by the programs
 themselves (atomics), with the twin's definition: 2 d per (query head, key scored); a (slot, KV
-head) row's K+V bytes once per group that reads it.
+head) row's K+V bytes once per group that loads it (with `early`, the slots of a loaded page past
+the row's last position too: more bytes than the twin's count, which the counter then says).
 
 Layout constraints as `triton_ops.check_triton_layout` (powers of two), at most
 `triton_ops.MAX_POOLS` pools.
@@ -150,7 +151,7 @@ def _load_codes(data, scale, zero, slot, hkv, valid,
 
 @triton.jit
 def _block_codes(m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b, lo_h, hi, sm_scale, tp,
-                 in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
+                 in_hi, any_head, rows, n_read, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
                  GP: tl.constexpr, S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr,
                  GROUP: tl.constexpr):
     """`_block` in the codes' domain: a key's dequantised value per group is code * scale + zero, so
@@ -190,12 +191,12 @@ def _block_codes(m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a
         out = out_a
     acc = acc * alpha[:, None] + out
     macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
-    nbytes += n_any.to(tl.int64) * row_bytes
+    nbytes += n_read.to(tl.int64) * row_bytes
     return m_new, l_i, acc, macs, nbytes
 
 
 @triton.jit
-def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
+def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_read, slot,
            data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
            S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
            DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, ZERO_V: tl.constexpr):
@@ -222,12 +223,12 @@ def _block(m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_he
     else:
         acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
     macs += tl.sum(tl.sum(valid.to(tl.int64), axis=1), axis=0) * (2 * D)
-    nbytes += n_any.to(tl.int64) * row_bytes
+    nbytes += n_read.to(tl.int64) * row_bytes
     return m_new, l_i, acc, macs, nbytes
 
 
 @triton.jit
-def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot,
+def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_read, slot,
                data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv,
                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                DOT: tl.constexpr, PREC: tl.constexpr, PACKED: tl.constexpr, CODES: tl.constexpr, GP: tl.constexpr,
@@ -237,11 +238,11 @@ def _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp, in_hi
         qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b = qs
         m_i, l_i, acc, macs, nbytes = _block_codes(
             m_i, l_i, acc, macs, nbytes, qa_hi, qa_lo, qb_hi, qb_lo, qsum_a, qsum_b, lo_h, hi, sm_scale, tp, in_hi,
-            any_head, rows, n_any, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, GP, S,
+            any_head, rows, n_read, slot, data_k, scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, GP, S,
             H_KV, D, BITS, GROUP)
     else:
         m_i, l_i, acc, macs, nbytes = _block(
-            m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_any, slot, data_k,
+            m_i, l_i, acc, macs, nbytes, q, lo_h, hi, sm_scale, tp, in_hi, any_head, rows, n_read, slot, data_k,
             scale_k, zero_k, data_v, scale_v, zero_v, row_bytes, hkv, S, H_KV, D, BITS, GROUP, DOT, PREC, PACKED,
             BY_PAGE)
     return m_i, l_i, acc, macs, nbytes
@@ -268,17 +269,19 @@ def _pool_loop(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, lo_min, hi, sm_scale,
         n_any = tl.sum(any_head.to(tl.int32), axis=0)
         if BY_PAGE:
             rows = page >= 0
+            n_read = tl.sum(rows.to(tl.int32), axis=0)  # the slots whose K/V bytes are loaded
         else:
             rows = any_head
+            n_read = n_any
         if SKIP:  # a block no head reads is skipped past its positions
             if n_any > 0:
                 m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
-                                                         in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
+                                                         in_hi, any_head, rows, n_read, slot, data_k, scale_k, zero_k,
                                                          data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
                                                          BITS, GROUP, DOT, PREC, PACKED, CODES, GP, BY_PAGE)
         else:  # masked loads: the bytes of a block no head reads are not fetched either
             m_i, l_i, acc, macs, nbytes = _any_block(m_i, l_i, acc, macs, nbytes, q, qs, lo_h, hi, sm_scale, tp,
-                                                     in_hi, any_head, rows, n_any, slot, data_k, scale_k, zero_k,
+                                                     in_hi, any_head, rows, n_read, slot, data_k, scale_k, zero_k,
                                                      data_v, scale_v, zero_v, row_bytes, hkv, PB * P, H_KV, D,
                                                      BITS, GROUP, DOT, PREC, PACKED, CODES, GP, BY_PAGE)
     return m_i, l_i, acc, macs, nbytes

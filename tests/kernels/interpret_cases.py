@@ -153,7 +153,11 @@ def test_triton_paged_attention_over_all_pools_matches_the_twin_and_its_counters
     got = paged_attention_triton(q, pools, tables, request, lo, hi, 0.3, got_c, num_splits=splits, **knobs)
     want = paged_attention_torch(q, pools.k_pools, pools.v_pools, tables, request, lo, hi, 0.3, want_c)
     assert torch.allclose(got, want, atol=1e-5, rtol=1e-5), (got - want).abs().max()
-    assert torch.equal(got_c, want_c) and got_c[0] > 0
+    assert got_c[0] == want_c[0] > 0
+    if knobs.get("early"):  # the bytes of whole loaded pages: the slots past a row's last position too
+        assert got_c[1] > want_c[1]
+    else:
+        assert got_c[1] == want_c[1]
     assert not got[lo > hi.view(N, 1)].any()
 
 
