@@ -76,6 +76,49 @@ def test_rms_norm_backward_equals_autograd_and_a_hand_computation():
     assert abs(float((dx * x.detach()).sum())) < 1e-5
 
 
+def test_the_fused_kernels_arguments_as_called_on_a_gpu_give_the_formula():
+    """The call the GPU path makes (`_fused_rms_norm_backward(dy, x, [D], rstd, w, [True, True])`),
+    run through PyTorch's reference decomposition of that op on the CPU, equals the formula."""
+    from torch._decomp import decomposition_table
+
+    fused = decomposition_table[torch.ops.aten._fused_rms_norm_backward.default]
+    g = torch.Generator().manual_seed(1)
+    x, w, dy = torch.randn(50, 24, generator=g), torch.randn(24, generator=g), torch.randn(50, 24, generator=g)
+    _, rstd = _rms_norm(x, w, 1e-6)
+    got = fused(dy, x, [24], rstd, w, [True, True])
+    for a, b in zip(got, _rms_norm_backward(dy, x, rstd, w)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_backward_on_cuda_takes_the_fused_kernel_and_equals_the_formula(x_dtype):
+    """On CUDA the fused kernel, with a bf16 input and float32 gradients as under autocast: one op,
+    and the CPU formula's values."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(300, 96, generator=g).to(x_dtype)
+    w, dy = torch.randn(96, generator=g), torch.randn(300, 96, generator=g)
+    _, rstd = _rms_norm(x.float(), w, 1e-6)
+    want = _rms_norm_backward(dy, x, rstd, w)
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Names(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    args = dy.cuda(), x.cuda(), rstd.cuda(), w.cuda()
+    with Names() as names:
+        got = _rms_norm_backward(*args)
+    assert names.seen.count("aten._fused_rms_norm_backward") == 1 and "aten.mul" not in names.seen
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a.cpu(), b, rtol=1e-4, atol=1e-5)
+
+
 def test_the_training_logits_dispatch_fewer_ops_than_the_modules_under_autograd():
     """What the hand-derived backward is for: counted, forward and backward of one layer's logits
     dispatch at most 70 % of the aten ops the modules dispatch under autograd (measured: 118 against
