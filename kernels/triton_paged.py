@@ -61,6 +61,31 @@ def _splits(rows: int, max_pages: int, device: torch.device, pages_per_block: in
 
 
 @triton.jit
+def _load_codes(data, scale, zero, slot, hkv, valid,
+                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
+    """[S, D] float32 codes (exact in tf32), [S, NG] float32 scale and zero of KV head `hkv` at `slot`;
+    16-bit: the float16 values (exact in tf32), scale 1 and zero 0. Rows not `valid` read 0."""
+    NG: tl.constexpr = D // GROUP
+    row = slot * H_KV + hkv  # [S]
+    m = valid[:, None]
+    g_idx = tl.arange(0, NG)
+    if BITS == 16:
+        code = tl.load(data + row[:, None] * D + tl.arange(0, D)[None, :], mask=m, other=0.0).to(tl.float32)
+        sc = tl.full([S, NG], 1.0, tl.float32)
+        zp = tl.zeros([S, NG], tl.float32)
+    else:
+        PER: tl.constexpr = 8 // BITS
+        NB: tl.constexpr = D * BITS // 8
+        byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)
+        shift = tl.arange(0, PER) * BITS
+        code = (byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [S, NB, PER]: channel byte*PER+j
+        code = tl.reshape(code, (S, D)).to(tl.float32)
+        sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+        zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+    return code, sc, zp
+
+
+@triton.jit
 def _load_rows(data, scale, zero, slot, hkv, valid,
                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr,
                PACKED: tl.constexpr):
@@ -71,21 +96,11 @@ def _load_rows(data, scale, zero, slot, hkv, valid,
     if BITS == 16 or not PACKED:
         out = _load_kv(data, scale, zero, data, slot, hkv, d_idx, valid, H_KV, D, BITS, GROUP)
     else:
-        PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = D * BITS // 8
         NG: tl.constexpr = D // GROUP
-        row = slot * H_KV + hkv  # [S]
-        m = valid[:, None]
-        byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)
-        shift = tl.arange(0, PER) * BITS
-        code = (byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1)  # [S, NB, PER]: channel byte*PER+j
-        code = tl.reshape(code, (S, D))
-        g_idx = tl.arange(0, NG)
-        sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)  # [S, NG]
-        zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
+        code, sc, zp = _load_codes(data, scale, zero, slot, hkv, valid, S, H_KV, D, BITS, GROUP)  # sc, zp [S, NG]
         sc = tl.reshape(tl.broadcast_to(sc[:, :, None], (S, NG, GROUP)), (S, D))
         zp = tl.reshape(tl.broadcast_to(zp[:, :, None], (S, NG, GROUP)), (S, D))
-        out = code.to(tl.float32) * sc + zp
+        out = code * sc + zp
     return out
 
 
@@ -123,30 +138,6 @@ def _cols(x, S: tl.constexpr, NG: tl.constexpr):
 def _dot2(a_hi, a_lo, b):
     """a @ b in float32 accuracy where b is exact in tf32: two tf32 products."""
     return tl.dot(a_hi, b, input_precision="tf32") + tl.dot(a_lo, b, input_precision="tf32")
-
-
-@triton.jit
-def _load_codes(data, scale, zero, slot, hkv, valid,
-                S: tl.constexpr, H_KV: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr, GROUP: tl.constexpr):
-    """[S, D] float32 codes (exact in tf32), [S, NG] float32 scale and zero of KV head `hkv` at `slot`;
-    16-bit: the float16 values (exact in tf32), scale 1 and zero 0. Rows not `valid` read 0."""
-    NG: tl.constexpr = D // GROUP
-    row = slot * H_KV + hkv  # [S]
-    m = valid[:, None]
-    g_idx = tl.arange(0, NG)
-    if BITS == 16:
-        code = tl.load(data + row[:, None] * D + tl.arange(0, D)[None, :], mask=m, other=0.0).to(tl.float32)
-        sc = tl.full([S, NG], 1.0, tl.float32)
-        zp = tl.zeros([S, NG], tl.float32)
-    else:
-        PER: tl.constexpr = 8 // BITS
-        NB: tl.constexpr = D * BITS // 8
-        byte = tl.load(data + row[:, None] * NB + tl.arange(0, NB)[None, :], mask=m, other=0).to(tl.int32)
-        shift = tl.arange(0, PER) * BITS
-        code = tl.reshape((byte[:, :, None] >> shift[None, None, :]) & ((1 << BITS) - 1), (S, D)).to(tl.float32)
-        sc = tl.load(scale + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
-        zp = tl.load(zero + row[:, None] * NG + g_idx[None, :], mask=m, other=0.0).to(tl.float32)
-    return code, sc, zp
 
 
 @triton.jit
