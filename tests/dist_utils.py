@@ -155,7 +155,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
     reported = {rank for rank, _ in reports}
     died = [r for r, code in enumerate(codes) if code not in (0, None, -signal.SIGTERM) and r not in reported]
     if died and finished:
-        after = "".join(f"\n\nrank {rank} reported after it:\n{tb}" for rank, tb in reports[:1])
+        after = f"\n\nrank {reports[0][0]} reported after it:\n{reports[0][1]}" if reports else ""
         raise AssertionError(f"{fn.__name__} on {world_size} processes exited with codes {codes}: rank(s) {died} "
                              f"died without reporting; the last of their output:\n{silent}{after}")
     if reports:
