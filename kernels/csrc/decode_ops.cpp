@@ -529,6 +529,8 @@ class CacheLineFloats {
     const auto address = reinterpret_cast<uintptr_t>(storage_.data());
     data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
   }
+  CacheLineFloats(const CacheLineFloats&) = delete;  // data_ points into storage_
+  CacheLineFloats& operator=(const CacheLineFloats&) = delete;
   float* data() { return data_; }
 
  private:
