@@ -20,6 +20,12 @@ their outputs. Its `decode_linear` joins the linear rows' rounds the same way (`
 quartiles of this tree / baseline; `bits_equal_baseline`: the two outputs' bits). A change to the kernel is measured against the code it replaces in one process, where
 both see the same machine load.
 
+`--bits 2` draws every token's width from the listed widths only. `--cached-pages N` also times the
+attention with every request's page table pointed into its pool's first N pages, so that it reads
+rows the caches hold: the same work without the memory traffic. The two run interleaved (A B, then
+B A); the row adds both medians and the quartiles of the per-round ratio cached / memory (what the
+rows' bytes cost the op).
+
 Prefill: the C++ attention over one request's `--prefill-rows` prompt rows at once (row t reads
 positions 0..t, every head full), the call a prefill makes per layer.
 
@@ -63,14 +69,15 @@ WEIGHT_POOL_BYTES = 1 << 30
 (300 MB on the AMX Xeon of docs/kernels.md), and at least eight: no call finds its weight in a cache."""
 
 
-def build_cache(batch: int, context: int, gen: torch.Generator):
-    """Pools of every width holding `context` tokens per request, widths drawn per token."""
-    owner = torch.randint(0, len(SUPPORTED_BITS), (batch, context), generator=gen)
-    need = [[math.ceil(int((owner[b] == w).sum()) / PAGE) for b in range(batch)] for w in range(len(SUPPORTED_BITS))]
+def build_cache(batch: int, context: int, gen: torch.Generator, widths=SUPPORTED_BITS):
+    """Pools of the given widths holding `context` tokens per request, each token's width drawn
+    uniformly from them."""
+    owner = torch.randint(0, len(widths), (batch, context), generator=gen)
+    need = [[math.ceil(int((owner[b] == w).sum()) / PAGE) for b in range(batch)] for w in range(len(widths))]
     M = max(max(n) for n in need)
-    tables = torch.full((len(SUPPORTED_BITS), batch, M), -1, dtype=torch.long)
+    tables = torch.full((len(widths), batch, M), -1, dtype=torch.long)
     k_pools, v_pools = [], []
-    for w, bits in enumerate(SUPPORTED_BITS):
+    for w, bits in enumerate(widths):
         kp, vp = allocate_kv_pools(bits, sum(need[w]), PAGE, H_KV, D, GROUP)
         first = 0
         for b in range(batch):
@@ -84,6 +91,30 @@ def build_cache(batch: int, context: int, gen: torch.Generator):
         k_pools.append(kp)
         v_pools.append(vp)
     return k_pools, v_pools, tables
+
+
+def cached_tables(tables: torch.Tensor, pages: int) -> torch.Tensor:
+    """`tables` with every page entry taken modulo `pages`: each request reads its pool's first
+    `pages` pages over and over, so the rows come from the caches instead of memory (the keys'
+    positions no longer follow each other: the work is the same, the values are not meaningful)."""
+    return torch.where(tables >= 0, tables % pages, tables)
+
+
+def cached_against_memory(q, pools, args, cached_args, iters: int) -> dict:
+    """The attention over the memory's pages (`args`) and over the cached ones (`cached_args`),
+    interleaved (A B, then B A), each call's time; medians and the per-round ratio cached / memory."""
+    memory, cached = [], []
+    pair = ((memory, args), (cached, cached_args))
+    for i in range(iters):
+        for times, call_args in pair[i % 2:] + pair[:i % 2]:
+            counters = torch.zeros(2, dtype=torch.long)
+            t0 = time.perf_counter()
+            paged_attention(q, pools, *call_args, counters)
+            times.append(time.perf_counter() - t0)
+    ratios = [c / m for c, m in zip(cached, memory)]
+    q1, median, q3 = statistics.quantiles(ratios, n=4)
+    return {"memory_ms": round(1e3 * statistics.median(memory), 3), "cached_ms": round(1e3 * statistics.median(cached), 3),
+            "cached_over_memory": [round(q1, 3), round(median, 3), round(q3, 3)]}
 
 
 def head_ranges(heads: str, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
@@ -212,6 +243,10 @@ def main() -> None:
     p.add_argument("--baseline", metavar="REV", help="also time the attention and linear ops of git revision REV, interleaved")
     p.add_argument("--heads", choices=("full", "mixed"), default="full",
                    help="every head full, or heads skip / local / full as the 160m budget mix draws them")
+    p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=list(SUPPORTED_BITS),
+                   help="the cache widths each token's width is drawn from (uniformly)")
+    p.add_argument("--cached-pages", type=int, default=0, metavar="N",
+                   help="attention reads each pool's first N pages over and over (rows from the caches, not memory; 0: off)")
     a = p.parse_args()
     if a.portable:
         os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
@@ -221,7 +256,7 @@ def main() -> None:
     base = baseline_ops(a.baseline) if a.baseline else None
     rows = []
     for batch in a.batches:
-        k_pools, v_pools, tables = build_cache(batch, a.context, gen)
+        k_pools, v_pools, tables = build_cache(batch, a.context, gen, a.bits)
         q = torch.randn(batch, H, D, generator=gen)
         request = torch.arange(batch)
         hi = torch.full((batch,), a.context - 1, dtype=torch.long)
@@ -237,13 +272,16 @@ def main() -> None:
         per_call = torch.zeros(2, dtype=torch.long)
         paged_attention(q, (k_pools, v_pools), *args, per_call)
         rows.append({
-            "batch": batch, "context": a.context, "heads": a.heads, "threads": torch.get_num_threads(), "portable": a.portable,
+            "batch": batch, "context": a.context, "heads": a.heads, "bits": a.bits, "cached_pages": a.cached_pages, "threads": torch.get_num_threads(), "portable": a.portable,
             "cpp_ms": round(cpp, 3), "torch_per_pool_ms": round(torch_ms, 3), "speedup": round(torch_ms / cpp, 2),
             "bytes_read": int(per_call[1]), "attn_macs": int(per_call[0]), "cpp_gb_per_s": round(int(per_call[1]) / cpp / 1e6, 2),
             "max_abs_diff_vs_torch": err,
         })
         if base is not None:
             rows[-1] |= {"baseline": a.baseline} | against_baseline(base, q, k_pools, v_pools, args, a.iters)
+        if a.cached_pages:
+            cached = (cached_tables(tables, a.cached_pages), *args[1:])
+            rows[-1] |= cached_against_memory(q, (k_pools, v_pools), args, cached, a.iters)
         print(json.dumps(rows[-1]), flush=True)
     if a.prefill_rows:
         rows.append(prefill_row(a.prefill_rows, a.iters, gen))

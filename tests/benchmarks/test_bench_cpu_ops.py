@@ -20,3 +20,16 @@ def test_mixed_heads_take_the_budget_mix_modes_and_their_first_keys():
     drawn = torch.tensor([(lo == v).float().mean() for v in (skip, local, full)])
     want = torch.tensor(budget_mix(config, context)["attn"], dtype=torch.float32)
     assert (drawn - want).abs().max() < 0.05, (drawn, want)
+
+
+def test_a_cache_of_chosen_widths_holds_every_position_once_and_cached_tables_stay_in_the_first_pages():
+    bench = load_benchmark("bench_cpu_ops")
+    batch, context = 2, 100
+    k_pools, v_pools, tables = bench.build_cache(batch, context, torch.Generator().manual_seed(0), (2, 16))
+    assert [p.bits for p in k_pools] == [2, 16] and tables.shape[:2] == (2, batch)
+    for b in range(batch):  # each position in exactly one page of one pool, by the request's own table
+        held = torch.cat([k_pools[w].token_pos[tables[w, b][tables[w, b] >= 0]].flatten() for w in range(2)])
+        assert sorted(held[held >= 0].tolist()) == list(range(context))
+    cached = bench.cached_tables(tables, 3)
+    assert torch.equal(cached < 0, tables < 0)  # no page entry added or dropped
+    assert cached.max() < 3 and torch.equal(cached[tables >= 0], tables[tables >= 0] % 3)
