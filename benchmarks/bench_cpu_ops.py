@@ -246,8 +246,11 @@ def main() -> None:
     p.add_argument("--bits", type=int, nargs="+", choices=SUPPORTED_BITS, default=list(SUPPORTED_BITS),
                    help="the cache widths each token's width is drawn from (uniformly)")
     p.add_argument("--cached-pages", type=int, default=0, metavar="N",
-                   help="attention reads each pool's first N pages over and over (rows from the caches, not memory; 0: off)")
+                   help="also time the attention over each pool's first N pages, read over and over (rows from the "
+                        "caches), interleaved with the memory's pages (0: off)")
     a = p.parse_args()
+    if a.cached_pages < 0:
+        p.error(f"--cached-pages {a.cached_pages}: give a page count >= 1, or 0 for off")
     if a.portable:
         os.environ["TRIROUTE_CPU_OPS_PORTABLE"] = "1"
     if not cpu_ops.cpu_ops_available():
