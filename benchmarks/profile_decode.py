@@ -4,8 +4,8 @@ forced decisions, a cache filled at the mix's widths).
 
     OMP_NUM_THREADS=1 python benchmarks/profile_decode.py [--shape 160m] [--context 2048] [--batch 8] [--json]
 
-Prints per op (by self CPU time, most first) its share of the profiled steps' time, its
-milliseconds per step and its calls per step; the decode ops of `triroute_kernels` appear under
+Prints per op (by self CPU time, most first) its share of all ops' self time in the profiled steps
+(Python between ops is not counted), its milliseconds per step and its calls per step; the decode ops of `triroute_kernels` appear under
 their own names (`triroute::paged_attention`, `triroute::routed_experts`, ...). One process, one
 system: shares, not a comparison with Dense (that is `bench_decode.py`).
 """
@@ -30,7 +30,7 @@ from megatron_triroute.systems import system_config  # noqa: E402
 
 
 def op_shares(shape: str, context: int, batch: int, steps: int, warmup: int = 3) -> dict:
-    """{"step_ms": mean profiled step time, "ops": [{name, share, ms_per_step, calls_per_step}]}."""
+    """{"step_ms": the ops' self time a profiled step, "ops": [{name, share, ms_per_step, calls_per_step}]}."""
     from megatron_triroute.training.recipes import get_recipe
 
     config = system_config("triroute", get_recipe(shape).triroute.validate())
@@ -64,7 +64,7 @@ def main(argv=None) -> dict:
         print(json.dumps(result | {"ops": result["ops"][: a.top]}, indent=1))
         return result
     print(f"{a.shape}, context {a.context}, batch {a.batch}, {result['threads']} thread(s): "
-          f"{result['step_ms']:.1f} ms a decode step (profiled, {a.steps} steps)")
+          f"{result['step_ms']:.1f} ms of ops a decode step (self CPU time, {a.steps} profiled steps)")
     print(f"{'op':<34} {'share':>6} {'ms/step':>8} {'calls/step':>10}")
     for op in result["ops"][: a.top]:
         print(f"{op['name']:<34} {op['share']:>6.1%} {op['ms_per_step']:>8.2f} {op['calls_per_step']:>10.1f}")
