@@ -100,21 +100,29 @@ def cached_tables(tables: torch.Tensor, pages: int) -> torch.Tensor:
     return torch.where(tables >= 0, tables % pages, tables)
 
 
-def cached_against_memory(q, pools, args, cached_args, iters: int) -> dict:
-    """The attention over the memory's pages (`args`) and over the cached ones (`cached_args`),
-    interleaved (A B, then B A), each call's time; medians and the per-round ratio cached / memory."""
-    memory, cached = [], []
-    pair = ((memory, args), (cached, cached_args))
+def interleaved(fn_a, fn_b, iters: int) -> tuple[float, float, list[float]]:
+    """fn_a and fn_b (each called with fresh counters) `iters` rounds, A B then B A (neither always
+    runs second): their median times (s) and the quartiles of the per-round ratio a / b."""
+    times_a, times_b = [], []
+    pair = ((times_a, fn_a), (times_b, fn_b))
     for i in range(iters):
-        for times, call_args in pair[i % 2:] + pair[:i % 2]:
+        for times, fn in pair[i % 2:] + pair[:i % 2]:
             counters = torch.zeros(2, dtype=torch.long)
             t0 = time.perf_counter()
-            paged_attention(q, pools, *call_args, counters)
+            fn(counters)
             times.append(time.perf_counter() - t0)
-    ratios = [c / m for c, m in zip(cached, memory)]
+    ratios = [a / b for a, b in zip(times_a, times_b)]
     q1, median, q3 = statistics.quantiles(ratios, n=4)
-    return {"memory_ms": round(1e3 * statistics.median(memory), 3), "cached_ms": round(1e3 * statistics.median(cached), 3),
-            "cached_over_memory": [round(q1, 3), round(median, 3), round(q3, 3)]}
+    return statistics.median(times_a), statistics.median(times_b), [q1, median, q3]
+
+
+def cached_against_memory(q, pools, args, cached_args, iters: int) -> dict:
+    """The attention over the cached pages (`cached_args`) and over the memory's (`args`),
+    interleaved: medians and the quartiles of the per-round ratio cached / memory."""
+    cached, memory, ratio = interleaved(lambda c: paged_attention(q, pools, *cached_args, c),
+                                        lambda c: paged_attention(q, pools, *args, c), iters)
+    return {"memory_ms": round(1e3 * memory, 3), "cached_ms": round(1e3 * cached, 3),
+            "cached_over_memory": [round(r, 3) for r in ratio]}
 
 
 def head_ranges(heads: str, batch: int, context: int, gen: torch.Generator) -> torch.Tensor:
@@ -180,18 +188,10 @@ def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
     ours_op = torch.ops.triroute.paged_attention
     diff = float((ours_op(*op_args, torch.zeros(2, dtype=torch.long))
                   - ops.paged_attention(*op_args, torch.zeros(2, dtype=torch.long))).abs().max())
-    ours, base = [], []
-    pair = ((ours, lambda c: ours_op(*op_args, c)), (base, lambda c: ops.paged_attention(*op_args, c)))
-    for i in range(iters):
-        for times, fn in pair[i % 2:] + pair[:i % 2]:  # A B, then B A: neither always runs second
-            counters = torch.zeros(2, dtype=torch.long)
-            t0 = time.perf_counter()
-            fn(counters)
-            times.append(time.perf_counter() - t0)
-    ratios = [a / b for a, b in zip(ours, base)]
-    q1, _, q3 = statistics.quantiles(ratios, n=4)
-    return {"baseline_ms": round(1e3 * statistics.median(base), 3), "this_tree_ms": round(1e3 * statistics.median(ours), 3),
-            "ratio_median": round(statistics.median(ratios), 3), "ratio_q1": round(q1, 3), "ratio_q3": round(q3, 3),
+    ours, base, (q1, median, q3) = interleaved(lambda c: ours_op(*op_args, c), lambda c: ops.paged_attention(*op_args, c),
+                                               iters)
+    return {"baseline_ms": round(1e3 * base, 3), "this_tree_ms": round(1e3 * ours, 3),
+            "ratio_median": round(median, 3), "ratio_q1": round(q1, 3), "ratio_q3": round(q3, 3),
             "max_abs_diff_vs_baseline": diff}
 
 

@@ -33,3 +33,14 @@ def test_a_cache_of_chosen_widths_holds_every_position_once_and_cached_tables_st
     cached = bench.cached_tables(tables, 3)
     assert torch.equal(cached < 0, tables < 0)  # no page entry added or dropped
     assert cached.max() < 3 and torch.equal(cached[tables >= 0], tables[tables >= 0] % 3)
+
+
+def test_interleaved_times_each_side_and_gives_the_ratio_of_the_first_to_the_second():
+    import time
+
+    bench = load_benchmark("bench_cpu_ops")
+    calls = []
+    slow, fast, ratio = bench.interleaved(lambda c: (calls.append("a"), time.sleep(0.004)),
+                                          lambda c: calls.append("b"), iters=4)
+    assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # A B, then B A
+    assert slow >= 0.004 > fast and ratio[0] <= ratio[1] <= ratio[2] and ratio[0] > 1
