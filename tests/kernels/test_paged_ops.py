@@ -48,11 +48,13 @@ def _rows_reference(q, stores, request, lo, hi, sm, gs=GS):
 
 @pytest.mark.parametrize("H_kv", [1, 2, 4])
 @pytest.mark.parametrize("P", [4, 16])
-@pytest.mark.parametrize("d, gs", [(D, GS), (64, 32), (12, 4)], ids=["d16", "d64", "d12-scalar"])
+@pytest.mark.parametrize("d, gs", [(D, GS), (64, 32), (128, 32), (32, 32), (12, 4)],
+                         ids=["d16", "d64", "d128", "d32", "d12-scalar"])
 def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
     """d 64 runs the kernel's widest register blocks (P·V over 64 channels with AVX-512, 32 with
-    AVX2) and, with groups of 32, its 16-lane unpacking on AVX-512; d 16 its 16-lane scores (AVX-512)
-    and 8-channel loops; d 12 with groups of 4 its scalar loops (those of a build without AVX2)."""
+    AVX2) and, with groups of 32, its 16-lane unpacking on AVX-512; d 32, 64 and 128 with groups of
+    32 the unpacking and scores compiled for those shapes; d 16 its 16-lane scores (AVX-512) and
+    8-channel loops; d 12 with groups of 4 its scalar loops (those of a build without AVX2)."""
     gen = torch.Generator().manual_seed(100 * H_kv + P)
     H = 4
     lengths = [37, 9, 1, 20]  # requests of different lengths in one batch; partial last pages
