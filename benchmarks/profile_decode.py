@@ -8,6 +8,18 @@ Prints per op (by self CPU time, most first) its share of all ops' self time in 
 (Python between ops is not counted), its milliseconds per step and its calls per step; the decode ops of `triroute_kernels` appear under
 their own names (`triroute::paged_attention`, `triroute::routed_experts`, ...). One process, one
 system: shares, not a comparison with Dense (that is `bench_decode.py`).
+
+    OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --baseline REV [--rounds 20]
+
+`--baseline REV` times whole decode steps instead: the ops of `kernels/csrc/decode_ops.cpp` as of git
+revision REV (built as `bench_cpu_ops.py --baseline` builds them, library `triroute_baseline`) stand
+in for this tree's (`torch.ops.triroute.paged_attention`, `routed_experts`, `decode_linear`,
+`cache_append`, ...) on every other step of one runner, A B then B A (`bench_cpu_ops.interleaved`);
+everything else in the step is this tree's. Prints the median step time of each and the median and
+quartiles of the per-round ratio this tree / baseline: a kernel change measured in the step it serves
+(cold caches, the experts' weights streaming beside it), in one process, so both see the same machine
+load. The baseline's ops must keep this tree's cache layout and schemas (its outputs are not checked
+here: `bench_cpu_ops.py --baseline` compares the attention's).
 """
 
 from __future__ import annotations
@@ -49,6 +61,55 @@ def op_shares(shape: str, context: int, batch: int, steps: int, warmup: int = 3)
             "step_ms": total_us / 1e3 / steps, "ops": ops}
 
 
+class OpSwap:
+    """A context in which each op of `torch.ops.<namespace>` answers for the `torch.ops.triroute` op
+    of its name (the package's wrappers look the op up at every call); on exit the package's ops again.
+    The names are found once, here: entering and leaving sets a handful of attributes."""
+
+    def __init__(self, namespace: str):
+        prefix = f"{namespace}::"
+        self.names = sorted({n[len(prefix):].split(".")[0] for n in torch._C._dispatch_get_all_op_names()
+                             if n.startswith(prefix)})
+        if not self.names:
+            raise ValueError(f"no ops are registered under torch.ops.{namespace}")
+        self.ours = {n: getattr(torch.ops.triroute, n) for n in self.names}
+        self.theirs = {n: getattr(getattr(torch.ops, namespace), n) for n in self.names}
+
+    def __enter__(self) -> "OpSwap":
+        for n, op in self.theirs.items():
+            setattr(torch.ops.triroute, n, op)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n, op in self.ours.items():
+            setattr(torch.ops.triroute, n, op)
+
+
+def step_against(namespace: str, shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
+    """Decode steps of one runner, this tree's ops and `namespace`'s on alternate steps (A B, B A, ...):
+    the median step of each and the quartiles of the per-round ratio this tree / theirs."""
+    from benchmarks.bench_cpu_ops import interleaved
+    from megatron_triroute.training.recipes import get_recipe
+
+    config = system_config("triroute", get_recipe(shape).triroute.validate())
+    model = bench_decode.build_routed(config)
+    runner = bench_decode.RoutedRunner(model, context, batch, budget_mix(model.config, context),
+                                       2 * (warmup + rounds), 1)
+    swap, same = OpSwap(namespace), OpSwap("triroute")  # both steps set the same attributes
+
+    def step(context: OpSwap):
+        with context:
+            runner.step()
+
+    for _ in range(warmup):
+        step(same)
+        step(swap)
+    ours_s, theirs_s, (q1, median, q3) = interleaved(lambda _counters: step(same), lambda _counters: step(swap), rounds)
+    return {"shape": shape, "context": context, "batch": batch, "rounds": rounds, "threads": torch.get_num_threads(),
+            "this_tree_ms": 1e3 * ours_s, "baseline_ms": 1e3 * theirs_s,
+            "ratio_median": median, "ratio_q1": q1, "ratio_q3": q3}
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="160m", help="recipe whose backbone is profiled (synthetic weights)")
@@ -57,7 +118,26 @@ def main(argv=None) -> dict:
     p.add_argument("--steps", type=int, default=10, help="profiled decode steps (after 3 unprofiled ones)")
     p.add_argument("--top", type=int, default=12, help="ops printed")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--baseline", metavar="REV", help="time whole steps against the decode ops of git revision REV, "
+                                                     "interleaved (module doc)")
+    p.add_argument("--rounds", type=int, default=20, help="--baseline: A B rounds timed (after 3 of each untimed)")
     a = p.parse_args(argv)
+    if a.rounds < 1:
+        p.error(f"--rounds {a.rounds}: give at least 1")
+    if a.baseline:
+        from benchmarks.bench_cpu_ops import baseline_ops
+
+        baseline_ops(a.baseline)
+        with torch.no_grad():
+            result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
+        if a.json:
+            print(json.dumps(result, indent=1))
+            return result
+        print(f"{a.shape}, context {a.context}, batch {a.batch}, {result['threads']} thread(s), {a.rounds} rounds: "
+              f"decode step {result['this_tree_ms']:.1f} ms (this tree) against {result['baseline_ms']:.1f} ms "
+              f"({a.baseline}'s decode ops); this tree / baseline per round: median {result['ratio_median']:.3f} "
+              f"[{result['ratio_q1']:.3f}-{result['ratio_q3']:.3f}]")
+        return result
     with torch.no_grad():
         result = op_shares(a.shape, a.context, a.batch, a.steps)
     if a.json:

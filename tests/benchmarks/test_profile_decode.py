@@ -35,3 +35,53 @@ def test_the_cli_prints_one_json_object_with_the_top_ops(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["shape"] == "tiny" and out["batch"] == 2 and len(out["ops"]) == 3
     assert out["ops"][0]["ms_per_step"] >= out["ops"][2]["ms_per_step"] > 0
+
+
+@pytest.fixture
+def probe():
+    """`torch.ops.triroute_probe.decode_linear`: counts its calls and runs the package's op."""
+    original = torch.ops.triroute.decode_linear
+    calls = []
+    lib = torch.library.Library("triroute_probe", "DEF")
+    lib.define("decode_linear(Tensor x, Tensor w) -> Tensor")
+
+    def counted(x, w):
+        calls.append(x.shape[0])
+        return original(x, w)
+
+    lib.impl("decode_linear", counted, "CPU")
+    yield calls
+    lib._destroy()
+
+
+def test_an_op_swap_routes_the_package_calls_and_gives_them_back(probe):
+    from triroute_kernels import decode_linear
+
+    swap = load_benchmark("profile_decode").OpSwap("triroute_probe")
+    assert swap.names == ["decode_linear"]
+    x, w = torch.randn(3, 16), torch.randn(8, 16)
+    with swap:
+        inside = decode_linear(x, w)
+    assert probe == [3]
+    assert torch.equal(decode_linear(x, w), inside) and probe == [3]  # the package's op again
+
+
+def test_steps_against_a_baseline_run_its_ops_on_every_other_step(shares, probe):
+    bench = load_benchmark("profile_decode")
+    with torch.no_grad():
+        result = bench.step_against("triroute_probe", "tiny", context=32, batch=2, rounds=4, warmup=1)
+    per_step = shares["ops"][[op["name"] for op in shares["ops"]].index("triroute::decode_linear")]["calls_per_step"]
+    assert per_step > 0 and len(probe) == (1 + 4) * per_step  # the swapped steps only, warm-up included
+    assert result["this_tree_ms"] > 0 and result["baseline_ms"] > 0
+    assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
+
+
+def test_an_op_swap_needs_ops_under_its_namespace():
+    with pytest.raises(ValueError, match="triroute_nothing"):
+        load_benchmark("profile_decode").OpSwap("triroute_nothing")
+
+
+def test_the_cli_refuses_no_rounds(capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_benchmark("profile_decode").main(["--baseline", "HEAD", "--rounds", "0"])
+    assert stop.value.code == 2 and "--rounds 0" in capsys.readouterr().err
