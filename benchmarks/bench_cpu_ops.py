@@ -26,6 +26,11 @@ rows the caches hold: the same work without the memory traffic. The two run inte
 B A); the row adds both medians and the quartiles of the per-round ratio cached / memory (what the
 rows' bytes cost the op).
 
+`--evict-mb MB` reads MB megabytes, untimed, before every call of those interleaved comparisons: the
+cache's rows then come from memory as in a decode step, where the experts' and the LM head's weights
+stream through the caches between two layers' attention calls (without it, a call finds the rows the
+previous one left in the third-level cache).
+
 Prefill: the C++ attention over one request's `--prefill-rows` prompt rows at once (row t reads
 positions 0..t, every head full), the call a prefill makes per layer.
 
@@ -100,14 +105,17 @@ def cached_tables(tables: torch.Tensor, pages: int) -> torch.Tensor:
     return torch.where(tables >= 0, tables % pages, tables)
 
 
-def interleaved(fn_a, fn_b, iters: int) -> tuple[float, float, list[float]]:
+def interleaved(fn_a, fn_b, iters: int, before=None) -> tuple[float, float, list[float]]:
     """fn_a and fn_b (each called with fresh counters) `iters` rounds, A B then B A (neither always
-    runs second): their median times (s) and the quartiles of the per-round ratio a / b."""
+    runs second): their median times (s) and the quartiles of the per-round ratio a / b. `before`,
+    if given, runs untimed ahead of every call."""
     times_a, times_b = [], []
     pair = ((times_a, fn_a), (times_b, fn_b))
     for i in range(iters):
         for times, fn in pair[i % 2:] + pair[:i % 2]:
             counters = torch.zeros(2, dtype=torch.long)
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn(counters)
             times.append(time.perf_counter() - t0)
@@ -116,11 +124,24 @@ def interleaved(fn_a, fn_b, iters: int) -> tuple[float, float, list[float]]:
     return statistics.median(times_a), statistics.median(times_b), [q1, median, q3]
 
 
-def cached_against_memory(q, pools, args, cached_args, iters: int) -> dict:
+class Evictor:
+    """Reads `mb` megabytes before a timed call: caches as cold as a decode step leaves them, where the
+    experts' and the LM head's weights stream through (read, never written) between two layers'
+    attention calls (0: nothing, the caches keep what the last call left)."""
+
+    def __init__(self, mb: int):
+        self.buffer = torch.ones(mb * 2**20 // 4) if mb > 0 else None
+
+    def __call__(self) -> None:
+        if self.buffer is not None:
+            self.buffer.sum()
+
+
+def cached_against_memory(q, pools, args, cached_args, iters: int, before=None) -> dict:
     """The attention over the cached pages (`cached_args`) and over the memory's (`args`),
     interleaved: medians and the quartiles of the per-round ratio cached / memory."""
     cached, memory, ratio = interleaved(lambda c: paged_attention(q, pools, *cached_args, c),
-                                        lambda c: paged_attention(q, pools, *args, c), iters)
+                                        lambda c: paged_attention(q, pools, *args, c), iters, before)
     return {"memory_ms": round(1e3 * memory, 3), "cached_ms": round(1e3 * cached, 3),
             "cached_over_memory": [round(r, 3) for r in ratio]}
 
@@ -179,7 +200,7 @@ def baseline_ops(rev: str):
     return torch.ops.triroute_baseline
 
 
-def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
+def against_baseline(ops, q, k_pools, v_pools, args, iters: int, before=None) -> dict:
     """This tree's attention and the baseline's, interleaved on the same inputs (module doc)."""
     from triroute_kernels.paged_ops import _lists
 
@@ -189,7 +210,7 @@ def against_baseline(ops, q, k_pools, v_pools, args, iters: int) -> dict:
     diff = float((ours_op(*op_args, torch.zeros(2, dtype=torch.long))
                   - ops.paged_attention(*op_args, torch.zeros(2, dtype=torch.long))).abs().max())
     ours, base, (q1, median, q3) = interleaved(lambda c: ours_op(*op_args, c), lambda c: ops.paged_attention(*op_args, c),
-                                               iters)
+                                               iters, before)
     return {"baseline_ms": round(1e3 * base, 3), "this_tree_ms": round(1e3 * ours, 3),
             "ratio_median": round(median, 3), "ratio_q1": round(q1, 3), "ratio_q3": round(q3, 3),
             "max_abs_diff_vs_baseline": diff}
@@ -248,7 +269,12 @@ def main() -> None:
     p.add_argument("--cached-pages", type=int, default=0, metavar="N",
                    help="also time the attention over each pool's first N pages, read over and over (rows from the "
                         "caches), interleaved with the memory's pages (0: off)")
+    p.add_argument("--evict-mb", type=int, default=0, metavar="MB",
+                   help="before each call of the interleaved comparisons (--baseline, --cached-pages), stream over "
+                        "MB megabytes, untimed, so the cache's rows come from memory as in a decode step (0: off)")
     a = p.parse_args()
+    if a.evict_mb < 0:
+        p.error(f"--evict-mb {a.evict_mb}: give a size in MB >= 1, or 0 for off")
     if a.cached_pages < 0:
         p.error(f"--cached-pages {a.cached_pages}: give a page count >= 1, or 0 for off")
     if a.portable:
@@ -257,6 +283,7 @@ def main() -> None:
         raise SystemExit(f"the C++ CPU kernels are unavailable: {cpu_ops.cpu_ops_error()}")
     gen = torch.Generator().manual_seed(0)
     base = baseline_ops(a.baseline) if a.baseline else None
+    evict = Evictor(a.evict_mb)
     rows = []
     for batch in a.batches:
         k_pools, v_pools, tables = build_cache(batch, a.context, gen, a.bits)
@@ -275,16 +302,17 @@ def main() -> None:
         per_call = torch.zeros(2, dtype=torch.long)
         paged_attention(q, (k_pools, v_pools), *args, per_call)
         rows.append({
-            "batch": batch, "context": a.context, "heads": a.heads, "bits": a.bits, "cached_pages": a.cached_pages, "threads": torch.get_num_threads(), "portable": a.portable,
+            "batch": batch, "context": a.context, "heads": a.heads, "bits": a.bits, "cached_pages": a.cached_pages,
+            "evict_mb": a.evict_mb, "threads": torch.get_num_threads(), "portable": a.portable,
             "cpp_ms": round(cpp, 3), "torch_per_pool_ms": round(torch_ms, 3), "speedup": round(torch_ms / cpp, 2),
             "bytes_read": int(per_call[1]), "attn_macs": int(per_call[0]), "cpp_gb_per_s": round(int(per_call[1]) / cpp / 1e6, 2),
             "max_abs_diff_vs_torch": err,
         })
         if base is not None:
-            rows[-1] |= {"baseline": a.baseline} | against_baseline(base, q, k_pools, v_pools, args, a.iters)
+            rows[-1] |= {"baseline": a.baseline} | against_baseline(base, q, k_pools, v_pools, args, a.iters, evict)
         if a.cached_pages:
             cached = (cached_tables(tables, a.cached_pages), *args[1:])
-            rows[-1] |= cached_against_memory(q, (k_pools, v_pools), args, cached, a.iters)
+            rows[-1] |= cached_against_memory(q, (k_pools, v_pools), args, cached, a.iters, evict)
         print(json.dumps(rows[-1]), flush=True)
     if a.prefill_rows:
         rows.append(prefill_row(a.prefill_rows, a.iters, gen))

@@ -44,3 +44,24 @@ def test_interleaved_times_each_side_and_gives_the_ratio_of_the_first_to_the_sec
                                           lambda c: calls.append("b"), iters=4)
     assert calls == ["a", "b", "b", "a", "a", "b", "b", "a"]  # A B, then B A
     assert slow >= 0.004 > fast and ratio[0] <= ratio[1] <= ratio[2] and ratio[0] > 1
+
+
+def test_interleaved_runs_its_before_hook_untimed_ahead_of_every_call():
+    import time
+
+    bench = load_benchmark("bench_cpu_ops")
+    calls = []
+    a, b, _ = bench.interleaved(lambda c: calls.append("a"), lambda c: calls.append("b"), iters=2,
+                                before=lambda: (calls.append("-"), time.sleep(0.01)))
+    assert calls == ["-", "a", "-", "b", "-", "b", "-", "a"]
+    assert a < 0.01 and b < 0.01  # the hook's time is not the calls'
+
+
+def test_the_evictor_holds_its_megabytes_never_writes_them_and_is_off_at_0():
+    bench = load_benchmark("bench_cpu_ops")
+    assert bench.Evictor(0).buffer is None
+    evict = bench.Evictor(2)
+    assert evict.buffer.nbytes == 2 * 2**20
+    before = evict.buffer.clone()
+    evict()
+    assert torch.equal(evict.buffer, before)  # read, never written: no dirty lines to write back
