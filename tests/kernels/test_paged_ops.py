@@ -50,11 +50,23 @@ def _rows_reference(q, stores, request, lo, hi, sm, gs=GS):
 @pytest.mark.parametrize("P", [4, 16])
 @pytest.mark.parametrize("d, gs", [(D, GS), (64, 32), (128, 32), (32, 32), (12, 4)],
                          ids=["d16", "d64", "d128", "d32", "d12-scalar"])
-def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs):
+@pytest.mark.parametrize("threads", [1, 2], ids=["one-thread", "two-threads"])
+def test_paged_attention_matches_reference_and_twin(H_kv, P, d, gs, threads):
     """d 64 runs the kernel's widest register blocks (P·V over 64 channels with AVX-512, 32 with
     AVX2) and, with groups of 32, its 16-lane unpacking on AVX-512; d 32, 64 and 128 with groups of
     32 the unpacking and scores compiled for those shapes; d 16 its 16-lane scores (AVX-512) and
-    8-channel loops; d 12 with groups of 4 its scalar loops (those of a build without AVX2)."""
+    8-channel loops; d 12 with groups of 4 its scalar loops (those of a build without AVX2). On one
+    thread every (row chunk, KV head) item runs whole; on two, with fewer than four items a thread
+    (five row chunks, one KV head), the items' pages are split among units (split-K)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        _matches_reference_and_twin(H_kv, P, d, gs)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _matches_reference_and_twin(H_kv, P, d, gs):
     gen = torch.Generator().manual_seed(100 * H_kv + P)
     H = 4
     lengths = [37, 9, 1, 20]  # requests of different lengths in one batch; partial last pages
