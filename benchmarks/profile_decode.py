@@ -18,8 +18,9 @@ in for this tree's (`torch.ops.triroute.paged_attention`, `routed_experts`, `dec
 everything else in the step is this tree's. Prints the median step time of each and the median and
 quartiles of the per-round ratio this tree / baseline: a kernel change measured in the step it serves
 (cold caches, the experts' weights streaming beside it), in one process, so both see the same machine
-load. The baseline's ops must keep this tree's cache layout and schemas (its outputs are not checked
-here: `bench_cpu_ops.py --baseline` compares the attention's).
+load. The baseline's ops must take this tree's arguments (an op whose schema differs is refused) and
+keep its cache layout (not checked here: `bench_cpu_ops.py --baseline` compares the attention's
+outputs).
 """
 
 from __future__ import annotations
@@ -74,6 +75,11 @@ class OpSwap:
             raise ValueError(f"no ops are registered under torch.ops.{namespace}")
         self.ours = {n: getattr(torch.ops.triroute, n) for n in self.names}
         self.theirs = {n: getattr(getattr(torch.ops, namespace), n) for n in self.names}
+        for n in self.names:  # a stand-in must take the package's arguments
+            ours, theirs = (str(op.default._schema).split("::", 1)[1] for op in (self.ours[n], self.theirs[n]))
+            if ours != theirs:
+                raise ValueError(f"torch.ops.{namespace}.{n} takes `{theirs}` but the package calls `{ours}`: "
+                                 "compare against a revision whose decode ops have this tree's schemas")
 
     def __enter__(self) -> "OpSwap":
         for n, op in self.theirs.items():

@@ -85,3 +85,14 @@ def test_the_cli_refuses_no_rounds(capsys):
     with pytest.raises(SystemExit) as stop:
         load_benchmark("profile_decode").main(["--baseline", "HEAD", "--rounds", "0"])
     assert stop.value.code == 2 and "--rounds 0" in capsys.readouterr().err
+
+
+def test_an_op_swap_refuses_a_stand_in_with_other_arguments():
+    lib = torch.library.Library("triroute_probe_other", "DEF")
+    lib.define("decode_linear(Tensor x) -> Tensor")
+    lib.impl("decode_linear", lambda x: x, "CPU")
+    try:
+        with pytest.raises(ValueError, match=r"decode_linear\(Tensor x\) -> Tensor.*this tree's schemas"):
+            load_benchmark("profile_decode").OpSwap("triroute_probe_other")
+    finally:
+        lib._destroy()
