@@ -154,7 +154,7 @@ inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
 #endif
 
 // Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32. With the
-// head dim and group size known at compile time (D, GS > 0: the model shapes load_rows names), the
+// head dim and group size known at compile time (D, GS > 0: the shapes dequant_rows_any names), the
 // loops over groups and channels unroll into straight code: a quarter of the time per row at d = 64.
 template <int BITS, int64_t D = 0, int64_t GS = 0>
 inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zero, int64_t d_arg, int64_t gs_arg,
