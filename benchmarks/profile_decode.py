@@ -42,13 +42,19 @@ from benchmarks.forced_decisions import budget_mix  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 
 
-def op_shares(shape: str, context: int, batch: int, steps: int, warmup: int = 3) -> dict:
-    """{"step_ms": the ops' self time a profiled step, "ops": [{name, share, ms_per_step, calls_per_step}]}."""
+def synthetic_runner(shape: str, context: int, batch: int, steps: int) -> bench_decode.RoutedRunner:
+    """`bench_decode.py`'s synthetic TriRoute cell for `steps` decode steps: the recipe's backbone with
+    random weights, its controllers forced to the budget mix, a cache of `context` tokens."""
     from megatron_triroute.training.recipes import get_recipe
 
     config = system_config("triroute", get_recipe(shape).triroute.validate())
     model = bench_decode.build_routed(config)
-    runner = bench_decode.RoutedRunner(model, context, batch, budget_mix(model.config, context), warmup + steps, 1)
+    return bench_decode.RoutedRunner(model, context, batch, budget_mix(model.config, context), steps, 1)
+
+
+def op_shares(shape: str, context: int, batch: int, steps: int, warmup: int = 3) -> dict:
+    """{"step_ms": the ops' self time a profiled step, "ops": [{name, share, ms_per_step, calls_per_step}]}."""
+    runner = synthetic_runner(shape, context, batch, warmup + steps)
     for _ in range(warmup):
         runner.step()
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -95,16 +101,12 @@ def step_against(namespace: str, shape: str, context: int, batch: int, rounds: i
     """Decode steps of one runner, this tree's ops and `namespace`'s on alternate steps (A B, B A, ...):
     the median step of each and the quartiles of the per-round ratio this tree / theirs."""
     from benchmarks.bench_cpu_ops import interleaved
-    from megatron_triroute.training.recipes import get_recipe
 
-    config = system_config("triroute", get_recipe(shape).triroute.validate())
-    model = bench_decode.build_routed(config)
-    runner = bench_decode.RoutedRunner(model, context, batch, budget_mix(model.config, context),
-                                       2 * (warmup + rounds), 1)
+    runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
     swap, same = OpSwap(namespace), OpSwap("triroute")  # both steps set the same attributes
 
-    def step(context: OpSwap):
-        with context:
+    def step(ops: OpSwap):
+        with ops:
             runner.step()
 
     for _ in range(warmup):
