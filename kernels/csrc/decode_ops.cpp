@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <limits>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 #if defined(__F16C__) || defined(__AVX2__)
@@ -213,19 +214,27 @@ void dequant_rows(const uint8_t* codes, const Half* scale, const Half* zero, con
                              gs, out + t * d);
 }
 
+// f(std::integral_constant<int64_t, D>{}) with D = d where d is a head dim of the model configs (32,
+// 64, 128), so the kernels' loops over channels compile for it; D = 0 (d read at run time) otherwise.
+template <class F>
+inline decltype(auto) with_head_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 32: return f(std::integral_constant<int64_t, 32>{});
+    case 64: return f(std::integral_constant<int64_t, 64>{});
+    case 128: return f(std::integral_constant<int64_t, 128>{});
+    default: return f(std::integral_constant<int64_t, 0>{});
+  }
+}
+
 // dequant_rows with (d, gs) fixed at compile time where they are the shapes of the model configs
-// (head dim 32, 64 or 128, group size 32), at run time otherwise: the same arithmetic either way.
+// (with_head_dim's head dims, group size 32), at run time otherwise: the same arithmetic either way.
 template <int BITS>
 void dequant_rows_any(const uint8_t* codes, const Half* scale, const Half* zero, const int64_t* rows, int64_t c,
                       int64_t row_bytes, int64_t n_groups, int64_t d, int64_t gs, float* out) {
-  if (d == 32 && gs == 32)
-    dequant_rows<BITS, 32, 32>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
-  else if (d == 64 && gs == 32)
-    dequant_rows<BITS, 64, 32>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
-  else if (d == 128 && gs == 32)
-    dequant_rows<BITS, 128, 32>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
-  else
-    dequant_rows<BITS>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
+  if (gs != 32) return dequant_rows<BITS>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
+  with_head_dim(d, [&](auto D) {
+    dequant_rows<BITS, D(), (D() > 0 ? 32 : 0)>(codes, scale, zero, rows, c, row_bytes, n_groups, d, gs, out);
+  });
 }
 
 inline void f16_rows(const Half* values, const int64_t* rows, int64_t c, int64_t d, float* out) {
@@ -464,14 +473,9 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d_
   return m;
 }
 
-// score_rows with the head dims of the model configs (32, 64, 128) fixed at compile time.
+// score_rows with the head dims of the model configs (with_head_dim's) fixed at compile time.
 inline float score_rows_any(const float* q, const float* kbuf, int64_t c, int64_t d, float scale, float* s, float m) {
-  switch (d) {
-    case 32: return score_rows<32>(q, kbuf, c, d, scale, s, m);
-    case 64: return score_rows<64>(q, kbuf, c, d, scale, s, m);
-    case 128: return score_rows<128>(q, kbuf, c, d, scale, s, m);
-    default: return score_rows(q, kbuf, c, d, scale, s, m);
-  }
+  return with_head_dim(d, [&](auto D) { return score_rows<D()>(q, kbuf, c, d, scale, s, m); });
 }
 
 #if defined(TRIROUTE_AVX2)
