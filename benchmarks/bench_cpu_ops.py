@@ -270,11 +270,13 @@ def main() -> None:
                    help="also time the attention over each pool's first N pages, read over and over (rows from the "
                         "caches), interleaved with the memory's pages (0: off)")
     p.add_argument("--evict-mb", type=int, default=0, metavar="MB",
-                   help="before each call of the interleaved comparisons (--baseline, --cached-pages), stream over "
+                   help="before each call of the interleaved comparisons (--baseline, --cached-pages), read "
                         "MB megabytes, untimed, so the cache's rows come from memory as in a decode step (0: off)")
     a = p.parse_args()
     if a.evict_mb < 0:
         p.error(f"--evict-mb {a.evict_mb}: give a size in MB >= 1, or 0 for off")
+    if a.evict_mb and not (a.baseline or a.cached_pages):
+        p.error("--evict-mb applies to the interleaved comparisons only: add --baseline REV or --cached-pages N")
     if a.cached_pages < 0:
         p.error(f"--cached-pages {a.cached_pages}: give a page count >= 1, or 0 for off")
     if a.portable:

@@ -1,5 +1,6 @@
 """benchmarks/bench_cpu_ops.py's head ranges: every head full, or the budget mix's modes."""
 
+import pytest
 import torch
 
 from benchmarks.forced_decisions import budget_mix
@@ -65,3 +66,15 @@ def test_the_evictor_holds_its_megabytes_never_writes_them_and_is_off_at_0():
     before = evict.buffer.clone()
     evict()
     assert torch.equal(evict.buffer, before)  # read, never written: no dirty lines to write back
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--evict-mb", "-1"], "--evict-mb -1"),
+    (["--evict-mb", "64"], "add --baseline REV or --cached-pages N"),  # nothing it would apply to
+    (["--cached-pages", "-2"], "--cached-pages -2"),
+])
+def test_the_cli_refuses_what_it_cannot_use(monkeypatch, capsys, argv, message):
+    monkeypatch.setattr("sys.argv", ["bench_cpu_ops.py", *argv])
+    with pytest.raises(SystemExit) as stop:
+        load_benchmark("bench_cpu_ops").main()
+    assert stop.value.code == 2 and message in capsys.readouterr().err
