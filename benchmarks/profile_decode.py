@@ -10,22 +10,30 @@ their own names (`triroute::paged_attention`, `triroute::routed_experts`, ...). 
 system: shares, not a comparison with Dense (that is `bench_decode.py`).
 
     OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --baseline REV [--rounds 20]
+    OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --against-op-by-op [--rounds 20]
 
 `--baseline REV` times whole decode steps instead: the ops of `kernels/csrc/decode_ops.cpp` as of git
 revision REV (built as `bench_cpu_ops.py --baseline` builds them, library `triroute_baseline`) stand
 in for this tree's (`torch.ops.triroute.paged_attention`, `routed_experts`, `decode_linear`,
 `cache_append`, ...) on every other step of one runner, A B then B A (`bench_cpu_ops.interleaved`);
-everything else in the step is this tree's. Prints the median step time of each and the median and
+everything else in the step is this tree's, and the layers run op by op on both sides (the one-call
+layer, `triroute.decode_layer`, calls this tree's kernels whatever op stands in for them). Prints the median step time of each and the median and
 quartiles of the per-round ratio this tree / baseline: a kernel change measured in the step it serves
 (cold caches, the experts' weights streaming beside it), in one process, so both see the same machine
 load. The baseline's ops must take this tree's arguments (an op whose schema differs is refused) and
 keep its cache layout (not checked here: `bench_cpu_ops.py --baseline` compares the attention's
 outputs).
+
+`--against-op-by-op` times whole decode steps of one runner with each layer's ops after its
+decisions in one call (`triroute.decode_layer`, the default) and the same layers op by op
+(`InferenceLayer.fused` off) on alternate steps, A B then B A; prints the median step of each and the
+quartiles of the per-round ratio one call / op by op.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -97,25 +105,69 @@ class OpSwap:
             setattr(torch.ops.triroute, n, op)
 
 
-def step_against(namespace: str, shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
-    """Decode steps of one runner, this tree's ops and `namespace`'s on alternate steps (A B, B A, ...):
-    the median step of each and the quartiles of the per-round ratio this tree / theirs."""
+class Fused:
+    """A context in which the model's decode layers run as one call each (`InferenceLayer.fused`) or
+    op by op; on exit as before."""
+
+    def __init__(self, model, on: bool):
+        self.layers, self.on = list(model.layers), on
+
+    def __enter__(self) -> None:
+        self.before = [layer.fused for layer in self.layers]
+        for layer in self.layers:
+            layer.fused = self.on
+
+    def __exit__(self, *exc) -> None:
+        for layer, was in zip(self.layers, self.before):
+            layer.fused = was
+
+
+def interleaved_steps(runner, ours, theirs, rounds: int, warmup: int = 3) -> tuple[float, float, tuple]:
+    """Decode steps of one runner inside the contexts `ours()` and `theirs()` on alternate steps
+    (A B, B A, ...): the median step of each and the quartiles of the per-round ratio ours / theirs."""
     from benchmarks.bench_cpu_ops import interleaved
 
-    runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
-    swap, same = OpSwap(namespace), OpSwap("triroute")  # both steps set the same attributes
-
-    def step(ops: OpSwap):
-        with ops:
+    def step(context):
+        with context():
             runner.step()
 
     for _ in range(warmup):
-        step(same)
-        step(swap)
-    ours_s, theirs_s, (q1, median, q3) = interleaved(lambda _counters: step(same), lambda _counters: step(swap), rounds)
+        step(ours)
+        step(theirs)
+    return interleaved(lambda _counters: step(ours), lambda _counters: step(theirs), rounds)
+
+
+def _result(shape, context, batch, rounds, timed) -> dict:
+    ours_s, theirs_s, (q1, median, q3) = timed
     return {"shape": shape, "context": context, "batch": batch, "rounds": rounds, "threads": torch.get_num_threads(),
             "this_tree_ms": 1e3 * ours_s, "baseline_ms": 1e3 * theirs_s,
             "ratio_median": median, "ratio_q1": q1, "ratio_q3": q3}
+
+
+def step_against(namespace: str, shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
+    """Decode steps of one runner, this tree's ops and `namespace`'s on alternate steps (A B, B A, ...):
+    the median step of each and the quartiles of the per-round ratio this tree / theirs. The layers
+    run op by op on both (`InferenceLayer.fused` off): the one-call layer runs this tree's kernels
+    whatever op stands in for them."""
+    runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
+    unfused = Fused(runner.model, False)
+    swap, same = OpSwap(namespace), OpSwap("triroute")  # both steps set the same attributes
+
+    @contextlib.contextmanager
+    def both(ops):
+        with unfused, ops:
+            yield
+
+    return _result(shape, context, batch, rounds,
+                   interleaved_steps(runner, lambda: both(same), lambda: both(swap), rounds, warmup))
+
+
+def fused_against_op_by_op(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
+    """Decode steps of one runner with each layer in one call (`triroute.decode_layer`) and op by op
+    on alternate steps (A B, B A, ...): the median step of each and the per-round ratio one call / op by op."""
+    runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
+    return _result(shape, context, batch, rounds, interleaved_steps(
+        runner, lambda: Fused(runner.model, True), lambda: Fused(runner.model, False), rounds, warmup))
 
 
 def main(argv=None) -> dict:
@@ -128,10 +180,26 @@ def main(argv=None) -> dict:
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--baseline", metavar="REV", help="time whole steps against the decode ops of git revision REV, "
                                                      "interleaved (module doc)")
-    p.add_argument("--rounds", type=int, default=20, help="--baseline: A B rounds timed (after 3 of each untimed)")
+    p.add_argument("--against-op-by-op", action="store_true",
+                   help="time whole steps with each layer in one call against the same layers op by op, interleaved")
+    p.add_argument("--rounds", type=int, default=20,
+                   help="--baseline, --against-op-by-op: A B rounds timed (after 3 of each untimed)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
+    if a.baseline and a.against_op_by_op:
+        p.error("--baseline and --against-op-by-op are two comparisons: give one")
+    if a.against_op_by_op:
+        with torch.no_grad():
+            result = fused_against_op_by_op(a.shape, a.context, a.batch, a.rounds)
+        if a.json:
+            print(json.dumps(result, indent=1))
+            return result
+        print(f"{a.shape}, context {a.context}, batch {a.batch}, {result['threads']} thread(s), {a.rounds} rounds: "
+              f"decode step {result['this_tree_ms']:.1f} ms (a layer in one call) against {result['baseline_ms']:.1f} "
+              f"ms (op by op); one call / op by op per round: median {result['ratio_median']:.3f} "
+              f"[{result['ratio_q1']:.3f}-{result['ratio_q3']:.3f}]")
+        return result
     if a.baseline:
         from benchmarks.bench_cpu_ops import baseline_ops
 

@@ -195,4 +195,10 @@ def _register_fakes() -> None:
                 attn_z.new_empty(B, T, top_k, **long), attn_z.new_empty(B, T, top_k),
                 attn_z.new_empty(B, T, M + 1 + bits_z.shape[2])]
 
+    @torch.library.register_fake("triroute::decode_layer")
+    def _(x, attn_norm, attn_eps, wq, wk, wv, wo, cos, sin, mode, reach, option, rows, positions, counts, tables,
+          page_size, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size, sm_scale, counters,
+          ffn_norm, ffn_eps, expert_index, expert_weight, w1, w3, w2):
+        return torch.empty_like(x)
+
     _state["fakes"] = True

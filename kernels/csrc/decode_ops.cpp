@@ -1250,6 +1250,30 @@ int64_t parallel_threads_cpu(int64_t items) {
 
 }  // namespace
 
+// The CPU kernels of the ops above for decode_layer (layer_ops.cpp), which runs a decode layer's
+// ops in one call: the same functions the ops dispatch to.
+namespace triroute_decode {
+Tensor paged_attention(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+                       at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos,
+                       at::IntArrayRef bits, int64_t group_size, const Tensor& page_tables, const Tensor& request,
+                       const Tensor& lo, const Tensor& hi, double sm_scale, const Tensor& counters) {
+  return paged_attention_cpu(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size,
+                             page_tables, request, lo, hi, sm_scale, counters);
+}
+void cache_append(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows, const Tensor& positions,
+                  const Tensor& counts, const Tensor& tables, int64_t page_size, at::TensorList k_data,
+                  at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
+                  at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size) {
+  cache_append_cpu(k, v, option, rows, positions, counts, tables, page_size, k_data, k_scale, k_zero, v_data, v_scale,
+                   v_zero, token_pos, bits, group_size);
+}
+Tensor decode_linear(const Tensor& x, const Tensor& w) { return decode_linear_cpu(x, w); }
+Tensor routed_experts(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
+                      at::TensorList w3, at::TensorList w2) {
+  return routed_experts_cpu(x, index, weight, w1, w3, w2);
+}
+}  // namespace triroute_decode
+
 namespace triroute_linear {
 void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
 #if defined(TRIROUTE_AVX2)

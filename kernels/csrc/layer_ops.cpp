@@ -21,10 +21,15 @@
 //   top-k options of softmax(float32(z - shift)) (of p without prices), ties to the lower option;
 //   gates p over the chosen set's sum of p; and psi's decision block of the row. Decisions bit for
 //   bit; probabilities and gates up to exp's rounding and the order of the softmax's sum.
+// - decode_layer (megatron_triroute/inference/model.py, `InferenceLayer.forward`, is the
+//   definition): a decode layer's ops after its decisions (the norms, decode_qkv, cache_append,
+//   paged_attention, the O projection, routed_experts, the residual adds) in one call, calling the
+//   kernels above and decode_ops.cpp's directly: bit for bit the ops one by one.
 //
 // Built with -ffp-contract=off (cpu_ops.CFLAGS): no multiply-add is fused unless written so.
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -36,6 +41,22 @@
 namespace triroute_linear {  // decode_ops.cpp: decode_linear's kernel, at::mm without AVX2
 void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
 }  // namespace triroute_linear
+
+namespace triroute_decode {  // decode_ops.cpp: the CPU kernels of paged_attention, cache_append, decode_linear and
+                             // routed_experts
+using at::Tensor;
+Tensor paged_attention(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+                       at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos,
+                       at::IntArrayRef bits, int64_t group_size, const Tensor& page_tables, const Tensor& request,
+                       const Tensor& lo, const Tensor& hi, double sm_scale, const Tensor& counters);
+void cache_append(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows, const Tensor& positions,
+                  const Tensor& counts, const Tensor& tables, int64_t page_size, at::TensorList k_data,
+                  at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
+                  at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size);
+Tensor decode_linear(const Tensor& x, const Tensor& w);
+Tensor routed_experts(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
+                      at::TensorList w3, at::TensorList w2);
+}  // namespace triroute_decode
 
 namespace {
 
@@ -266,6 +287,79 @@ std::vector<Tensor> decode_decisions_cpu(const Tensor& attn_z, const Tensor& exp
   return {attn_hard, attn_y, bits_hard, bits_y, probs, option, index, weight, features};
 }
 
+// The first key each (row, head) reads: max(0, t[n] - reach[mode[n, h]]), as modes.read_start
+// computes it (reach: skip -1, so an empty range from t + 1; local the window; full past 0).
+Tensor read_start(const Tensor& t, const Tensor& mode, at::IntArrayRef reach) {
+  TORCH_CHECK(t.dim() == 1 && t.scalar_type() == at::kLong && mode.dim() == 2 && mode.size(0) == t.size(0) &&
+                  mode.scalar_type() == at::kLong,
+              "decode_layer: positions int64 [N] and mode int64 [N, H], got ", t.sizes(), " and ", mode.sizes());
+  const int64_t N = mode.size(0), H = mode.size(1), M = static_cast<int64_t>(reach.size());
+  const Tensor tc = t.contiguous(), mc = mode.contiguous();
+  const int64_t *tp = tc.data_ptr<int64_t>(), *mp = mc.data_ptr<int64_t>();
+  Tensor lo = at::empty({N, H}, t.options());
+  int64_t* lp = lo.data_ptr<int64_t>();
+  for (int64_t i = 0; i < N * H; ++i) {
+    TORCH_CHECK(mp[i] >= 0 && mp[i] < M, "decode_layer: mode ", mp[i], " is not one of the ", M, " modes");
+    lp[i] = std::max<int64_t>(0, tp[i / H] - reach[mp[i]]);
+  }
+  return lo;
+}
+
+// One decode layer (one token per request, every token valid, routed experts) after its decisions,
+// as InferenceLayer.forward runs it (megatron_triroute/inference/model.py: `attend`, `_ffn`; the
+// definition) with the same kernels on the same values, so the same bits:
+//   lo = read_start(t, mode);  h = rms_norm(x);  q, k, v = decode_qkv(h);  cache_append(k, v);
+//   x1 = x + decode_linear(paged_attention(q, lo, t), wo);  out = x1 + routed_experts(rms_norm(x1)).
+// In one call, without the Python between the ops (at one token per request a decode layer's host
+// work is a sizeable part of its time).
+Tensor decode_layer_cpu(const Tensor& x, const Tensor& attn_norm, double attn_eps, const Tensor& wq, const Tensor& wk,
+                        const Tensor& wv, const Tensor& wo, const Tensor& cos, const Tensor& sin, const Tensor& mode,
+                        at::IntArrayRef reach, const Tensor& option, const Tensor& rows, const Tensor& positions,
+                        const Tensor& counts, const Tensor& tables, int64_t page_size, at::TensorList k_data,
+                        at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
+                        at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size,
+                        double sm_scale, const Tensor& counters, const Tensor& ffn_norm, double ffn_eps,
+                        const Tensor& expert_index, const Tensor& expert_weight, at::TensorList w1, at::TensorList w3,
+                        at::TensorList w2) {
+  check_f32(x, "x", 2, "decode_layer");
+  const int64_t N = x.size(0), d = cos.size(-1);
+  const Tensor lo = read_start(positions, mode, reach);  // checked before anything is written
+  // Each kernel under its op's name for the profiler (a no-op when none is recording).
+  const auto norm = [&](const Tensor& y, const Tensor& g, double eps) {
+    RECORD_FUNCTION("triroute::rms_norm", std::vector<c10::IValue>());
+    return rms_norm_cpu(y, g, eps);
+  };
+  const Tensor h = norm(x, attn_norm, attn_eps);
+  Tensor q, k, v;
+  {
+    RECORD_FUNCTION("triroute::decode_qkv", std::vector<c10::IValue>());
+    std::tie(q, k, v) = decode_qkv_cpu(h, wq, wk, wv, cos.reshape({N, d}).contiguous(), sin.reshape({N, d}).contiguous());
+  }
+  {
+    RECORD_FUNCTION("triroute::cache_append", std::vector<c10::IValue>());
+    triroute_decode::cache_append(k, v, option, rows, positions, counts, tables, page_size, k_data, k_scale, k_zero,
+                                  v_data, v_scale, v_zero, token_pos, bits, group_size);
+  }
+  Tensor context, attn;
+  {
+    RECORD_FUNCTION("triroute::paged_attention", std::vector<c10::IValue>());
+    context = triroute_decode::paged_attention(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits,
+                                               group_size, tables, rows, lo, positions, sm_scale, counters);
+  }
+  {
+    RECORD_FUNCTION("triroute::decode_linear", std::vector<c10::IValue>());
+    attn = triroute_decode::decode_linear(context.view({N, -1}), wo);
+  }
+  const Tensor x1 = x + attn;
+  const Tensor h2 = norm(x1, ffn_norm, ffn_eps);
+  Tensor y;
+  {
+    RECORD_FUNCTION("triroute::routed_experts", std::vector<c10::IValue>());
+    y = triroute_decode::routed_experts(h2, expert_index, expert_weight, w1, w3, w2);
+  }
+  return x1 + y;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
@@ -277,6 +371,13 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
   m.def(
       "decode_decisions(Tensor attn_z, Tensor expert_z, Tensor bits_z, Tensor? attn_shift, Tensor? expert_shift, "
       "Tensor? bits_shift, int top_k, bool null_expert) -> Tensor[]");
+  m.def(
+      "decode_layer(Tensor x, Tensor attn_norm, float attn_eps, Tensor wq, Tensor wk, Tensor wv, Tensor wo, "
+      "Tensor cos, Tensor sin, Tensor mode, int[] reach, Tensor option, Tensor rows, Tensor positions, "
+      "Tensor(a!) counts, Tensor tables, int page_size, Tensor(b!)[] k_data, Tensor(c!)[] k_scale, "
+      "Tensor(d!)[] k_zero, Tensor(e!)[] v_data, Tensor(f!)[] v_scale, Tensor(g!)[] v_zero, Tensor(h!)[] token_pos, "
+      "int[] bits, int group_size, float sm_scale, Tensor(i!) counters, Tensor ffn_norm, float ffn_eps, "
+      "Tensor expert_index, Tensor expert_weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
@@ -284,4 +385,5 @@ TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("rms_norm", &rms_norm_cpu);
   m.impl("decode_qkv", &decode_qkv_cpu);
   m.impl("decode_decisions", &decode_decisions_cpu);
+  m.impl("decode_layer", &decode_layer_cpu);
 }

@@ -14,18 +14,20 @@ Megatron layer does in an evaluation pass given those prices. Imports only torch
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from triroute_kernels import choose_backend, decode_linear, rms_norm, routed_experts
+from triroute_kernels import choose_backend, decode_linear, few_rows, rms_norm, routed_experts
 
 from ..config import TriRouteConfig
 from ..routing.controller import RouterOutput
 from ..routing.cost import dense_cost, expert_width, hard_cost
 from ..routing.factory import build_controller
+from ..routing.modes import reach_by_mode
 from ..routing.pricing import PriceShifts, price_decisions, price_shifts
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
@@ -85,16 +87,37 @@ class InferenceLayer(nn.Module):
         out = self.controller(x, side, None, 1.0, leader, decide=False)  # the priced argmax decides every axis
         return price_decisions(out, prices, positions, self.config.model, self.config.router)
 
+    fused: bool = True
+    """A decode step's layer (one token per request, every token valid, routed experts) on a CPU where
+    the C++ kernels are built runs as one call, `torch.ops.triroute.decode_layer`: the ops below, the
+    same kernels in the same order (the same bits), without the Python between them. False: op by op."""
+
     def forward(self, x: torch.Tensor, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache) -> torch.Tensor:
         """x (B, n, D) -> (B, n, D) with this layer's decisions `out`; tensor ops only."""
         B, n, D = x.shape
         N = B * n
         mode = out.attn.hard.reshape(N, -1)  # (N, H) executed read modes (eval: hard is what y encodes)
         option = out.bits.hard.reshape(N)
+        if self.fused and n == 1 and batch.valid is None and out.experts is not None and few_rows(x.view(N, D)):
+            return self._decode_layer(x.view(N, D), out, batch, cache, mode, option).view(B, n, D)
         h = rms_norm(x, self.attn_norm.weight, self.attn_norm.eps).view(N, D)
         x = x + attend(h, self.projections(), self.config.model.n_heads, mode, option, batch.t, batch.cos, batch.sin,
                        batch.valid, cache, self.layer_number, batch.rows, n, self.config.router.window).view(B, n, D)
         return x + self._ffn(rms_norm(x, self.ffn_norm.weight, self.ffn_norm.eps), out, batch.valid)
+
+    def _decode_layer(self, x: torch.Tensor, out: RouterOutput, batch: "StepBatch", cache: PagedKVCache,
+                      mode: torch.Tensor, option: torch.Tensor) -> torch.Tensor:
+        """`forward` of a decode step's rows x (N, D) in one C++ call (see `fused`)."""
+        N, layer = x.shape[0], self.layer_number
+        pools = cache.layers[layer].lists()
+        wq = self.wq
+        return torch.ops.triroute.decode_layer(
+            x.contiguous(), self.attn_norm.weight, self.attn_norm.eps, *self.projections(), batch.cos, batch.sin,
+            mode.long(), reach_by_mode(self.config.router.window), option.long(), batch.rows, batch.t,
+            cache.layer_counts[layer], cache.layer_tables[layer], cache.page_size, *pools.tensors, pools.bits,
+            pools.group_size, 1.0 / math.sqrt(wq.shape[1]), cache.layer_executed[layer], self.ffn_norm.weight,
+            self.ffn_norm.eps, out.experts.index.reshape(N, -1).long(), out.experts.weight.reshape(N, -1).to(x.dtype),
+            *self._expert_weights())
 
     def projections(self) -> tuple[torch.Tensor, ...]:
         """`attention.projection_views` of this layer's Q/K/V/O, taken once per parameter storage."""

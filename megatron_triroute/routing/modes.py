@@ -30,12 +30,17 @@ _FULL_REACH = 1 << 62
 """How far back `full` reaches: past position 0 for any sequence."""
 
 
-def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
+def reach_by_mode(window: int) -> list[int]:
     """Per mode, how many keys before the query it reaches back: skip -1 (its start is past the
-    query), local `window`, full everything (a kept constant per window, device and dtype)."""
+    query), local `window`, full everything."""
     reach = [0] * N_MODES
     reach[SKIP], reach[LOCAL], reach[FULL] = -1, window, _FULL_REACH
-    return device_constant(reach, like.dtype, like.device)
+    return reach
+
+
+def _reach(window: int, like: torch.Tensor) -> torch.Tensor:
+    """`reach_by_mode` as a tensor (a kept constant per window, device and dtype)."""
+    return device_constant(reach_by_mode(window), like.dtype, like.device)
 
 
 def read_start(positions: torch.Tensor, mode, window: int) -> torch.Tensor:

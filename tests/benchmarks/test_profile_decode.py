@@ -15,10 +15,34 @@ def shares():
 
 
 def test_each_layer_runs_one_attention_and_one_expert_call_a_step(shares):
+    """Inside the one-call layer too: its kernels are profiled under their ops' names."""
     n_layers = get_recipe("tiny").triroute.model.n_layers
     ops = {op["name"]: op for op in shares["ops"]}
+    assert ops["triroute::decode_layer"]["calls_per_step"] == n_layers
     assert ops["triroute::paged_attention"]["calls_per_step"] == n_layers
     assert ops["triroute::routed_experts"]["calls_per_step"] == n_layers
+    assert ops["triroute::rms_norm"]["calls_per_step"] == 2 * n_layers + 1
+
+
+def test_layers_in_one_call_against_op_by_op_alternate_steps():
+    from benchmarks.op_counter import StepCounter
+
+    bench = load_benchmark("profile_decode")
+    n_layers = get_recipe("tiny").triroute.model.n_layers
+    counter = StepCounter()
+    with torch.no_grad(), counter:
+        result = bench.fused_against_op_by_op("tiny", context=32, batch=2, rounds=2, warmup=1)
+    steps = 1 + 2  # each side: the warm-up and the timed rounds
+    assert counter.foreign_ops["triroute.decode_layer"] == steps * n_layers  # one side's steps
+    assert counter.foreign_ops["triroute.paged_attention"] == steps * n_layers  # the other's
+    assert result["this_tree_ms"] > 0 and result["baseline_ms"] > 0
+    assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
+
+
+def test_the_cli_refuses_two_comparisons(capsys):
+    with pytest.raises(SystemExit) as stop:
+        load_benchmark("profile_decode").main(["--baseline", "HEAD", "--against-op-by-op"])
+    assert stop.value.code == 2 and "give one" in capsys.readouterr().err
 
 
 def test_shares_add_up_to_the_profiled_time(shares):

@@ -1,8 +1,9 @@
 """One decode step is static: no host read, one call per layer of each kernel op, and at most
 `OPS_PER_LAYER` top-level aten ops per layer (issue target; with zero and nonzero prices: the
 model's calibrated ones or each request's own), counted by dispatching it under
-`benchmarks.op_counter.StepCounter`. The scheduler reads the device counts once per page of
-decode steps, and a request holds at most two unfilled pages per pool."""
+`benchmarks.op_counter.StepCounter`; a layer's ops after its decisions in one call
+(`triroute.decode_layer`), equal bit for bit to them op by op. The scheduler reads the device counts
+once per page of decode steps, and a request holds at most two unfilled pages per pool."""
 
 import contextlib
 
@@ -11,14 +12,22 @@ import torch
 
 from benchmarks.op_counter import StepCounter, model_weights
 from megatron_triroute.inference.side_state import SideState
+from megatron_triroute.routing.state import RoutingState
 from tests.inference.test_engine import tiny_model
 
 OPS_PER_LAYER = 120
 """The target, priced or not (measured 41-44 on this 2-layer model, priced or not: the
 priced argmax of the three axes is the same one call as the plain one, `triroute.decode_decisions`,
 with the step's price shifts, computed on the host once per step)."""
-KERNEL_OPS = ("triroute.paged_attention", "triroute.cache_append", "triroute.routed_experts",
-              "triroute.controller_logits", "triroute.decode_qkv", "triroute.decode_decisions")
+DECISION_OPS = ("triroute.controller_logits", "triroute.decode_decisions")
+LAYER_OPS = ("triroute.paged_attention", "triroute.cache_append", "triroute.routed_experts", "triroute.decode_qkv")
+"""What `triroute.decode_layer` runs in one call (op by op: each once per layer)."""
+
+
+def fused_layers(model, on: bool):
+    for layer in model.layers:
+        layer.fused = on
+    return model
 
 
 def _prefilled(model, prompts, page_size=4):
@@ -47,22 +56,106 @@ def decode_steps(model, steps: int, around=contextlib.nullcontext, prices=None):
         yield logits, entered
 
 
-@pytest.mark.parametrize("prices,own", [(None, None), (None, [0.3, -0.2]), ([[0.3, -0.2], [-0.5, 1.0]], None)],
-                         ids=["unpriced", "the model's calibrated prices", "per-request prices"])
-def test_a_decode_step_has_no_host_read_and_few_ops(prices, own):
-    model = tiny_model()
+PRICES = [(None, None), (None, [0.3, -0.2]), ([[0.3, -0.2], [-0.5, 1.0]], None)]
+PRICE_IDS = ["unpriced", "the model's calibrated prices", "per-request prices"]
+
+
+def _priced(model, prices, own):
     if own is not None:
         model.prices.copy_(torch.tensor(own, dtype=torch.float64))
+    return None if prices is None else torch.tensor(prices, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["one call per layer", "op by op"])
+@pytest.mark.parametrize("prices,own", PRICES, ids=PRICE_IDS)
+def test_a_decode_step_has_no_host_read_and_few_ops(prices, own, fused):
+    model = fused_layers(tiny_model(), fused)
     L = model.config.model.n_layers
-    step_prices = None if prices is None else torch.tensor(prices, dtype=torch.float64)
+    step_prices = _priced(model, prices, own)
     for _, counter in decode_steps(model, 3, lambda: StepCounter(model_weights(model)), step_prices):
         assert counter.syncs == {}, counter.syncs
         assert counter.ops / L <= OPS_PER_LAYER, counter.ops / L
-        for op in KERNEL_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
+        for op in DECISION_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
             assert counter.foreign_ops.get(op) == L, counter.foreign_ops
-        assert counter.foreign_ops.get("triroute.rms_norm") == 2 * L + 1  # two per layer, the final norm
+        for op in LAYER_OPS:
+            assert counter.foreign_ops.get(op) == (None if fused else L), counter.foreign_ops
+        assert counter.foreign_ops.get("triroute.decode_layer") == (L if fused else None), counter.foreign_ops
+        # op by op two norms per layer; the final norm
+        assert counter.foreign_ops.get("triroute.rms_norm") == (1 if fused else 2 * L + 1), counter.foreign_ops
         # every other weight matmul outside the experts by the decode kernel: O per layer, the LM head
-        assert counter.linear_kernels == {"triroute.decode_linear": L + 1}, counter.linear_kernels
+        assert counter.linear_kernels == {"triroute.decode_linear": 1 if fused else L + 1}, counter.linear_kernels
+
+
+@pytest.mark.parametrize("prices,own", PRICES, ids=PRICE_IDS)
+def test_a_layer_in_one_call_equals_it_op_by_op_bit_for_bit(prices, own):
+    """`triroute.decode_layer` against the layer's ops one by one (`InferenceLayer.forward`, its
+    definition): the same logits every step, the same cache written (codes, scales, zeros,
+    positions, counts, page tables) and the same executed counters, over decode steps whose heads
+    skip, read locally (the window, 3, cuts the context) and read everything, at several widths."""
+    runs = {}
+    for fused in (False, True):
+        model = fused_layers(tiny_model(seed=3), fused)
+        step_prices = _priced(model, prices, own)
+        cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+        logits, modes, widths = [], set(), set()
+        for _ in range(8):
+            batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids, prices=step_prices)
+            with torch.no_grad():
+                step_logits, outs = model.forward_step(batch, cache)
+            model.finish(batch, outs, cache, rids, None)
+            last = step_logits.argmax(-1)
+            logits.append(step_logits)
+            for out in outs:
+                modes |= set(out.attn.hard.flatten().tolist())
+                widths |= set(out.bits.hard.flatten().tolist())
+        pools = [t for layer in cache.layers for group in layer.lists().tensors for t in group]
+        runs[fused] = (logits, [*pools, cache.counts, cache.tables, cache.executed], modes, widths)
+    (logits, state, modes, widths), (fused_logits, fused_state, _, _) = runs[False], runs[True]
+    assert modes == {0, 1, 2} and len(widths) > 1, (modes, widths)  # every mode, more than one width
+    for a, b in zip(logits, fused_logits):
+        assert torch.equal(a, b)
+    assert len(state) == len(fused_state)
+    for a, b in zip(state, fused_state):
+        assert torch.equal(a, b)
+
+
+def test_a_layer_in_one_call_refuses_a_mode_it_does_not_know_before_writing():
+    model = fused_layers(tiny_model(), True)
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+    batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+    layer = model.layers[0]
+    with torch.no_grad():
+        x = model.embed(batch.tokens)
+        state = RoutingState.initial(model.config, 2, 1, x.device)
+        out = layer.decide(x, torch.cat([batch.side, state.decisions], -1), None, batch.positions, None)
+        out.attn.hard = torch.full_like(out.attn.hard, 3)
+        before = [t.clone() for t in (cache.counts, *cache.layers[0].lists().tensors[0])]
+        with pytest.raises(RuntimeError, match="mode 3 is not one of the 3 modes"):
+            layer(x, out, batch, cache)
+    assert all(torch.equal(a, b) for a, b in zip(before, (cache.counts, *cache.layers[0].lists().tensors[0])))
+
+
+def test_the_one_call_layers_schema_names_what_it_writes():
+    """`torch.library.opcheck` on a decode step's real arguments: the op writes only the arguments
+    its schema marks as written (the counts, the pools, the executed counters), and its fake kernel
+    gives the output's shape."""
+    model = fused_layers(tiny_model(), True)
+    cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]], page_size=16)
+    batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+    real, captured = torch.ops.triroute.decode_layer, []
+
+    def capture(*args):
+        captured.append(args)
+        return real(*args)
+
+    torch.ops.triroute.decode_layer = capture
+    try:
+        with torch.no_grad():
+            model.forward_step(batch, cache)
+    finally:
+        torch.ops.triroute.decode_layer = real
+    assert len(captured) == model.config.model.n_layers
+    torch.library.opcheck(real.default, captured[0], test_utils=("test_schema", "test_faketensor"))
 
 
 def test_the_scheduler_reads_the_device_once_per_page_of_steps_and_holds_little_slack():
