@@ -29,7 +29,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
 from ..routing.compiled import routing_ops
-from ..routing.modes import READING_MODES
+from ..routing.modes import FULL, READING_MODES
 from ..routing.quant import relaxed_kv_write
 from .mode_attention import MODE_ATTENTION
 
@@ -41,13 +41,16 @@ class RoutedAttentionSubmodules:
     linear_proj: ModuleSpec | type
 
 
-def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor, window: int,
+def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: torch.Tensor | None, window: int,
                      local: str = "auto") -> torch.Tensor:
     """Relaxed routed attention, out = sum_m y[m] * Attn^(m) (Alg. 1, line 4): q (B, T, H, d),
     k/v (B, T, H_kv, d) written values, modes (B, T, H, N_MODES) -> (B, T, H, d). Same math as the
     tests' oracle `tests/oracles.reference_attention`; each mode's attention costs only the keys it
     reads (`mode_attention`; `local`: the local mode's kernel, `router.local_attention`), so the
-    mode head's gradient <dL/dout, Attn^(m)> stays exact."""
+    mode head's gradient <dL/dout, Attn^(m)> stays exact. modes None: every head of every token
+    reads everything (attention not routed): the full attention alone, with no mode weight read."""
+    if modes is None:
+        return MODE_ATTENTION[FULL](q, k, v, window, local)
     out = None
     for mode in READING_MODES:
         weight = modes[..., mode, None]
@@ -105,8 +108,8 @@ class TriRouteSelfAttention(MegatronModule):
     # -- forward ---------------------------------------------------------------------------
     def forward(self, hidden: torch.Tensor, modes: torch.Tensor, bit_weights: torch.Tensor,
                 rotary_pos_emb=None) -> torch.Tensor:
-        """hidden [T, B, d] (normed); modes (B, T, H_local, 3) and bit_weights (B, T, |bits|)
-        one-hots (straight-through in training). Returns [T, B, d]."""
+        """hidden [T, B, d] (normed); modes (B, T, H_local, 3) (None: every head full) and bit_weights
+        (B, T, |bits|) one-hots (straight-through in training). Returns [T, B, d]."""
         mixed, _ = self.linear_qkv(hidden)
         q, k, v = self._split_qkv(mixed)
         q, k = self._rope(q, rotary_pos_emb), self._rope(k, rotary_pos_emb)

@@ -35,7 +35,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import BaseTransformerLayer, get_transformer_layer_offset
 
 from ..config import TriRouteConfig
-from ..routing.modes import ATTN_MODES
+from ..routing.modes import ATTN_MODES, FULL
 from ..routing.controller import RouterOutput
 from ..routing.factory import build_controller
 from ..routing.cost import MicroBatchCosts, budget_fractions, hard_cost, layers_expected_cost
@@ -101,7 +101,8 @@ class TriRouteTransformerLayer(MegatronModule, BaseTransformerLayer):
             out = price_decisions(out, step.prices, positions, cfg.model, cfg.router)  # the deployed policy
 
         # --- routed attention (line 4: reads in per-head modes, K/V written at the chosen bits)
-        modes = tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
+        modes = None if out.attn.constant == FULL else \
+            tensor_parallel.copy_to_tensor_model_parallel_region(out.attn.y)[:, :, self.head_slice]
         bit_weights = tensor_parallel.copy_to_tensor_model_parallel_region(out.bits.y)
         attn = self.self_attention(self.input_layernorm(x), modes, bit_weights, rotary_pos_emb=rotary_pos_emb)
         x = x + attn

@@ -59,6 +59,9 @@ class AxisDecision:
     """Raw logits (B, T, [H_a,] O) for the balancing losses; None when the axis is fixed."""
     log_prob: torch.Tensor | None = None
     """REINFORCE only: log pi(executed option), (B, T, [H_a])."""
+    constant: int | None = None
+    """The option every token takes when the axis is fixed (not routed), None otherwise: a consumer
+    may skip reading the tensors (no host read of them)."""
 
 
 @dataclass
@@ -368,7 +371,7 @@ def _expand_heads(d: AxisDecision, n_heads: int) -> AxisDecision:
 def _constant_axis(shape: tuple[int, ...], option: int, n_options: int, device) -> AxisDecision:
     hard = torch.full(shape, option, dtype=torch.long, device=device)
     y = one_hot(hard, n_options)
-    return AxisDecision(y, y, hard)
+    return AxisDecision(y, y, hard, constant=option)
 
 
 def decode_decisions(attn_z: torch.Tensor, expert_z: torch.Tensor, bits_z: torch.Tensor, n_heads: int, router,

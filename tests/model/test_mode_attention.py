@@ -88,6 +88,48 @@ def test_mode_nobody_reads_without_gradient_is_skipped(monkeypatch):
         routed_attention(q, k, k, full, 0)
 
 
+def test_unrouted_attention_is_the_full_attention_alone_with_no_host_read(monkeypatch):
+    """modes None (attention not routed: Dense, MoE, KV-quant): the full attention, bit for bit, no
+    local attention, no mode weight read back to the host."""
+    from benchmarks.op_counter import StepCounter
+    from megatron_triroute.model import mode_attention
+
+    def unexpected(*args):
+        raise AssertionError("local attention ran for a mode nobody reads")
+
+    monkeypatch.setitem(mode_attention.MODE_ATTENTION, LOCAL, unexpected)
+    q, k = torch.randn(1, 9, 2, 4), torch.randn(1, 9, 1, 4)
+    with StepCounter() as counter:
+        out = routed_attention(q, k, k, None, 3)
+    assert torch.equal(out, full_attention(q, k, k)) and counter.syncs == {}, counter.syncs
+
+
+def test_a_dense_models_layers_pass_no_modes_and_read_nothing_back():
+    """The controller of a model without attention routing marks its all-full decision constant;
+    the layer then hands the attention no modes, and its forward reads none of them back to the host
+    (they were read once per mode and layer)."""
+    from benchmarks.op_counter import StepCounter
+    from megatron_triroute.distributed.one_process import build_model, single_process_parallel
+    from megatron_triroute.systems import system_config
+    from tests.model.harness import batch, tiny_triroute
+
+    with single_process_parallel("gloo") as groups:
+        for name, constant in (("dense", FULL), ("triroute", None)):
+            cfg = system_config(name, tiny_triroute())
+            model = build_model(cfg, groups, seed=0)
+            decisions = []
+            hooks = [layer.controller.register_forward_hook(lambda m, a, out: decisions.append(out.attn.constant))
+                     for layer in model.decoder.layers]
+            tokens, labels, idx = batch(cfg, n=2, seed=1)
+            with StepCounter() as counter:
+                model(tokens, idx, labels=labels)
+            for h in hooks:
+                h.remove()
+            assert decisions == [constant] * cfg.model.n_layers
+            if constant is not None:  # (Megatron-Core's cross entropy indexes by a mask: its own reads)
+                assert set(counter.syncs) <= {"aten.index (mask)"}, (name, counter.syncs)
+
+
 @pytest.mark.parametrize("T,window,group", [(37, 5, 2), (300, 16, 1), (20, 100, 4), (200, 0, 2), (129, 128, 2), (1, 3, 1)])
 def test_flex_local_equals_the_blockwise_local(T, window, group):
     """`router.local_attention=flex` and `blocks` compute the same attention (forward on a CPU)."""
