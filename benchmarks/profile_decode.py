@@ -189,29 +189,24 @@ def main(argv=None) -> dict:
         p.error(f"--rounds {a.rounds}: give at least 1")
     if a.baseline and a.against_op_by_op:
         p.error("--baseline and --against-op-by-op are two comparisons: give one")
-    if a.against_op_by_op:
-        with torch.no_grad():
-            result = fused_against_op_by_op(a.shape, a.context, a.batch, a.rounds)
-        if a.json:
-            print(json.dumps(result, indent=1))
-            return result
-        print(f"{a.shape}, context {a.context}, batch {a.batch}, {result['threads']} thread(s), {a.rounds} rounds: "
-              f"decode step {result['this_tree_ms']:.1f} ms (a layer in one call) against {result['baseline_ms']:.1f} "
-              f"ms (op by op); one call / op by op per round: median {result['ratio_median']:.3f} "
-              f"[{result['ratio_q1']:.3f}-{result['ratio_q3']:.3f}]")
-        return result
-    if a.baseline:
-        from benchmarks.bench_cpu_ops import baseline_ops
+    if a.against_op_by_op or a.baseline:
+        if a.baseline:
+            from benchmarks.bench_cpu_ops import baseline_ops
 
-        baseline_ops(a.baseline)
+            baseline_ops(a.baseline)
         with torch.no_grad():
-            result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
+            if a.baseline:
+                result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
+                ours, theirs, ratio = "this tree", f"{a.baseline}'s decode ops", "this tree / baseline"
+            else:
+                result = fused_against_op_by_op(a.shape, a.context, a.batch, a.rounds)
+                ours, theirs, ratio = "a layer in one call", "op by op", "one call / op by op"
         if a.json:
             print(json.dumps(result, indent=1))
             return result
         print(f"{a.shape}, context {a.context}, batch {a.batch}, {result['threads']} thread(s), {a.rounds} rounds: "
-              f"decode step {result['this_tree_ms']:.1f} ms (this tree) against {result['baseline_ms']:.1f} ms "
-              f"({a.baseline}'s decode ops); this tree / baseline per round: median {result['ratio_median']:.3f} "
+              f"decode step {result['this_tree_ms']:.1f} ms ({ours}) against {result['baseline_ms']:.1f} ms "
+              f"({theirs}); {ratio} per round: median {result['ratio_median']:.3f} "
               f"[{result['ratio_q1']:.3f}-{result['ratio_q3']:.3f}]")
         return result
     with torch.no_grad():
