@@ -9,6 +9,7 @@ token mid-sequence exercises the document-position reset."""
 import pytest
 import torch
 
+from megatron_triroute.routing.modes import FULL
 from tests.dist_utils import run_distributed
 from tests.model.harness import build, tiny_triroute
 
@@ -38,6 +39,15 @@ def _perturb(model, seed):
                 t.copy_(torch.rand(t.shape, generator=g) * 0.5 + 0.5)
 
 
+def _modes(attention, args) -> torch.Tensor:
+    """The executed modes (B, T, H_local) of the attention's inputs; none given (attention not routed):
+    every head reads everything."""
+    if args[1] is None:
+        T, B = args[0].shape[:2]
+        return torch.full((B, T, attention.heads_local), FULL, dtype=torch.long)
+    return args[1].argmax(-1)
+
+
 def _megatron_forward(model, tokens, prices=None):
     """Logits and per-layer decisions (modes, bit option, expert index) of the eval-mode forward
     at `prices` (None: the plain argmax)."""
@@ -47,7 +57,7 @@ def _megatron_forward(model, tokens, prices=None):
         rec = {}
         seen.append(rec)
         hooks.append(layer.self_attention.register_forward_pre_hook(
-            lambda m, a, kw, rec=rec: rec.update(mode=a[1].argmax(-1), bits=a[2].argmax(-1)), with_kwargs=True))
+            lambda m, a, kw, rec=rec: rec.update(mode=_modes(m, a), bits=a[2].argmax(-1)), with_kwargs=True))
         if hasattr(layer.mlp, "experts"):
             hooks.append(layer.mlp.register_forward_pre_hook(lambda m, a, kw, rec=rec: rec.update(index=a[1]), with_kwargs=True))
     with torch.no_grad(), model.routing_step.evaluation(prices):
