@@ -63,14 +63,19 @@ def _rank_one_dies_silently(rank: int, world_size: int) -> None:
 
 def _rank_one_dies_then_rank_zero_reports(rank: int, world_size: int, flag: str) -> None:
     """Rank 1 dies without a report; rank 0 (deaf to the SIGTERM that ends a failed group's other
-    ranks) reports only after it, as a peer whose connection was reset does."""
+    ranks) reports only after it, as a peer whose connection was reset does. Rank 1 waits until rank
+    0 is deaf (else the SIGTERM can end rank 0 before it reports)."""
     import signal
 
+    ready = flag + ".deaf"
     if rank == 1:
+        while not os.path.exists(ready):
+            time.sleep(0.01)
         print("rank 1's last words", file=sys.stderr, flush=True)
         Path(flag).touch()
         os._exit(7)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    Path(ready).touch()
     while not os.path.exists(flag):
         time.sleep(0.01)
     time.sleep(0.2)
