@@ -190,12 +190,11 @@ def main(argv=None) -> dict:
     if a.baseline and a.against_op_by_op:
         p.error("--baseline and --against-op-by-op are two comparisons: give one")
     if a.against_op_by_op or a.baseline:
-        if a.baseline:
-            from benchmarks.bench_cpu_ops import baseline_ops
-
-            baseline_ops(a.baseline)
         with torch.no_grad():
             if a.baseline:
+                from benchmarks.bench_cpu_ops import baseline_ops
+
+                baseline_ops(a.baseline)
                 result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
                 ours, theirs, ratio = "this tree", f"{a.baseline}'s decode ops", "this tree / baseline"
             else:

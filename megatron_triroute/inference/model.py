@@ -110,12 +110,11 @@ class InferenceLayer(nn.Module):
         """`forward` of a decode step's rows x (N, D) in one C++ call (see `fused`)."""
         N, layer = x.shape[0], self.layer_number
         pools = cache.layers[layer].lists()
-        wq = self.wq
         return torch.ops.triroute.decode_layer(
             x.contiguous(), self.attn_norm.weight, self.attn_norm.eps, *self.projections(), batch.cos, batch.sin,
             mode.long(), reach_by_mode(self.config.router.window), option.long(), batch.rows, batch.t,
             cache.layer_counts[layer], cache.layer_tables[layer], cache.page_size, *pools.tensors, pools.bits,
-            pools.group_size, 1.0 / math.sqrt(wq.shape[1]), cache.layer_executed[layer], self.ffn_norm.weight,
+            pools.group_size, 1.0 / math.sqrt(self.config.model.d_head), cache.layer_executed[layer], self.ffn_norm.weight,
             self.ffn_norm.eps, out.experts.index.reshape(N, -1).long(), out.experts.weight.reshape(N, -1).to(x.dtype),
             *self._expert_weights())
 

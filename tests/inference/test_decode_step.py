@@ -45,6 +45,12 @@ def _prefilled(model, prompts, page_size=4):
 def decode_steps(model, steps: int, around=contextlib.nullcontext, prices=None):
     """Two requests prefilled, then `steps` decode steps, each device step (`forward_step`) inside
     `around()`: yields each step's logits and what `around()` entered."""
+    for logits, entered, _, _ in _decoded(model, steps, around, prices):
+        yield logits, entered
+
+
+def _decoded(model, steps: int, around=contextlib.nullcontext, prices=None):
+    """`decode_steps`, each step also with its decisions (one `RouterOutput` per layer) and the cache."""
     cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
     ones = torch.ones(2, dtype=torch.long)
     for _ in range(steps):
@@ -53,7 +59,7 @@ def decode_steps(model, steps: int, around=contextlib.nullcontext, prices=None):
             logits, outs = model.forward_step(batch, cache)
         model.finish(batch, outs, cache, rids, None)
         last = logits.argmax(-1)
-        yield logits, entered
+        yield logits, entered, outs, cache
 
 
 PRICES = [(None, None), (None, [0.3, -0.2]), ([[0.3, -0.2], [-0.5, 1.0]], None)]
@@ -95,15 +101,8 @@ def test_a_layer_in_one_call_equals_it_op_by_op_bit_for_bit(prices, own):
     runs = {}
     for fused in (False, True):
         model = fused_layers(tiny_model(seed=3), fused)
-        step_prices = _priced(model, prices, own)
-        cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
         logits, modes, widths = [], set(), set()
-        for _ in range(8):
-            batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids, prices=step_prices)
-            with torch.no_grad():
-                step_logits, outs = model.forward_step(batch, cache)
-            model.finish(batch, outs, cache, rids, None)
-            last = step_logits.argmax(-1)
+        for step_logits, _, outs, cache in _decoded(model, 8, prices=_priced(model, prices, own)):
             logits.append(step_logits)
             for out in outs:
                 modes |= set(out.attn.hard.flatten().tolist())
