@@ -6,7 +6,9 @@
 //   query heads: each slot row of K is unpacked and dequantised once into
 //   a buffer and scored for every (row, query head) of the item whose range holds it; each V row is
 //   unpacked once for all of them (a decode step has one row per request; a prefill shares each page
-//   among the rows of a chunk), and loaded once for the heads of a row that read the same keys.
+//   among the rows of a chunk), and loaded once for the heads of a row that read the same keys. A
+//   chunk of one row (a decode step's) with AVX-512 at d 64 or 128 dequantises each K and V row into
+//   registers instead, once for the heads that read the same keys: the same values, sums and bits.
 // - cache_write: every token quantised into its own width's pool in one call (bit-identical to
 //   triroute_kernels.quant.quantize_groups + pack_codes); cache_append: a decode step's write with
 //   each token's slot taken from the decode state's counts and page tables in the same call.
@@ -154,6 +156,26 @@ inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
 }
 #endif
 
+#if defined(TRIROUTE_AVX512)
+// One quantisation group's values 16 channels at a time: code * scale, then + zero (two roundings in
+// float32); at 2 and 4 bits the group's 2^BITS values computed once into one register, then each
+// channel's looked up by its code. The one 16-lane dequantisation of dequant_row and row_vectors.
+template <int BITS>
+struct GroupValues16 {
+  __m512 sc, z, table;
+  GroupValues16(Half scale, Half zero)
+      : sc(_mm512_set1_ps(static_cast<float>(scale))), z(_mm512_set1_ps(static_cast<float>(zero))) {
+    if constexpr (BITS <= 4)
+      table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc), z);
+  }
+  // Channels i..i+15 of the packed row `codes` (all in this group).
+  __m512 operator()(const uint8_t* codes, int64_t i) const {
+    if constexpr (BITS <= 4) return _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table);
+    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i)), sc), z);
+  }
+};
+#endif
+
 // Dequantise one packed (slot, kv head) row of d channels: code * scale + zero, float32. With the
 // head dim and group size known at compile time (D, GS > 0: the shapes dequant_rows_any names), the
 // loops over groups and channels unroll into straight code: a quarter of the time per row at d = 64.
@@ -166,18 +188,8 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
 #if defined(TRIROUTE_AVX512)
   if (gs % 16 == 0) {  // the same two roundings, 16 channels at a time
     for (int64_t g0 = 0, k = 0; g0 < d; g0 += gs, ++k) {  // k = g0 / gs, without a division
-      const __m512 sc = _mm512_set1_ps(static_cast<float>(scale[k]));
-      const __m512 z = _mm512_set1_ps(static_cast<float>(zero[k]));
-      if constexpr (BITS <= 4) {  // the group's 2^BITS values computed once into one register, then
-        // each channel's value looked up by its code
-        const __m512 table =
-            _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc), z);
-        for (int64_t i = g0; i < g0 + gs; i += 16)
-          _mm512_storeu_ps(out + i, _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table));
-      } else {
-        for (int64_t i = g0; i < g0 + gs; i += 16)
-          _mm512_storeu_ps(out + i, _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i)), sc), z));
-      }
+      const GroupValues16<BITS> values(scale[k], zero[k]);
+      for (int64_t i = g0; i < g0 + gs; i += 16) _mm512_storeu_ps(out + i, values(codes, i));
     }
     return;
   }
@@ -597,6 +609,119 @@ inline void load_rows(const PoolView& pv, bool v, const int64_t* rows, int64_t c
   }
 }
 
+#if defined(TRIROUTE_AVX512)
+// A decode step's keys without the round trip through kbuf and vbuf: each K or V row is dequantised
+// into registers (NV vectors of 16 channels) and used there by every head that reads it. The values
+// are dequant_row's and f16_rows' (the same two roundings), and the scores and sums below are
+// score_rows' and accumulate_wide's (the same operations in the same order), so the op's outputs
+// are the same bits either way; only the stores and loads of the buffers go.
+
+// Channels [c0, c0 + 16 NV) of the (slot, kv head) row `row` of pool pv (K, or V with v), GS
+// channels a quantisation group (c0 and 16 NV multiples of GS).
+template <int BITS, int64_t GS, int NV>
+inline void row_vectors(const PoolView& pv, bool v, int64_t row, int64_t c0, __m512* out) {
+  static_assert(GS % 16 == 0 && (16 * NV) % GS == 0, "whole groups of whole vectors");
+  if constexpr (BITS == 16) {
+    const Half* src = (v ? pv.v_values : pv.k_values) + row * (pv.row_bytes / 2) + c0;
+    for (int u = 0; u < NV; ++u)
+      out[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * u)));
+  } else {
+    const uint8_t* codes = (v ? pv.v_codes : pv.k_codes) + row * pv.row_bytes;
+    const Half* scale = (v ? pv.v_scale : pv.k_scale) + row * pv.n_groups;
+    const Half* zero = (v ? pv.v_zero : pv.k_zero) + row * pv.n_groups;
+    for (int u = 0; u < NV; u += GS / 16) {
+      const int64_t i0 = c0 + 16 * u, k = i0 / GS;
+      const GroupValues16<BITS> values(scale[k], zero[k]);
+      for (int e = 0; e < GS / 16; ++e) out[u + e] = values(codes, i0 + 16 * e);
+    }
+  }
+}
+
+// score_rows<D> for NH heads that read the same c keys (rows) of pool pv: s[h][t] = (q[h] . k_t) *
+// scale, m[h] = max(m[h], s[h][0..c)). Eight keys at a time as score_rows: each key's row into
+// registers once, each head's 16-lane sum folded to 8 lanes, the eight keys' lanes summed by sums8.
+// The last c % 8 keys go through kbuf and score_rows itself (its four-key and one-key loops).
+template <int BITS, int64_t D, int NH>
+void score_keys(const PoolView& pv, const int64_t* rows, int64_t c, float scale, const float* const* q, float* const* s,
+                float* m, float* kbuf) {
+  constexpr int NV = D / 16;
+  int64_t t = 0;
+  __m256 mv[NH];
+  for (int h = 0; h < NH; ++h) mv[h] = _mm256_set1_ps(m[h]);
+  __m256 folded[NH][8];
+  for (; t + 8 <= c; t += 8) {
+    for (int j = 0; j < 8; ++j) {
+      __m512 k[NV];
+      row_vectors<BITS, 32, NV>(pv, false, rows[t + j], 0, k);
+      for (int h = 0; h < NH; ++h) {
+        __m512 w = _mm512_setzero_ps();
+        for (int u = 0; u < NV; ++u) w = _mm512_fmadd_ps(_mm512_loadu_ps(q[h] + 16 * u), k[u], w);
+        folded[h][j] = fold16(w);
+      }
+    }
+    for (int h = 0; h < NH; ++h) {
+      const __m256 sums = _mm256_mul_ps(sums8(folded[h]), _mm256_set1_ps(scale));
+      _mm256_storeu_ps(s[h] + t, sums);
+      mv[h] = _mm256_max_ps(mv[h], sums);
+    }
+  }
+  for (int h = 0; h < NH; ++h) {
+    float lanes[8];
+    _mm256_storeu_ps(lanes, mv[h]);
+    m[h] = *std::max_element(lanes, lanes + 8);
+  }
+  if (t == c) return;
+  load_rows(pv, false, rows + t, c - t, D, 32, kbuf);
+  for (int h = 0; h < NH; ++h) m[h] = score_rows<D>(q[h], kbuf, c - t, D, scale, s[h] + t, m[h]);
+}
+
+// accumulate_wide<Lanes16, NH> over the c rows `rows` of pool pv's V: acc[h] += sum_t p[h][t] v_t,
+// 64 channels a step, each row's 64 channels into registers once for the NH heads.
+template <int BITS, int64_t D, int NH>
+void accumulate_keys(const PoolView& pv, const int64_t* rows, int64_t c, float* const* acc, const float* const* p) {
+  static_assert(D % 64 == 0, "64 channels a step");
+  for (int64_t i = 0; i < D; i += 64) {
+    __m512 a[NH][4];
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) a[h][u] = _mm512_loadu_ps(acc[h] + i + 16 * u);
+    for (int64_t t = 0; t < c; ++t) {
+      __m512 v[4];
+      row_vectors<BITS, 32, 4>(pv, true, rows[t], i, v);
+      for (int h = 0; h < NH; ++h) {
+        const __m512 pt = _mm512_set1_ps(p[h][t]);
+        for (int u = 0; u < 4; ++u) a[h][u] = _mm512_fmadd_ps(pt, v[u], a[h][u]);
+      }
+    }
+    for (int h = 0; h < NH; ++h)
+      for (int u = 0; u < 4; ++u) _mm512_storeu_ps(acc[h] + i + 16 * u, a[h][u]);
+  }
+}
+
+// f(bits, D, NH as compile-time constants) for a pool width, a head dim the fused loops compile for
+// (64, 128) and 1..4 heads.
+template <class F>
+inline void with_fused_shape(int bits, int64_t d, int nh, F&& f) {
+  auto heads = [&](auto B, auto D) {
+    switch (nh) {
+      case 1: return f(B, D, std::integral_constant<int, 1>{});
+      case 2: return f(B, D, std::integral_constant<int, 2>{});
+      case 3: return f(B, D, std::integral_constant<int, 3>{});
+      default: return f(B, D, std::integral_constant<int, 4>{});
+    }
+  };
+  auto dims = [&](auto B) {
+    if (d == 64) return heads(B, std::integral_constant<int64_t, 64>{});
+    return heads(B, std::integral_constant<int64_t, 128>{});
+  };
+  switch (bits) {
+    case 2: return dims(std::integral_constant<int, 2>{});
+    case 4: return dims(std::integral_constant<int, 4>{});
+    case 8: return dims(std::integral_constant<int, 8>{});
+    default: return dims(std::integral_constant<int, 16>{});
+  }
+}
+#endif
+
 void check_pool_list(const char* name, const at::TensorList& ts, size_t W) {
   TORCH_CHECK(ts.size() == W, name, " holds ", ts.size(), " tensors but bits names ", W, " pools");
   for (const auto& t : ts) TORCH_CHECK(t.device().is_cpu(), name, " must be CPU tensors");
@@ -790,8 +915,67 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
       }
       if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0 (a split part: its sum 0)
       std::fill(accp, accp + RL * G * d, 0.f);
+      [[maybe_unused]] const bool fused = RL == 1 && group_size == 32 && (d == 64 || d == 128);
+#if defined(TRIROUTE_AVX512)
+      // attend_block for a decode step's chunk (one row): the heads that read the same keys of the
+      // block (a decode step's full heads; its local heads of one window) scored and accumulated
+      // together, each K and V row dequantised into registers once for them (score_keys,
+      // accumulate_keys): the same values as below, without the buffers.
+      auto attend_block_fused = [&](const PoolView& pv, int64_t c) {
+        const int64_t hi_n = hip[n0];
+        int64_t t1 = c;
+        while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
+        if (row_lo[0] <= hi_n) {
+          int64_t b0 = 0;
+          while (b0 < t1 && pos[b0] < row_lo[0]) ++b0;
+          bytes += (t1 - b0) * pv.kv_bytes;
+        }
+        const float* qr = qp + n0 * H * d + g * G * d;
+        for (int64_t j = 0; j < G; ++j) {
+          int64_t t0 = 0;
+          while (t0 < t1 && pos[t0] < lo_h[j]) ++t0;
+          first[j] = t0;
+          stop[j] = reads[j] ? t1 : t0;
+        }
+        for (int64_t j0 = 0; j0 < G; ++j0) {
+          if (first[j0] >= stop[j0]) continue;  // no key here, or taken with an earlier head
+          const int64_t f0 = first[j0], n_keys = stop[j0] - f0;
+          int64_t js[kMaxJointHeads];
+          const float* qs[kMaxJointHeads];
+          float* ss[kMaxJointHeads];
+          float* accs[kMaxJointHeads];
+          float ms[kMaxJointHeads];
+          int nh = 0;
+          for (int64_t j = j0; j < G && nh < kMaxJointHeads; ++j) {
+            if (first[j] != f0 || stop[j] != stop[j0]) continue;
+            js[nh] = j, qs[nh] = qr + j * d, ss[nh] = sb + j * B_max + f0, accs[nh] = accp + j * d, ms[nh] = m[j];
+            ++nh;
+          }
+          for (int e = 0; e < nh; ++e) stop[js[e]] = first[js[e]];  // taken
+          const int64_t* keys = rows.data() + f0;
+          with_fused_shape(pv.bits, d, nh, [&](auto B, auto D, auto NH) {
+            score_keys<B(), D(), NH()>(pv, keys, n_keys, scale, qs, ss, ms, kb);
+          });
+          for (int e = 0; e < nh; ++e) {
+            const int64_t j = js[e];
+            macs += 2 * d * n_keys;
+            const float alpha = ms[e] == m[j] ? 1.f : exp_nonpositive(m[j] - ms[e]);
+            l[j] = l[j] * alpha + exp_shifted(ss[e], n_keys, ms[e]);
+            if (alpha != 1.f)
+              for (int64_t i = 0; i < d; ++i) accs[e][i] *= alpha;
+            m[j] = ms[e];
+          }
+          with_fused_shape(pv.bits, d, nh, [&](auto B, auto D, auto NH) {
+            accumulate_keys<B(), D(), NH()>(pv, keys, n_keys, accs, ss);
+          });
+        }
+      };
+#endif
       // The c keys gathered in rows/pos (positions ascending), all of pool pv.
       auto attend_block = [&](const PoolView& pv, int64_t c) {
+#if defined(TRIROUTE_AVX512)
+        if (fused) return attend_block_fused(pv, c);
+#endif
         load_rows(pv, false, rows.data(), c, d, group_size, kb);
         for (int64_t r = 0; r < RL; ++r) {
           const int64_t n = n0 + r, hi_n = hip[n];

@@ -176,6 +176,39 @@ def test_heads_that_read_the_same_keys_accumulate_together(H_kv, d, gs):
     assert not out[:, 10].any() and out[:, 11].abs().sum(-1).gt(0).all()
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_a_decode_row_alone_equals_the_same_row_in_a_chunk_bit_for_bit(d):
+    """A chunk of one query row (a decode step's) takes the kernel's register loops on AVX-512: each
+    K and V row dequantised into registers for the heads that read it. A chunk of several rows of
+    one request dequantises each row into a buffer they share. The same values, scores and sums in
+    the same order either way: a row alone and the same row twice in one chunk give the same bits,
+    over every width, blocks of many pages, full heads in sets of four and one, windows that start
+    inside a set of eight keys, and a skipped head (on a build without AVX-512 both take the buffer)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(d)
+        H, H_kv, P = 12, 2, 16
+        stores, tables = _mixed_pools([700, 150], H_kv, P, gen, d, 32)
+        window = torch.tensor([0, 0, 0, 0, 0, 100, 5, 37, -1, 37, 0, 3])  # 0 full, -1 skip
+        hi = torch.tensor([699])
+        lo = torch.where(window == 0, 0, (hi - window).clamp_min(0)).view(1, H)
+        lo = torch.where(window.view(1, H) < 0, hi + 1, lo)
+        q = torch.randn(1, H, d, generator=gen)
+        pools = ([s.k_pool for s in stores], [s.v_pool for s in stores])
+        one, two = torch.zeros(2, dtype=torch.long), torch.zeros(2, dtype=torch.long)
+        alone = paged_attention(q, pools, tables, torch.tensor([0]), lo, hi, 1 / math.sqrt(d), one)
+        chunk = paged_attention(q.expand(2, H, d).contiguous(), pools, tables, torch.tensor([0, 0]), lo.expand(2, H),
+                                hi.expand(2), 1 / math.sqrt(d), two)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(alone[0], chunk[0]) and torch.equal(chunk[0], chunk[1])
+    assert torch.equal(2 * one, two) and one[0] > 0
+    ref = _rows_reference(q, stores, torch.tensor([0]), lo, hi, 1 / math.sqrt(d), 32)
+    assert torch.allclose(alone, ref, atol=1e-5, rtol=1e-5), (alone - ref).abs().max()
+    assert not alone[0, 8].any() and alone[0, 9].abs().sum() > 0
+
+
 def test_a_local_head_reads_only_its_window_and_counters_count_it():
     """Hand count: one local head of window w reads w + 1 keys (the pages before are skipped
     whole); a full head of the same group reads everything."""
