@@ -41,7 +41,7 @@ setup(
     },
     # The exported modeling code's templates (copied into each export directory); the C++ CPU
     # kernels' source (JIT-built on first use, triroute_kernels.cpu_ops).
-    package_data={"megatron_triroute.export": ["hf_code/*.py"], "triroute_kernels": ["csrc/*.cpp"]},
+    package_data={"megatron_triroute.export": ["hf_code/*.py"], "triroute_kernels": ["csrc/*.cpp", "csrc/*.h"]},
     entry_points={
         "console_scripts": [
             "triroute-data-prep=data_prep.__main__:main",

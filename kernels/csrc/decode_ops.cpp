@@ -33,6 +33,8 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "decode_ops.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -99,14 +101,6 @@ void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half*
 }
 
 }  // namespace triroute_format
-
-namespace triroute_linear {
-// y [M, N] = x [M, K] w^T, w [N, K], float32, row-major: decode_linear's kernel (each block of eight
-// rows of w read from memory once for every row of x, blocks spread over the threads), also for the
-// small matmuls inside the fused ops of layer_ops.cpp; without AVX2 and FMA, at::mm, as decode_linear's
-// fallback at::linear computes it.
-void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
-}  // namespace triroute_linear
 
 namespace {
 
@@ -793,7 +787,9 @@ std::vector<PoolView> pool_views(at::TensorList k_data, at::TensorList k_scale, 
   return views;
 }
 
-Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
+}  // namespace
+
+Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
                            at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero,
                            at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size,
                            const Tensor& page_tables, const Tensor& request, const Tensor& lo, const Tensor& hi,
@@ -1106,6 +1102,8 @@ Tensor paged_attention_cpu(const Tensor& q, at::TensorList k_data, at::TensorLis
   return out;
 }
 
+namespace {
+
 // Quantise one group of gs float32 values at `bits`: quant.quantize_grouped's arithmetic.
 template <int BITS>
 inline void quantize_group(const float* x, int64_t gs, uint8_t* codes_row, int64_t first, Half* scale, Half* zero) {
@@ -1195,7 +1193,9 @@ void cache_write_cpu(const Tensor& k, const Tensor& v, const Tensor& option, con
 // rows[n] takes the next slot of its pool option[n]: index i = counts[option, row] (then
 // counts[option, row] += 1), slot = tables[option, row, i / P] * P + i % P, and is written as
 // cache_write writes it. The tensor ops of kv_cache.PagedKVCache.write_step are the definition.
-void cache_append_cpu(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows,
+}  // namespace
+
+void triroute_decode::cache_append(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows,
                       const Tensor& positions, const Tensor& counts, const Tensor& tables, int64_t page_size,
                       at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data,
                       at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits,
@@ -1230,6 +1230,8 @@ void cache_append_cpu(const Tensor& k, const Tensor& v, const Tensor& option, co
                   group_size);
   for (int64_t n = 0; n < N; ++n) ++cp[opt[n] * cs[0] + row[n] * cs[1]];  // after the write: an error leaves them
 }
+
+namespace {
 
 // --- decode linear ---------------------------------------------------------------------------
 // y = x w^T for a few rows of x (a decode step's tokens): x [M, K], w [N, K] float32, row-major.
@@ -1319,7 +1321,9 @@ inline void gemm_block8(const float* w, const float* x, int64_t M, int64_t K, in
 }
 #endif
 
-Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
+}  // namespace
+
+Tensor triroute_decode::decode_linear(const Tensor& x, const Tensor& w) {
   TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1), "decode_linear: x [M, K] and w [N, K], got ",
               x.sizes(), " and ", w.sizes());
 #if defined(TRIROUTE_AVX2)
@@ -1334,6 +1338,8 @@ Tensor decode_linear_cpu(const Tensor& x, const Tensor& w) {
 #endif
   return at::linear(x, w);
 }
+
+namespace {
 
 // Whether routed_experts_rows takes these: float32 contiguous CPU x, weight and expert weights.
 bool few_rows_experts(const Tensor& x, const Tensor& weight, at::TensorList w1, at::TensorList w3,
@@ -1382,7 +1388,9 @@ Tensor routed_experts_rows(const Tensor& x, const Tensor& weight, at::TensorList
   return out;
 }
 
-Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
+}  // namespace
+
+Tensor triroute_decode::routed_experts(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
                           at::TensorList w3, at::TensorList w2) {
   TORCH_CHECK(x.dim() == 2, "x must be [N, D], got ", x.sizes());
   const int64_t N = x.size(0), E = static_cast<int64_t>(w1.size());
@@ -1416,12 +1424,14 @@ Tensor routed_experts_cpu(const Tensor& x, const Tensor& index, const Tensor& we
     const Tensor routes = route.slice(0, c0, c1);
     const Tensor rows = at::floor_divide(routes, K);
     const Tensor xe = x.index_select(0, rows);
-    const Tensor h = at::silu(decode_linear_cpu(xe, w1[e])) * decode_linear_cpu(xe, w3[e]);
-    const Tensor y = decode_linear_cpu(h, w2[e]) * wflat.index_select(0, routes).to(x.scalar_type()).unsqueeze(1);
+    const Tensor h = at::silu(triroute_decode::decode_linear(xe, w1[e])) * triroute_decode::decode_linear(xe, w3[e]);
+    const Tensor y = triroute_decode::decode_linear(h, w2[e]) * wflat.index_select(0, routes).to(x.scalar_type()).unsqueeze(1);
     out.index_add_(0, rows, y);
   }
   return out;
 }
+
+namespace {
 
 // How many threads one at::parallel_for over `items` items ran on (each item its own chunk): the
 // library's kernels parallelise as this does, so 1 under several torch threads means a build
@@ -1433,30 +1443,6 @@ int64_t parallel_threads_cpu(int64_t items) {
 }
 
 }  // namespace
-
-// The CPU kernels of the ops above for decode_layer (layer_ops.cpp), which runs a decode layer's
-// ops in one call: the same functions the ops dispatch to.
-namespace triroute_decode {
-Tensor paged_attention(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
-                       at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos,
-                       at::IntArrayRef bits, int64_t group_size, const Tensor& page_tables, const Tensor& request,
-                       const Tensor& lo, const Tensor& hi, double sm_scale, const Tensor& counters) {
-  return paged_attention_cpu(q, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size,
-                             page_tables, request, lo, hi, sm_scale, counters);
-}
-void cache_append(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows, const Tensor& positions,
-                  const Tensor& counts, const Tensor& tables, int64_t page_size, at::TensorList k_data,
-                  at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
-                  at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size) {
-  cache_append_cpu(k, v, option, rows, positions, counts, tables, page_size, k_data, k_scale, k_zero, v_data, v_scale,
-                   v_zero, token_pos, bits, group_size);
-}
-Tensor decode_linear(const Tensor& x, const Tensor& w) { return decode_linear_cpu(x, w); }
-Tensor routed_experts(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
-                      at::TensorList w3, at::TensorList w2) {
-  return routed_experts_cpu(x, index, weight, w1, w3, w2);
-}
-}  // namespace triroute_decode
 
 namespace triroute_linear {
 void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
@@ -1510,11 +1496,11 @@ TORCH_LIBRARY(triroute, m) {
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
-  m.impl("paged_attention", &paged_attention_cpu);
+  m.impl("paged_attention", &triroute_decode::paged_attention);
   m.impl("cache_write", &cache_write_cpu);
-  m.impl("cache_append", &cache_append_cpu);
-  m.impl("routed_experts", &routed_experts_cpu);
-  m.impl("decode_linear", &decode_linear_cpu);
+  m.impl("cache_append", &triroute_decode::cache_append);
+  m.impl("routed_experts", &triroute_decode::routed_experts);
+  m.impl("decode_linear", &triroute_decode::decode_linear);
 }
 
 TORCH_LIBRARY_IMPL(triroute, CompositeExplicitAutograd, m) { m.impl("parallel_threads", &parallel_threads_cpu); }

@@ -38,25 +38,8 @@
 #include <utility>
 #include <vector>
 
-namespace triroute_linear {  // decode_ops.cpp: decode_linear's kernel, at::mm without AVX2
-void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
-}  // namespace triroute_linear
+#include "decode_ops.h"
 
-namespace triroute_decode {  // decode_ops.cpp: the CPU kernels of paged_attention, cache_append, decode_linear and
-                             // routed_experts
-using at::Tensor;
-Tensor paged_attention(const Tensor& q, at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero,
-                       at::TensorList v_data, at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos,
-                       at::IntArrayRef bits, int64_t group_size, const Tensor& page_tables, const Tensor& request,
-                       const Tensor& lo, const Tensor& hi, double sm_scale, const Tensor& counters);
-void cache_append(const Tensor& k, const Tensor& v, const Tensor& option, const Tensor& rows, const Tensor& positions,
-                  const Tensor& counts, const Tensor& tables, int64_t page_size, at::TensorList k_data,
-                  at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
-                  at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size);
-Tensor decode_linear(const Tensor& x, const Tensor& w);
-Tensor routed_experts(const Tensor& x, const Tensor& index, const Tensor& weight, at::TensorList w1,
-                      at::TensorList w3, at::TensorList w2);
-}  // namespace triroute_decode
 
 namespace {
 

@@ -22,10 +22,7 @@
 #include <limits>
 #include <vector>
 
-namespace triroute_format {  // decode_ops.cpp: the number format's group statistics
-void group_range(const float* x, int64_t gs, float* min_out, float* max_out);
-void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half* zero);
-}  // namespace triroute_format
+#include "decode_ops.h"
 
 namespace {
 

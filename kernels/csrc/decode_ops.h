@@ -1,0 +1,41 @@
+// The functions decode_ops.cpp defines for the library's other sources (one declaration each):
+// the number format's group statistics (quant_ops.cpp), the weight-row matmul (layer_ops.cpp), and
+// the CPU kernels of paged_attention, cache_append, decode_linear and routed_experts, which the ops
+// dispatch to and decode_layer (layer_ops.cpp) calls directly.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace triroute_format {
+// The minimum and maximum of a group of gs float32 values as the tensor chain's amin and amax give
+// them: NaN where the group holds a NaN; in any order otherwise, exactly.
+void group_range(const float* x, int64_t gs, float* min_out, float* max_out);
+// scale = half((max - min) / levels), a true division (not a reciprocal multiply), zero = half(min).
+void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half* zero);
+}  // namespace triroute_format
+
+namespace triroute_linear {
+// y [M, N] = x [M, K] w^T, w [N, K], float32, row-major: decode_linear's kernel (each block of eight
+// rows of w read from memory once for every row of x, blocks spread over the threads), also for the
+// small matmuls inside the fused ops of layer_ops.cpp; without AVX2 and FMA, at::mm, as decode_linear's
+// fallback at::linear computes it.
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
+}  // namespace triroute_linear
+
+namespace triroute_decode {
+at::Tensor paged_attention(const at::Tensor& q, at::TensorList k_data, at::TensorList k_scale,
+                           at::TensorList k_zero, at::TensorList v_data, at::TensorList v_scale,
+                           at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits, int64_t group_size,
+                           const at::Tensor& page_tables, const at::Tensor& request, const at::Tensor& lo,
+                           const at::Tensor& hi, double sm_scale, const at::Tensor& counters);
+void cache_append(const at::Tensor& k, const at::Tensor& v, const at::Tensor& option, const at::Tensor& rows,
+                  const at::Tensor& positions, const at::Tensor& counts, const at::Tensor& tables, int64_t page_size,
+                  at::TensorList k_data, at::TensorList k_scale, at::TensorList k_zero, at::TensorList v_data,
+                  at::TensorList v_scale, at::TensorList v_zero, at::TensorList token_pos, at::IntArrayRef bits,
+                  int64_t group_size);
+at::Tensor decode_linear(const at::Tensor& x, const at::Tensor& w);
+at::Tensor routed_experts(const at::Tensor& x, const at::Tensor& index, const at::Tensor& weight, at::TensorList w1,
+                          at::TensorList w3, at::TensorList w2);
+}  // namespace triroute_decode
