@@ -40,7 +40,6 @@
 
 #include "decode_ops.h"
 
-
 namespace {
 
 using at::Tensor;
