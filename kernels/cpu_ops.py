@@ -62,7 +62,7 @@ def _cpu_signature() -> str:
 def build_directory(flags: list[str]) -> Path:
     """Where the library is built: torch's extension root, one folder per (source, flags, torch,
     Python, machine), so a changed source or toolchain builds afresh and nothing stale is loaded."""
-    key = hashlib.sha256(b"".join(path.read_bytes() for path in [*_sources(), SOURCE.parent / HEADER]))
+    key = hashlib.sha256(b"".join(path.read_bytes() for path in _build_inputs()))
     key.update(repr((flags, torch.__version__, sys.version, platform.machine(), _cpu_signature())).encode())
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions"
     return Path(root) / f"{EXTENSION_NAME}_{key.hexdigest()[:16]}"
@@ -73,11 +73,16 @@ def _sources() -> list[Path]:
             SOURCE.parent / SOFTMAX_SOURCE]
 
 
+def _build_inputs() -> list[Path]:
+    """Every file the library is built from: the sources and the header they include."""
+    return [*_sources(), SOURCE.parent / HEADER]
+
+
 def _build() -> None:
     if os.environ.get("TRIROUTE_NO_CPU_OPS"):
         raise RuntimeError("TRIROUTE_NO_CPU_OPS is set. Fix: unset it to build the C++ kernels")
     if not hasattr(torch.ops.triroute, "paged_attention"):
-        missing = [path.name for path in [*_sources(), SOURCE.parent / HEADER] if not path.is_file()]
+        missing = [path.name for path in _build_inputs() if not path.is_file()]
         if missing:  # e.g. an exported model's code, which ships the Python modules only
             raise RuntimeError(f"the C++ source {', '.join(missing)} is not beside this module ({SOURCE.parent}). Fix: "
                                "serve from an installed megatron-triroute to use the C++ kernels")

@@ -912,55 +912,73 @@ Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, 
       if (lo_min > hi_max) continue;  // no head of the chunk reads: out stays 0 (a split part: its sum 0)
       std::fill(accp, accp + RL * G * d, 0.f);
       [[maybe_unused]] const bool fused = RL == 1 && group_size == 32 && (d == 64 || d == 128);
-#if defined(TRIROUTE_AVX512)
-      // attend_block for a decode step's chunk (one row): the heads that read the same keys of the
-      // block (a decode step's full heads; its local heads of one window) scored and accumulated
-      // together, each K and V row dequantised into registers once for them (score_keys,
-      // accumulate_keys): the same values as below, without the buffers.
-      auto attend_block_fused = [&](const PoolView& pv, int64_t c) {
-        const int64_t hi_n = hip[n0];
-        int64_t t1 = c;
+      // Row r's keys in a block of c keys of pool pv: each of its heads' [first, stop) of the block
+      // (empty where the head reads none of it), and the row's K and V bytes read (each row once per
+      // query row: the counter's unit).
+      auto row_keys = [&](const PoolView& pv, int64_t r, int64_t c) {
+        const int64_t hi_n = hip[n0 + r];
+        int64_t t1 = c;  // the row's keys end at its own position
         while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
-        if (row_lo[0] <= hi_n) {
+        if (row_lo[r] <= hi_n) {
           int64_t b0 = 0;
-          while (b0 < t1 && pos[b0] < row_lo[0]) ++b0;
+          while (b0 < t1 && pos[b0] < row_lo[r]) ++b0;
           bytes += (t1 - b0) * pv.kv_bytes;
         }
-        const float* qr = qp + n0 * H * d + g * G * d;
-        for (int64_t j = 0; j < G; ++j) {
+        for (int64_t rj = r * G; rj < (r + 1) * G; ++rj) {
           int64_t t0 = 0;
-          while (t0 < t1 && pos[t0] < lo_h[j]) ++t0;
-          first[j] = t0;
-          stop[j] = reads[j] ? t1 : t0;
+          while (t0 < t1 && pos[t0] < lo_h[rj]) ++t0;
+          first[rj] = t0;
+          stop[rj] = reads[rj] ? t1 : t0;
         }
+      };
+      // The online softmax of (row, head) rj after scoring n_keys keys into s, their maximum with
+      // m[rj] being m_new: s becomes the keys' weights, l and the weighted sum are rescaled.
+      auto softmax_update = [&](int64_t rj, float* s, int64_t n_keys, float m_new) {
+        macs += 2 * d * n_keys;
+        // exp(-inf) = 0 before the first key; exp(0) = 1 exactly, so an unchanged maximum skips it
+        const float alpha = m_new == m[rj] ? 1.f : exp_nonpositive(m[rj] - m_new);
+        const float sum = exp_shifted(s, n_keys, m_new);
+        l[rj] = l[rj] * alpha + sum;
+        if (alpha != 1.f) {
+          float* a = accp + rj * d;
+          for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
+        }
+        m[rj] = m_new;
+      };
+      // The heads of rj0's row, from rj0 on, that read the same keys of the block as rj0 (a decode
+      // step's full heads; its local heads of one window), up to kMaxJointHeads, into js and marked
+      // taken; returns how many.
+      auto joint_heads = [&](int64_t rj0, int64_t* js) {
+        const int64_t f0 = first[rj0], s0 = stop[rj0], row_end = (rj0 / G + 1) * G;
+        int nh = 0;
+        for (int64_t rj = rj0; rj < row_end && nh < kMaxJointHeads; ++rj)
+          if (first[rj] == f0 && stop[rj] == s0) js[nh++] = rj;
+        for (int e = 0; e < nh; ++e) stop[js[e]] = first[js[e]];
+        return nh;
+      };
+#if defined(TRIROUTE_AVX512)
+      // attend_block for a decode step's chunk (one row): the heads that read the same keys of the
+      // block scored and accumulated together, each K and V row dequantised into registers once for
+      // them (score_keys, accumulate_keys): the same values as below, without the buffers.
+      auto attend_block_fused = [&](const PoolView& pv, int64_t c) {
+        row_keys(pv, 0, c);
+        const float* qr = qp + (n0 * H + g * G) * d;
         for (int64_t j0 = 0; j0 < G; ++j0) {
           if (first[j0] >= stop[j0]) continue;  // no key here, or taken with an earlier head
           const int64_t f0 = first[j0], n_keys = stop[j0] - f0;
           int64_t js[kMaxJointHeads];
+          const int nh = joint_heads(j0, js);
           const float* qs[kMaxJointHeads];
           float* ss[kMaxJointHeads];
           float* accs[kMaxJointHeads];
           float ms[kMaxJointHeads];
-          int nh = 0;
-          for (int64_t j = j0; j < G && nh < kMaxJointHeads; ++j) {
-            if (first[j] != f0 || stop[j] != stop[j0]) continue;
-            js[nh] = j, qs[nh] = qr + j * d, ss[nh] = sb + j * B_max + f0, accs[nh] = accp + j * d, ms[nh] = m[j];
-            ++nh;
-          }
-          for (int e = 0; e < nh; ++e) stop[js[e]] = first[js[e]];  // taken
+          for (int e = 0; e < nh; ++e)
+            qs[e] = qr + js[e] * d, ss[e] = sb + js[e] * B_max + f0, accs[e] = accp + js[e] * d, ms[e] = m[js[e]];
           const int64_t* keys = rows.data() + f0;
           with_fused_shape(pv.bits, d, nh, [&](auto B, auto D, auto NH) {
             score_keys<B(), D(), NH()>(pv, keys, n_keys, scale, qs, ss, ms, kb);
           });
-          for (int e = 0; e < nh; ++e) {
-            const int64_t j = js[e];
-            macs += 2 * d * n_keys;
-            const float alpha = ms[e] == m[j] ? 1.f : exp_nonpositive(m[j] - ms[e]);
-            l[j] = l[j] * alpha + exp_shifted(ss[e], n_keys, ms[e]);
-            if (alpha != 1.f)
-              for (int64_t i = 0; i < d; ++i) accs[e][i] *= alpha;
-            m[j] = ms[e];
-          }
+          for (int e = 0; e < nh; ++e) softmax_update(js[e], ss[e], n_keys, ms[e]);
           with_fused_shape(pv.bits, d, nh, [&](auto B, auto D, auto NH) {
             accumulate_keys<B(), D(), NH()>(pv, keys, n_keys, accs, ss);
           });
@@ -974,53 +992,27 @@ Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, 
 #endif
         load_rows(pv, false, rows.data(), c, d, group_size, kb);
         for (int64_t r = 0; r < RL; ++r) {
-          const int64_t n = n0 + r, hi_n = hip[n];
-          int64_t t1 = c;  // the row's keys end at its own position
-          while (t1 > 0 && pos[t1 - 1] > hi_n) --t1;
-          if (row_lo[r] <= hi_n) {  // each K row and V row once per query row (the counter's unit)
-            int64_t b0 = 0;
-            while (b0 < t1 && pos[b0] < row_lo[r]) ++b0;
-            bytes += (t1 - b0) * pv.kv_bytes;
-          }
-          const float* qr = qp + (n * H + g * G) * d;
+          row_keys(pv, r, c);
+          const float* qr = qp + ((n0 + r) * H + g * G) * d;
           for (int64_t j = 0; j < G; ++j) {
             const int64_t rj = r * G + j;
-            int64_t t0 = 0;
-            while (t0 < t1 && pos[t0] < lo_h[rj]) ++t0;
-            first[rj] = t0;
-            stop[rj] = reads[rj] ? t1 : t0;
             if (first[rj] >= stop[rj]) continue;  // this head takes no key of the block
-            float* sj = sb + rj * B_max + t0;
-            const int64_t n_keys = t1 - t0;
-            const float m_new = score_rows_any(qr + j * d, kb + t0 * d, n_keys, d, scale, sj, m[rj]);
-            macs += 2 * d * n_keys;
-            // exp(-inf) = 0 before the first key; exp(0) = 1 exactly, so an unchanged maximum skips it
-            const float alpha = m_new == m[rj] ? 1.f : exp_nonpositive(m[rj] - m_new);
-            const float sum = exp_shifted(sj, n_keys, m_new);
-            l[rj] = l[rj] * alpha + sum;
-            if (alpha != 1.f) {
-              float* a = accp + rj * d;
-              for (int64_t i = 0; i < d; ++i) a[i] *= alpha;
-            }
-            m[rj] = m_new;
+            float* sj = sb + rj * B_max + first[rj];
+            const int64_t n_keys = stop[rj] - first[rj];
+            softmax_update(rj, sj, n_keys, score_rows_any(qr + j * d, kb + first[rj] * d, n_keys, d, scale, sj, m[rj]));
           }
         }
         load_rows(pv, true, rows.data(), c, d, group_size, vb);
-        // Each row's heads that read the same keys of the block (a decode step's full heads; its
-        // local heads of one window) accumulate together, up to kMaxJointHeads at a time.
+        // Each row's heads that read the same keys of the block accumulate together.
         for (int64_t rj0 = 0; rj0 < RL * G; ++rj0) {
           if (first[rj0] >= stop[rj0]) continue;  // no key here, or accumulated with an earlier head
-          const int64_t f0 = first[rj0], s0 = stop[rj0], row_end = (rj0 / G + 1) * G;
+          const int64_t f0 = first[rj0], n_keys = stop[rj0] - f0;
+          int64_t js[kMaxJointHeads];
+          const int nh = joint_heads(rj0, js);
           float* accs[kMaxJointHeads];
           const float* ps[kMaxJointHeads];
-          int nh = 0;
-          for (int64_t rj = rj0; rj < row_end && nh < kMaxJointHeads; ++rj) {
-            if (first[rj] != f0 || stop[rj] != s0) continue;
-            accs[nh] = accp + rj * d;
-            ps[nh++] = sb + rj * B_max + f0;
-            stop[rj] = first[rj];  // taken
-          }
-          accumulate_rows(accs, ps, nh, vb + f0 * d, s0 - f0, d);
+          for (int e = 0; e < nh; ++e) accs[e] = accp + js[e] * d, ps[e] = sb + js[e] * B_max + f0;
+          accumulate_rows(accs, ps, nh, vb + f0 * d, n_keys, d);
         }
       };
       for (int64_t w = 0; w < W; ++w) {
