@@ -188,13 +188,17 @@ def baseline_ops(rev: str):
 
     source = subprocess.run(["git", "show", f"{rev}:kernels/csrc/decode_ops.cpp"], cwd=REPO, check=True,
                             capture_output=True, text=True).stdout
+    header = subprocess.run(["git", "show", f"{rev}:kernels/csrc/{cpu_ops.HEADER}"], cwd=REPO,  # since 6266135
+                            capture_output=True, text=True)
     source = source.replace("TORCH_LIBRARY(triroute,", "TORCH_LIBRARY(triroute_baseline,")
     source = source.replace("TORCH_LIBRARY_IMPL(triroute,", "TORCH_LIBRARY_IMPL(triroute_baseline,")
     flags = cpu_ops.CFLAGS + ([] if os.environ.get("TRIROUTE_CPU_OPS_PORTABLE") else cpu_ops.NATIVE_CFLAGS)
-    key = hashlib.sha256(source.encode() + repr(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(source.encode() + header.stdout.encode() + repr(flags).encode()).hexdigest()[:16]
     where = cpu_ops.build_directory(flags).parent / f"triroute_baseline_{key}"
     where.mkdir(parents=True, exist_ok=True)
     (where / "decode_ops.cpp").write_text(source)
+    if header.returncode == 0:
+        (where / cpu_ops.HEADER).write_text(header.stdout)
     load(name=f"triroute_baseline_{key}", sources=[str(where / "decode_ops.cpp")], extra_cflags=flags,
          extra_ldflags=cpu_ops.LDFLAGS, build_directory=str(where), is_python_module=False, verbose=False)
     return torch.ops.triroute_baseline
