@@ -4,7 +4,9 @@
     u = W h (every head's projection stacked),  z = gain * whiten(u) + bias
 
 is what `Trunk` and `RouterHead` compute with autograd (the definition); this computes the same
-forward (the same ops in the same order, so the same values) and one backward for all of it
+forward (the same ops in the same order, except every head's projection as one matmul over the
+stacked heads, which a BLAS may block otherwise than one head's: equal up to float32 rounding, bit
+for bit on some CPUs only) and one backward for all of it
 (`tests/routing/test_trunk_grad.py` compares the two, values and every gradient, and counts the
 ops: 118 for a forward and backward where the modules under autograd dispatch 211). The backward:
 

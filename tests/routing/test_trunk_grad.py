@@ -28,9 +28,10 @@ def _moved(ctrl, whitening: bool) -> None:
 @pytest.mark.parametrize("whitening", [True, False])
 def test_training_logits_and_every_gradient_equal_autograd_through_the_modules(whitening):
     """The training logits (one hand-derived backward for norm, trunk, heads, whitening, gain and
-    bias) equal the modules run one by one under autograd: the logits bit for bit, and the
-    gradients of the hidden state, of psi and of every controller parameter within float32
-    rounding; the whitening statistics accumulate once either way."""
+    bias) equal the modules run one by one under autograd within float32 rounding: the logits (every
+    head's projection is one matmul over the stacked heads, which a BLAS may block otherwise than
+    one head's: not bit for bit on every CPU), and the gradients of the hidden state, of psi and of
+    every controller parameter; the whitening statistics accumulate once either way."""
     cfg = tiny_config(whitening=whitening)
     hidden, side = make_inputs(cfg, batch=3)
     ctrls = [TriRouteController(cfg, 0).train() for _ in range(2)]
@@ -44,7 +45,7 @@ def test_training_logits_and_every_gradient_equal_autograd_through_the_modules(w
     for out in (fast, ref):
         sum((out[a] * upstream[a]).sum() for a in out).backward()
     for a in ref:
-        assert torch.equal(fast[a], ref[a]), a
+        torch.testing.assert_close(fast[a], ref[a], rtol=1e-6, atol=1e-6 * float(ref[a].abs().max()), msg=a)
     for (x0, x1), name in zip(zip(*inputs), ("hidden", "side")):
         torch.testing.assert_close(x0.grad, x1.grad, rtol=1e-5, atol=1e-6 * float(x1.grad.abs().max()), msg=name)
         assert x0.grad.abs().max() > 1e-3  # the gradient reached it
