@@ -1313,6 +1313,47 @@ inline void gemm_block8(const float* w, const float* x, int64_t M, int64_t K, in
 }
 #endif
 
+#if defined(TRIROUTE_AVX512)
+// Up to kStreamRows rows of x: stream_rows8 below, one pass over the block.
+constexpr int64_t kStreamRows = 4;
+
+// Rows n0..n0+7 of y for T rows of x (K a multiple of 16), the block's rows of w read one after the
+// other: the 8 K floats of the block, and of the matrix, in one sequential stream, where gemv_rows8
+// and gemm_rows8 read eight streams K floats apart. Each (x row, w row) pair is summed exactly as
+// they sum it (one 16-lane accumulator over k in order, fold16, the block's sums8 tree), so a row of
+// y has the same bits whichever path or rows of x came with it. One accumulator chain per pair: at
+// one to four rows of x the stream, not the chains' latency, bounds it (on an AMD EPYC, Zen 5: one
+// row of x read w at 36-41 GB/s here against 33-36 through eight streams, two rows at 30-38 against
+// 23-26 through the tile); from about six rows the tile's 24 independent chains are the faster.
+template <int T>
+inline void stream_rows8(const float* w, const float* x, int64_t K, float* y, int64_t ldy, const float* next) {
+  __m256 a[T][8];
+  for (int r = 0; r < 8; ++r) {
+    const float* wr = w + r * K;
+    __m512 b[T];
+    for (int m = 0; m < T; ++m) b[m] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+      if (next != nullptr)  // the next block's line at this k: one block ahead in the stream
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+      const __m512 wv = _mm512_loadu_ps(wr + k);
+      for (int m = 0; m < T; ++m) b[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), b[m]);
+    }
+    for (int m = 0; m < T; ++m) a[m][r] = fold16(b[m]);
+  }
+  for (int m = 0; m < T; ++m) _mm256_storeu_ps(y + m * ldy, sums8(a[m]));
+}
+
+inline void stream_block8(const float* w, const float* x, int64_t M, int64_t K, int64_t ldy, float* y,
+                          const float* next) {
+  switch (M) {
+    case 1: stream_rows8<1>(w, x, K, y, ldy, next); break;
+    case 2: stream_rows8<2>(w, x, K, y, ldy, next); break;
+    case 3: stream_rows8<3>(w, x, K, y, ldy, next); break;
+    default: stream_rows8<4>(w, x, K, y, ldy, next); break;
+  }
+}
+#endif
+
 }  // namespace
 
 Tensor triroute_decode::decode_linear(const Tensor& x, const Tensor& w) {
@@ -1445,11 +1486,17 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
   // equal runs of at least 8 blocks (64 rows of w), so a 768-row projection still spreads over them.
   // While a block streams from memory (its first x row or rows), the next block of the run is asked
   // into the second-level cache, line by line: the memory keeps streaming while the block serves its
-  // other x rows (at eight rows, the 160m LM head in a decode step: 14 -> 11.5 ms).
+  // other x rows (at eight rows, the 160m LM head in a decode step: 14 -> 11.5 ms) With AVX-512, up to kStreamRows rows
+  // of x read the block row after row (stream_rows8: one sequential stream), more rows three at a
+  // time through it (gemm_block8); every path gives a row of y the same bits.
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
     const auto next = [&](int64_t b) { return b + 1 < b1 ? w + (b + 1) * 8 * K : nullptr; };
 #if defined(TRIROUTE_AVX512)
-    if (M > 1 && K % 16 == 0) {  // several rows of x: the block's rows of w read once for three of them
+    if (M >= 1 && M <= kStreamRows && K % 16 == 0) {  // few rows of x: the block read row after row, once
+      for (int64_t b = b0; b < b1; ++b) stream_block8(w + b * 8 * K, x, M, K, N, y + b * 8, next(b));
+      return;
+    }
+    if (K % 16 == 0) {  // more rows of x: the block's rows of w read once for three of them
       for (int64_t b = b0; b < b1; ++b) gemm_block8(w + b * 8 * K, x, M, K, N, y + b * 8, next(b));
       return;
     }
