@@ -464,8 +464,8 @@ def test_decode_linear_reads_every_row_of_x_against_its_own_output(M, N, K):
     """Row m of the result depends on row m of x only (a swapped or reused x row would show), and,
     where the kernel's own loops run (a native build on a CPU with AVX2), has the same bits as row m
     alone: several rows of x at once (K a multiple of 16 with AVX-512: up to four through the block
-    read row after row, more three at a time) sum each product as one row does. (Elsewhere BLAS serves both, whose one-row and several-row paths may
-    round differently.)"""
+    read row after row, more three at a time) sum each product as one row does. (Elsewhere BLAS
+    serves both, whose one-row and several-row paths may round differently.)"""
     import os
 
     gen = torch.Generator().manual_seed(9 + M)
