@@ -3,7 +3,8 @@
 `torch.ops.triroute.{paged_attention, cache_write, cache_append, routed_experts, decode_linear}` and
 `{controller_logits, rms_norm, decode_qkv, decode_decisions}` (a decode step's),
 `torch.ops.triroute.counter_uniform` (the routing noise's hash, training),
-`torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training) and
+`torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
+`torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training) and
 `torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
@@ -187,6 +188,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::rms_norm")
     def _(x, weight, eps):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("triroute::rms_norm_rstd")
+    def _(x, weight, eps):
+        return torch.empty_like(x), x.new_empty(x.shape[0], 1)
+
+    @torch.library.register_fake("triroute::rms_norm_backward")
+    def _(dy, x, rstd, weight):
+        return torch.empty_like(x), x.new_empty(x.shape[1])
 
     @torch.library.register_fake("triroute::decode_qkv")
     def _(x, wq, wk, wv, cos, sin):

@@ -8,6 +8,9 @@
 //     a = [rms_norm(x) * g_in ; side],  h = rms_norm(W2 gelu(W1 a + b1) + b2) * g_trunk,  z = Wh h + bh
 //   with the exact (erf) GELU; each weight read once for all rows (decode_linear's kernel).
 // - rms_norm: x * rsqrt(mean(x^2) + eps) * g per row, as torch.nn.functional.rms_norm.
+// - rms_norm_rstd, rms_norm_backward (training; megatron_triroute/routing/trunk_grad.py, `_rms_norm`
+//   and `_rms_norm_torch_backward`, are the definitions): RMSNorm's forward with its reciprocal RMS
+//   kept, and its backward, one pass over the rows each, for any number of rows.
 // - decode_qkv (megatron_triroute/inference/attention.py, `attend`'s projections and `apply_rope`):
 //   q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, each row of heads of width d rotated by the
 //   row's (cos, sin) table as x * cos + rotate_half(x) * sin, in the same float32 operations as
@@ -29,6 +32,7 @@
 // Built with -ffp-contract=off (cpu_ops.CFLAGS): no multiply-add is fused unless written so.
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/record_function.h>
 #include <torch/library.h>
 
@@ -111,6 +115,75 @@ Tensor rms_norm_cpu(const Tensor& x, const Tensor& g, double eps) {
   float* yp = y.data_ptr<float>();
   for (int64_t m = 0; m < M; ++m) rms_norm_row(xp + m * D, gp, D, static_cast<float>(eps), yp + m * D);
   return y;
+}
+
+// rms_norm_rstd: (x * rstd * g, rstd) of rows x (M, D), rstd = 1 / sqrt(mean(x^2) + eps) (M, 1):
+// `aten::_fused_rms_norm`'s outputs (a CPU has no kernel for it: six tensor ops). The squares are
+// summed in float64, the mean and rstd rounded to float32 as the tensor ops round them.
+std::tuple<Tensor, Tensor> rms_norm_rstd_cpu(const Tensor& x, const Tensor& g, double eps) {
+  check_f32(x, "x", 2, "rms_norm_rstd");
+  check_f32(g, "weight", 1, "rms_norm_rstd");
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(g.size(0) == D, "rms_norm_rstd: weight has ", g.size(0), " values for rows of ", D);
+  Tensor y = at::empty_like(x), rstd = at::empty({M, 1}, x.options());
+  const float *xp = x.data_ptr<float>(), *gp = g.data_ptr<float>();
+  float *yp = y.data_ptr<float>(), *rp = rstd.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float* v = xp + m * D;
+      double ss = 0.0;
+      for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(v[i]) * v[i];
+      const float r = 1.f / std::sqrt(static_cast<float>(ss / static_cast<double>(D)) + e);
+      rp[m] = r;
+      float* out = yp + m * D;
+      for (int64_t i = 0; i < D; ++i) out[i] = v[i] * r * gp[i];
+    }
+  });
+  return {y, rstd};
+}
+
+// rms_norm_backward: (dx, dweight) of y = weight * x rstd over rows (`aten::_fused_rms_norm_backward`'s
+// outputs, which a CPU has no kernel for; the formula is `trunk_grad._rms_norm_backward`'s):
+//   x_hat = x rstd,  g = dy * weight,  dx = rstd (g - x_hat mean(g * x_hat)),  dweight = sum_rows dy * x_hat.
+// dy may be a column slice (rows of any stride, unit stride along a row). The row means and the
+// column sums are accumulated in float64.
+std::tuple<Tensor, Tensor> rms_norm_backward_cpu(const Tensor& dy, const Tensor& x, const Tensor& rstd,
+                                                 const Tensor& g) {
+  check_f32(x, "x", 2, "rms_norm_backward");
+  check_f32(g, "weight", 1, "rms_norm_backward");
+  const int64_t M = x.size(0), D = x.size(1);
+  TORCH_CHECK(dy.scalar_type() == at::kFloat && dy.dim() == 2 && dy.size(0) == M && dy.size(1) == D &&
+                  dy.stride(1) == 1 && dy.device().is_cpu(),
+              "rms_norm_backward: dy must be a float32 CPU tensor of x's shape ", x.sizes(),
+              " with rows of unit stride, got ", dy.scalar_type(), " ", dy.sizes(), " strides ", dy.strides());
+  TORCH_CHECK(rstd.scalar_type() == at::kFloat && rstd.numel() == M && rstd.is_contiguous(),
+              "rms_norm_backward: rstd must hold one contiguous float32 value per row of x, got ", rstd.sizes());
+  TORCH_CHECK(g.size(0) == D, "rms_norm_backward: weight has ", g.size(0), " values for rows of ", D);
+  Tensor dx = at::empty_like(x), dw = at::empty({D}, x.options());
+  const float *dyp = dy.data_ptr<float>(), *xp = x.data_ptr<float>(), *rp = rstd.data_ptr<float>(),
+              *gp = g.data_ptr<float>();
+  float *dxp = dx.data_ptr<float>(), *dwp = dw.data_ptr<float>();
+  const int64_t lds = dy.stride(0);
+  at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      const float *d = dyp + m * lds, *v = xp + m * D;
+      const float r = rp[m];
+      double s = 0.0;
+      for (int64_t i = 0; i < D; ++i) s += static_cast<double>(d[i] * gp[i]) * (v[i] * r);
+      const float mean = static_cast<float>(s / static_cast<double>(D));
+      float* out = dxp + m * D;
+      for (int64_t i = 0; i < D; ++i) out[i] = r * (d[i] * gp[i] - (v[i] * r) * mean);
+    }
+  });
+  std::vector<double> acc(D, 0.0);
+  for (int64_t m = 0; m < M; ++m) {
+    const float *d = dyp + m * lds, *v = xp + m * D;
+    const float r = rp[m];
+    for (int64_t i = 0; i < D; ++i) acc[i] += static_cast<double>(d[i] * (v[i] * r));
+  }
+  for (int64_t i = 0; i < D; ++i) dwp[i] = static_cast<float>(acc[i]);
+  return {dx, dw};
 }
 
 // Heads of width d in place: x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1].
@@ -349,6 +422,8 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
       "controller_logits(Tensor x, Tensor side, Tensor g_in, float eps_in, Tensor w1, Tensor b1, Tensor w2, "
       "Tensor b2, Tensor g_trunk, float eps_trunk, Tensor wh, Tensor bh) -> Tensor");
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("rms_norm_rstd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor rstd, Tensor weight) -> (Tensor, Tensor)");
   m.def("decode_qkv(Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
   m.def(
       "decode_decisions(Tensor attn_z, Tensor expert_z, Tensor bits_z, Tensor? attn_shift, Tensor? expert_shift, "
@@ -365,6 +440,8 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("controller_logits", &controller_logits_cpu);
   m.impl("rms_norm", &rms_norm_cpu);
+  m.impl("rms_norm_rstd", &rms_norm_rstd_cpu);
+  m.impl("rms_norm_backward", &rms_norm_backward_cpu);
   m.impl("decode_qkv", &decode_qkv_cpu);
   m.impl("decode_decisions", &decode_decisions_cpu);
   m.impl("decode_layer", &decode_layer_cpu);

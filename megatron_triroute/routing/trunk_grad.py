@@ -24,12 +24,21 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from triroute_kernels import takes_cpu_kernel
 
 from .whitening import RunningWhitening
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(RMSNorm(x; weight), rstd): `nn.RMSNorm`'s values with the reciprocal RMS kept for the backward."""
+    """(RMSNorm(x; weight), rstd): `nn.RMSNorm`'s values with the reciprocal RMS kept for the backward.
+    PyTorch's fused op (one kernel on a GPU; six tensor ops on a CPU, which has no kernel for it);
+    on a CPU where the C++ kernels are built, `torch.ops.triroute.rms_norm_rstd` in one call (equal up
+    to the order of the sum of squares; it has no autograd formula: taken where nothing tracks one,
+    as in `SharedTrunkLogits.forward`)."""
+    tracked = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
+    if not tracked and x.dim() == 2 and takes_cpu_kernel(x) and weight.dtype == torch.float32:
+        return torch.ops.triroute.rms_norm_rstd(x.contiguous(), weight.contiguous(),
+                                                eps if eps is not None else torch.finfo(x.dtype).eps)
     return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
 
 
@@ -38,12 +47,23 @@ def _rms_norm_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
     """(dx, dweight) of y = weight * x rstd over the last dim (rows: every other dim), in the
     promoted dtype of dy, x and weight. On a GPU, PyTorch's fused kernel (the one autograd takes
     for `_fused_rms_norm` there: one pass over the rows instead of seven elementwise ones), all
-    operands in that dtype; elsewhere, where it has no kernel, the same formula as tensor ops."""
+    operands in that dtype; on a CPU, where PyTorch has no kernel for it, the C++ kernel
+    `torch.ops.triroute.rms_norm_backward` (float32 rows, where built); elsewhere the formula as
+    tensor ops (`_rms_norm_torch_backward`, the definition)."""
     if dy.is_cuda:
         dtype = torch.promote_types(torch.promote_types(dy.dtype, x.dtype), weight.dtype)
         dx, d_weight = torch.ops.aten._fused_rms_norm_backward(
             dy.to(dtype), x.to(dtype), [x.shape[-1]], rstd, weight.to(dtype), [True, True])
         return dx, d_weight
+    if x.dim() == 2 and takes_cpu_kernel(x) and dy.dtype == weight.dtype == rstd.dtype == torch.float32 \
+            and dy.stride(-1) == 1:
+        return torch.ops.triroute.rms_norm_backward(dy, x.contiguous(), rstd.contiguous(), weight.contiguous())
+    return _rms_norm_torch_backward(dy, x, rstd, weight)
+
+
+def _rms_norm_torch_backward(dy: torch.Tensor, x: torch.Tensor, rstd: torch.Tensor,
+                             weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_rms_norm_backward` as tensor ops."""
     x_hat = x * rstd
     d_weight = (dy * x_hat).sum(0)
     g = dy * weight
@@ -74,26 +94,26 @@ class SharedTrunkLogits(torch.autograd.Function):
         u = F.linear(h, weight)
         if whiten is not None:
             s = RunningWhitening.whiten_all(whiten, u)
+            denom = RunningWhitening.standardisation(whiten)[1]  # what whiten_all divided by
             gain_all = torch.cat(gain) if n_heads > 1 else gain[0]
             u = gain_all * s
         else:
-            s = gain_all = None
+            s = gain_all = denom = None
         z = u + (torch.cat(bias) if n_heads > 1 else bias[0])
         ctx.meta = meta
         ctx.sizes = [p.shape[0] for p in proj]
         ctx.side_grad = side.requires_grad
-        ctx.save_for_backward(hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all)
+        ctx.save_for_backward(hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all, denom)
         return z
 
     @staticmethod
     def backward(ctx, dz):
-        hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all = ctx.saved_tensors
+        hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all, denom = ctx.saved_tensors
         whiten, _, _, n_heads = ctx.meta
         d_bias = dz.sum(0)
         if whiten is not None:
-            var = torch.cat([m.var for m in whiten]) if n_heads > 1 else whiten[0].var
             d_gain = (dz * s).sum(0)
-            du = dz * (gain_all / (var.sqrt() + whiten[0].eps))
+            du = dz * (gain_all / denom)
         else:
             d_gain, du = None, dz
         d_weight = du.t().mm(h)

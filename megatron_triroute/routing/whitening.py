@@ -61,9 +61,27 @@ class RunningWhitening(RunningStatistic):
                 widths = tuple(m.mean.numel() for m in modules)
                 pieces = stats.index_select(0, _accumulator_order(widths, u.device)).split([1 + 2 * d for d in widths])
                 torch._foreach_add_([m._acc for m in modules], list(pieces))
+        mean, denom = cls.standardisation(modules)
+        return ((u.float() - mean) / denom).to(u.dtype)  # buffers: no gradient to stop
+
+    @staticmethod
+    def standardisation(modules: list["RunningWhitening"]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mean, std + eps) of `modules`' features laid end to end, as `whiten_all` divides by them.
+        They change once per optimizer step (`commit_all`) or on a load, and a layer reads them in
+        every forward and backward: kept on the first module, made again when any module's mean or
+        var is another tensor or has been written since (its version counter)."""
+        sources = tuple(t for m in modules for t in (m.mean, m.var))
+        versions = tuple(t._version for t in sources)
+        kept = modules[0].__dict__.get("_standardisation")
+        if kept is not None and len(kept[0]) == len(sources) and kept[1] == versions \
+                and all(a is b for a, b in zip(kept[0], sources)):
+            return kept[2], kept[3]
+        one = len(modules) == 1
         mean = modules[0].mean if one else torch.cat([m.mean for m in modules])
         var = modules[0].var if one else torch.cat([m.var for m in modules])
-        return ((u.float() - mean) / (var.sqrt() + modules[0].eps)).to(u.dtype)  # buffers: no gradient to stop
+        denom = var.sqrt() + modules[0].eps
+        modules[0].__dict__["_standardisation"] = (sources, versions, mean, denom)
+        return mean, denom
 
     def pending(self) -> torch.Tensor:
         return self._acc

@@ -3,7 +3,8 @@ import torch
 
 from benchmarks.op_counter import StepCounter
 from megatron_triroute import TriRouteController
-from megatron_triroute.routing.trunk_grad import _rms_norm, _rms_norm_backward
+from megatron_triroute.routing.trunk_grad import _rms_norm, _rms_norm_backward, _rms_norm_torch_backward
+from triroute_kernels import cpu_ops_available
 
 from .helpers import make_inputs, tiny_config
 
@@ -75,10 +76,44 @@ def test_rms_norm_backward_equals_autograd_and_a_hand_computation():
     dx, dw = _rms_norm_backward(dy, x.detach(), rstd.detach(), w.detach())
     torch.testing.assert_close(dx, x.grad)
     torch.testing.assert_close(dw, w.grad)
+    for a, b in zip(_rms_norm_torch_backward(dy, x.detach(), rstd.detach(), w.detach()), (dx, dw)):
+        torch.testing.assert_close(a, b)
     x_hat = torch.tensor([3.0, 4.0]) / 12.5**0.5
     torch.testing.assert_close(dw, (dy * x_hat)[0])  # d/dw of w * x_hat
     # y is invariant to scaling x, so dx is orthogonal to x
     assert abs(float((dx * x.detach()).sum())) < 1e-5
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="the C++ kernels did not build here")
+def test_the_cpu_kernels_equal_the_tensor_ops_and_autograd():
+    """`triroute.rms_norm_rstd` and `triroute.rms_norm_backward` (what `_rms_norm` and
+    `_rms_norm_backward` call on a CPU) against PyTorch's op and the formula as tensor ops, and
+    against autograd through `F.rms_norm`: rows of both controller widths, more rows than one
+    thread's share, eps None (float32's) and a column slice of a wider gradient (the input norm's)."""
+    g = torch.Generator().manual_seed(3)
+    for rows, width, eps in ((1, 8, 1e-6), (300, 64, None), (257, 139, 1e-5)):
+        x = torch.randn(rows, width, generator=g) * 3
+        w = torch.randn(width, generator=g)
+        wide = torch.randn(rows, width + 11, generator=g)
+        dy = wide[:, :width]  # rows of stride width + 11
+        y, rstd = torch.ops.triroute.rms_norm_rstd(x, w, eps if eps is not None else torch.finfo(torch.float32).eps)
+        y_ref, rstd_ref = torch.ops.aten._fused_rms_norm(x, [width], w, eps)
+        torch.testing.assert_close(rstd, rstd_ref, rtol=1e-6, atol=0)
+        torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-6)
+        dx, dw = torch.ops.triroute.rms_norm_backward(dy, x, rstd, w)
+        dx_ref, dw_ref = _rms_norm_torch_backward(dy, x, rstd_ref, w)
+        torch.testing.assert_close(dx, dx_ref, rtol=1e-5, atol=1e-6 * float(dx_ref.abs().max()))
+        torch.testing.assert_close(dw, dw_ref, rtol=1e-5, atol=1e-6 * float(dw_ref.abs().max()))
+        xa, wa = x.clone().requires_grad_(), w.clone().requires_grad_()
+        torch.nn.functional.rms_norm(xa, [width], wa, eps).backward(dy)
+        torch.testing.assert_close(dx, xa.grad, rtol=1e-5, atol=1e-6 * float(xa.grad.abs().max()))
+        torch.testing.assert_close(dw, wa.grad, rtol=1e-5, atol=1e-6 * float(wa.grad.abs().max()))
+        # what the trunk's functions take on this CPU: one call each
+        ops = StepCounter()
+        with ops:
+            _, r = _rms_norm(x, w, eps)
+            _rms_norm_backward(dy, x, r, w)
+        assert ops.ops == 2, ops.ops
 
 
 def test_the_fused_kernels_arguments_as_called_on_a_gpu_give_the_formula():
