@@ -118,22 +118,36 @@ class _BalancingLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, cfg: LossConfig, with_terms: bool, executed: tuple[torch.Tensor, ...], *logits: torch.Tensor):
         floor = cfg.use_entropy_floor
-        widths = tuple(z.shape[-1] for z in logits)
-        W = max(widths)
-        rows = [z.float().reshape(-1, n) for z, n in zip(logits, widths)]
-        lengths = tuple(r.shape[0] for r in rows)  # each axis's rows N_a: the block's contiguous segments
-        lay = _layout(lengths, tuple(ex.numel() for ex in executed), widths, logits[0].device)
-        block = torch.cat([r if r.shape[1] == W else F.pad(r, (0, W - r.shape[1]), value=-math.inf) for r in rows])
+        device = logits[0].device
+        plan = _plan(tuple((tuple(z.shape), z.dtype, tuple(ex.shape), ex.dtype) for z, ex in zip(logits, executed)),
+                     device)
+        W = plan.width
+        # each group's axes stacked (one copy for all of them), as rows padded to W; the block's
+        # axes in `plan.order`, each axis's rows contiguous
+        pieces, keys = [], []
+        for group in plan.groups:
+            z = logits[group.members[0]] if len(group.members) == 1 else torch.stack([logits[a] for a in group.members])
+            z = z.float().reshape(-1, group.options)
+            pieces.append(z if group.options == W else F.pad(z, (0, W - group.options), value=-math.inf))
+            ex = executed[group.members[0]] if len(group.members) == 1 \
+                else torch.stack([executed[a] for a in group.members])
+            # each axis's executed options counted in its own W slots of one (A W,) histogram
+            keys.append(ex.reshape(-1) if group.key_offsets is None else (ex.reshape(len(group.members), -1)
+                                                                          + group.key_offsets).view(-1))
+        block = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+        lay = plan.layout
         probs = softmax(block)  # (R, W)
         lse = torch.logsumexp(block, dim=-1)  # (R,)
         # each axis's mean over its own rows, [P | L_z] as one (A, W + 1) block: a column mean per
-        # contiguous segment (CUDA's segment_reduce took 37 ms a layer at 32,768 rows a segment)
+        # axis, over each group's (axes, rows, W + 1) view (CUDA's segment_reduce took 37 ms a layer
+        # at 32,768 rows a segment)
         both = torch.cat([probs, lse.square().unsqueeze(1)], 1)
-        means = torch.stack([seg.mean(0) for seg in both.split(lengths)])
+        segments = both.split(plan.group_rows) if len(plan.groups) > 1 else (both,)
+        means = [seg.view(len(group.members), -1, W + 1).mean(1) for seg, group in zip(segments, plan.groups)]
+        means = torch.cat(means) if len(means) > 1 else means[0]
         p, zl = means[:, :W], means[:, W]  # (A, W): P; (A,): L_z
-        # f: each axis's executed options counted in its own W slots of one (A W,) histogram
-        keys = torch.cat([ex.reshape(-1) if a == 0 else ex.reshape(-1) + a * W for a, ex in enumerate(executed)])
-        f = option_counts(keys, len(widths) * W, torch.float32).view(-1, W) / lay.executed
+        f = option_counts(torch.cat(keys) if len(keys) > 1 else keys[0], len(logits) * W,
+                          torch.float32).view(-1, W) / lay.executed
         bal = lay.width * (f * p).sum(-1)  # L_bal
         parts = [bal, zl]
         if floor or with_terms:
@@ -150,25 +164,88 @@ class _BalancingLoss(torch.autograd.Function):
             active = (ent > 0).unsqueeze(1) & (p >= 1e-12)
             g = g + torch.where(active, log_p.add(1.0).mul_(cfg.entropy_weight), 0.0)
         ctx.save_for_backward(probs, lse, g, lay.row_axis, lay.row_weight)
-        ctx.z_weight, ctx.dtypes, ctx.shapes = cfg.z_weight, [z.dtype for z in logits], [z.shape for z in logits]
-        out_terms = torch.stack([bal, zl, ent if floor else torch.zeros_like(h), h], -1) if with_terms \
-            else total.new_zeros(0)
+        ctx.z_weight, ctx.plan = cfg.z_weight, plan
+        ctx.dtypes, ctx.shapes = [z.dtype for z in logits], [z.shape for z in logits]
+        if with_terms:
+            out_terms = torch.stack([bal, zl, ent if floor else torch.zeros_like(h), h], -1)
+            if plan.restore is not None:  # the block's order -> the axes' own
+                out_terms = out_terms.index_select(0, plan.restore)
+        else:
+            out_terms = total.new_zeros(0)
         ctx.mark_non_differentiable(out_terms)
         return total, out_terms
 
     @staticmethod
     def backward(ctx, grad_total, _grad_terms):
         probs, lse, g, row_axis, row_weight = ctx.saved_tensors
+        plan = ctx.plan
+        W = plan.width
         # elementwise, not a matmul: the backward can run under the step's bf16 autocast
         g = g.index_select(0, row_axis)  # (R, W): each row's axis's g (0 on padding, where p is 0)
         inner = (g - (probs * g).sum(-1, keepdim=True)).add_(lse.view(-1, 1), alpha=2.0 * ctx.z_weight)
         dz = (probs * inner).mul_(row_weight * grad_total)
-        grads, start = [], 0
-        for dtype, shape in zip(ctx.dtypes, ctx.shapes):
-            n = shape.numel() // shape[-1]
-            grads.append(dz[start:start + n, :shape[-1]].view(shape).to(dtype))
-            start += n
+        grads = [None] * len(ctx.shapes)
+        segments = dz.split(plan.group_rows) if len(plan.groups) > 1 else (dz,)
+        for seg, group in zip(segments, plan.groups):
+            seg = seg.view(len(group.members), -1, W)
+            if group.options < W:
+                seg = seg[..., :group.options]
+            for a, part in zip(group.members, seg.unbind(0) if len(group.members) > 1 else (seg[0],)):
+                grads[a] = part.view(ctx.shapes[a]).to(ctx.dtypes[a])
         return None, None, None, *grads
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Axes whose logits and executed options have the same shapes and dtypes: stacked as one."""
+
+    members: tuple[int, ...]
+    """The axes' indices, in their order."""
+    options: int
+    """Their option count |O|."""
+    key_offsets: torch.Tensor | None
+    """(members, 1) int64: each member's first histogram slot (its place in the block's order times
+    W); None for a lone axis first in the block (no offset)."""
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """How `_BalancingLoss` lays a call's axes out: groups of equal shapes, in the order their first
+    axis comes, their axes end to end (`order`), each axis's rows contiguous (`layout`)."""
+
+    groups: tuple[_Group, ...]
+    order: tuple[int, ...]
+    width: int
+    """W: the widest axis's option count."""
+    group_rows: tuple[int, ...]
+    """Each group's rows in the block."""
+    layout: _Layout
+    """Of the axes in `order`."""
+    restore: torch.Tensor | None
+    """(A,) int64: each axis's place in `order`; None when `order` is the axes' own."""
+
+
+@functools.lru_cache(maxsize=32)
+def _plan(axes: tuple[tuple, ...], device: torch.device) -> _Plan:
+    """`_Plan` of axes given as (logits shape, logits dtype, executed shape, executed dtype), made once
+    per signature and device."""
+    grouped: dict[tuple, list[int]] = {}
+    for a, signature in enumerate(axes):
+        grouped.setdefault(signature, []).append(a)
+    W = max(shape[-1] for shape, *_ in axes)
+    groups, order = [], []
+    for members in grouped.values():
+        first = len(order)
+        offsets = None if first == 0 and len(members) == 1 else \
+            to_device([(first + i) * W for i in range(len(members))], torch.int64, device).view(-1, 1)
+        groups.append(_Group(tuple(members), axes[members[0]][0][-1], offsets))
+        order += members
+    rows = tuple(math.prod(axes[a][0][:-1]) for a in order)
+    layout = _layout(rows, tuple(math.prod(axes[a][2]) for a in order), tuple(axes[a][0][-1] for a in order), device)
+    group_rows = tuple(len(g.members) * math.prod(axes[g.members[0]][0][:-1]) for g in groups)
+    restore = None if order == list(range(len(axes))) else \
+        to_device([order.index(a) for a in range(len(axes))], torch.int64, device)
+    return _Plan(tuple(groups), tuple(order), W, group_rows, layout, restore)
 
 
 def loss_axes(out: RouterOutput) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

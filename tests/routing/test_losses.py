@@ -110,6 +110,14 @@ def test_balancing_loss_backward_equals_autograd_through_the_term_functions():
     cases.append([(collapsed, torch.randint(0, 4, (5, 7), generator=g))])
     cases.append([(torch.randn(6, 9, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (6, 9, 2), generator=g)),
                   (logits, torch.randint(0, 4, (5, 7), generator=g))])  # top-2 slots, and two axes at once
+    # axes of two shapes interleaved (each shape's axes stack into one group, the block in another
+    # order than the axes'), two of them column slices of one tensor (as a layer's logits split are)
+    wide = torch.randn(5, 7, 9, generator=g, dtype=torch.float64) * 3
+    cases.append([(wide[..., :4], torch.randint(0, 4, (5, 7), generator=g)),
+                  (torch.randn(6, 9, 5, generator=g, dtype=torch.float64), torch.randint(0, 5, (6, 9, 2), generator=g)),
+                  (wide[..., 4:8], torch.randint(0, 4, (5, 7), generator=g)),
+                  (torch.randn(6, 9, 5, generator=g, dtype=torch.float64) * 2, torch.randint(0, 5, (6, 9, 2), generator=g)),
+                  (logits[:, :, :3], torch.randint(0, 3, (5, 7), generator=g))])
     base = LossConfig(load_weight=0.3, z_weight=0.7, entropy_weight=1.3)
     for axes in cases:
         for zeta, floor in ((2.0, True), (0.1, True), (2.0, False)):  # the floor active, inactive, off
