@@ -2,7 +2,8 @@
 `csrc/quant_ops.cpp`, `csrc/softmax_ops.cpp`): built once per machine, registered as
 `torch.ops.triroute.{paged_attention, cache_write, cache_append, routed_experts, decode_linear}` and
 `{controller_logits, rms_norm, decode_qkv, decode_decisions}` (a decode step's),
-`torch.ops.triroute.counter_uniform` (the routing noise's hash, training),
+`torch.ops.triroute.{counter_uniform, chain_words}` (the routing noise's hash and its per-token words,
+training),
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
 `torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training) and
 `torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
@@ -172,6 +173,10 @@ def _register_fakes() -> None:
     def _(prefix, sample_words, position_words, counters):
         shape = (prefix.shape[0], sample_words.shape[0], position_words.shape[1], counters.shape[0])
         return prefix.new_empty(shape, dtype=torch.float64)
+
+    @torch.library.register_fake("triroute::chain_words")
+    def _(keys, field):
+        return torch.empty_like(keys)
 
     @torch.library.register_fake("triroute::quantized_values")
     def _(x, bits, group_size):

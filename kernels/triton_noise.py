@@ -4,6 +4,10 @@ the C++ kernel (`csrc/noise_ops.cpp`) and as the tensor chain that defines them
 
     u[a, b, t, c] = ((h >> 8) + 0.5) / 2^24,   h = mix(mix(mix(prefix[a] ^ sample[b]) ^ position[b, t]) ^ counter[c])
 
+and the chain words of one key field, `chain_words_triton` (the per-token words that hash reads):
+
+    word[i] = (mix((key[i] mod 2^32) ^ (0x9E3779B9 (field + 1) mod 2^32)) * 0x85EBCA6B) mod 2^32
+
 The 32-bit words are held in uint64 lanes; each product of two words is exact there (below 2^64)
 and is taken modulo 2^32 with a mask, as the chain does with its 16-bit halves.
 """
@@ -58,4 +62,24 @@ def counter_uniform_triton(prefix: torch.Tensor, sample_words: torch.Tensor, pos
     _counter_uniform_kernel[(triton.cdiv(R, block_r),)](
         prefix.contiguous(), sample_words.contiguous(), position_words.contiguous(), counters.contiguous(), out,
         R, B, T, n, rows_p, BLOCK_R=block_r, BLOCK_N=triton.next_power_of_2(max(n, 1)))
+    return out
+
+
+@triton.jit
+def _chain_words_kernel(key_ptr, out_ptr, N, salt, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    live = i < N
+    k = tl.load(key_ptr + i, mask=live, other=0).to(tl.uint64) & 0xFFFFFFFF
+    w = (_mix32(k ^ salt) * 0x85EBCA6B) & 0xFFFFFFFF
+    tl.store(out_ptr + i, w.to(tl.int64), mask=live)
+
+
+def chain_words_triton(keys: torch.Tensor, field: int) -> torch.Tensor:
+    """int64 words of `keys`' shape: the chain word of key field `field` for each int64 key."""
+    keys = keys.contiguous()
+    out = torch.empty_like(keys)
+    n, block = keys.numel(), 1024
+    if n:
+        _chain_words_kernel[(triton.cdiv(n, block),)](keys, out, n, (0x9E3779B9 * (field + 1)) & 0xFFFFFFFF,
+                                                      BLOCK=block)
     return out

@@ -3,9 +3,14 @@
 //
 //   u[a, b, t, c] = ((h >> 8) + 0.5) / 2^24,   h = mix(mix(mix(prefix[a] ^ sample[b]) ^ position[b, t]) ^ counter[c])
 //
-// with mix the lowbias32 finaliser on 32-bit words. Unsigned 32-bit arithmetic wraps by definition,
-// which is what the PyTorch chain computes with its multiplications split into 16-bit halves: the
-// same bits, one pass instead of about sixty tensor ops per layer.
+// with mix the lowbias32 finaliser on 32-bit words; and torch.ops.triroute.chain_words, the chain word
+// of one key field for every key (the per-token words the hash above reads, once per micro-batch):
+//
+//   word[i] = (mix((key[i] mod 2^32) ^ (0x9E3779B9 (field + 1) mod 2^32)) * 0x85EBCA6B) mod 2^32
+//
+// Unsigned 32-bit arithmetic wraps by definition, which is what the PyTorch chain computes with its
+// multiplications split into 16-bit halves: the same bits, one pass instead of about sixty tensor ops
+// per layer (the hash) and twenty-four per field (the words).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -53,10 +58,29 @@ Tensor counter_uniform_cpu(const Tensor& prefix, const Tensor& sample_words, con
   return out;
 }
 
+Tensor chain_words_cpu(const Tensor& keys, int64_t field) {
+  TORCH_CHECK(keys.scalar_type() == at::kLong && keys.device().is_cpu(), "chain_words takes an int64 CPU tensor, got ",
+              keys.scalar_type(), " on ", keys.device());
+  const Tensor kc = keys.contiguous();
+  const int64_t* kp = kc.data_ptr<int64_t>();
+  Tensor out = at::empty_like(kc);
+  int64_t* op = out.data_ptr<int64_t>();
+  const uint32_t salt = static_cast<uint32_t>(0x9E3779B9ull * static_cast<uint64_t>(field + 1));
+  at::parallel_for(0, kc.numel(), 4096, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      op[i] = static_cast<int64_t>(mix32(static_cast<uint32_t>(kp[i]) ^ salt) * 0x85EBCA6Bu);
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
   m.def("counter_uniform(Tensor prefix, Tensor sample_words, Tensor position_words, Tensor counters) -> Tensor");
+  m.def("chain_words(Tensor keys, int field) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(triroute, CPU, m) { m.impl("counter_uniform", &counter_uniform_cpu); }
+TORCH_LIBRARY_IMPL(triroute, CPU, m) {
+  m.impl("counter_uniform", &counter_uniform_cpu);
+  m.impl("chain_words", &chain_words_cpu);
+}

@@ -17,10 +17,11 @@ step, layer, axis) are folded on the host, and the step and layer reach the tens
 chain's value, a tensor (no Python integer a compiled graph would specialise on). What a field
 adds to its link (its chain word) does not depend on the step or layer: the sample's and the
 position's are computed once per micro-batch (`token_words`, shared by every layer through
-`NoiseKey.words`), the counters' once per count (`counter_words`). A layer's tensor work is the
-three links, once for all its axes (`NoiseKey.gumbel_axes`, over `counter_gumbel`): one kernel call
-where `triroute_kernels` has one for the device (C++ on a CPU, Triton on a GPU; the same bits, tested
-against the chain), the chain itself otherwise.
+`NoiseKey.words`; one kernel call per field, `chain_words`), the counters' once per count
+(`counter_words`). A layer's tensor work is the three links, once for all its axes
+(`NoiseKey.gumbel_axes`, over `counter_gumbel`): one kernel call where `triroute_kernels` has one for
+the device (C++ on a CPU, Triton on a GPU; the same bits, tested against the chain), the chain itself
+otherwise.
 """
 
 from __future__ import annotations
@@ -115,7 +116,21 @@ def token_words(sample: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Te
     (B,) global sample indices -> (B,); positions (T,) or (B, T) positions in the full sequence ->
     (1, T) or (B, T)."""
     positions = positions if positions.dim() == 2 else positions.view(1, -1)
-    return _chain_word(_field(sample.to(torch.int64), 4)), _chain_word(_field(positions.to(torch.int64), 5))
+    return chain_words(sample.to(torch.int64), 4), chain_words(positions.to(torch.int64), 5)
+
+
+def chain_words(keys: torch.Tensor, field: int) -> torch.Tensor:
+    """The chain words of key field `field` for int64 `keys` (any shape): `chain_words_torch`'s bits,
+    in one kernel call where `triroute_kernels` has one for the device (as `counter_uniform`)."""
+    kernel = None if torch.compiler.is_compiling() else _words_kernel(keys.device)
+    if kernel is not None:
+        return kernel(keys, field)
+    return chain_words_torch(keys, field)
+
+
+def chain_words_torch(keys: torch.Tensor, field: int) -> torch.Tensor:
+    """`chain_words` as tensor ops (about twenty-four): the definition."""
+    return _chain_word(_field(keys, field))
 
 
 def counter_gumbel(prefix: torch.Tensor, sample_words: torch.Tensor, position_words: torch.Tensor,
@@ -166,6 +181,32 @@ def _hash_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
     if device.type == "cuda" and HAS_TRITON:
         return checked_once(("noise", str(device)), lambda: _checked_triton_kernel(device))
     return None
+
+
+def _words_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The kernel of `chain_words` on `device` here, or None: as `_hash_kernel`."""
+    try:
+        from triroute_kernels import HAS_TRITON, cpu_ops_available
+    except ImportError:
+        return None
+    if device.type == "cpu":
+        return torch.ops.triroute.chain_words if cpu_ops_available() else None
+    if device.type == "cuda" and HAS_TRITON:
+        return checked_once(("noise words", str(device)), lambda: _checked_words_kernel(device))
+    return None
+
+
+def _checked_words_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """`chain_words_triton` once it has given the chain's bits on a probe on `device` (as
+    `_checked_triton_kernel`)."""
+    def load():
+        from triroute_kernels.triton_noise import chain_words_triton
+
+        return chain_words_triton
+
+    keys = torch.tensor([[0, 1, 2**31, 2**32 - 1], [7, 2**20 + 3, 123456789, 4000000000]], dtype=torch.int64,
+                        device=device)
+    return first_use_check(device, load, chain_words_torch, (keys, 5), "the routing noise's chain words")
 
 
 def _checked_triton_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:

@@ -323,6 +323,18 @@ def test_triton_noise_hash_equals_the_tensor_chain_bit_for_bit(position_rows):
     assert torch.equal(out, counter_uniform_torch(prefix, sample, positions, counters))
 
 
+def test_triton_chain_words_equal_the_tensor_chain_bit_for_bit():
+    from megatron_triroute.routing import noise
+    from triroute_kernels.triton_noise import chain_words_triton
+
+    gen = torch.Generator().manual_seed(5)
+    keys = torch.randint(0, 2**32, (3, 700), generator=gen, dtype=torch.int64)  # 2,100 keys: several blocks
+    keys[0, :4] = torch.tensor([0, 2**31, 2**32 - 1, 2**40 + 5])
+    for field in (4, 5):
+        assert torch.equal(chain_words_triton(keys, field), noise.chain_words_torch(keys, field))
+    assert noise._checked_words_kernel(torch.device("cpu")) is chain_words_triton
+
+
 def test_triton_noise_is_taken_only_after_its_first_use_check(monkeypatch):
     """The probe comparison the GPU path runs once per device: the kernel passes it; a kernel that
     gives other bits, or fails to build, is left out with a warning naming why."""

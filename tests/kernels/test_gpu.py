@@ -148,6 +148,10 @@ def test_gpu_noise_hash_takes_triton_and_equals_the_cpu_chain():
     assert noise._hash_kernel(torch.device("cuda")) is not None  # its first-use check passed
     on_gpu = noise.counter_uniform(*(a.cuda() for a in args))
     assert torch.equal(on_gpu.cpu(), noise.counter_uniform_torch(*args))
+    keys = words(4, 2048)
+    assert noise._words_kernel(torch.device("cuda")) is not None
+    for field in (4, 5):
+        assert torch.equal(noise.chain_words(keys.cuda(), field).cpu(), noise.chain_words_torch(keys, field))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

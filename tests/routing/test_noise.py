@@ -85,7 +85,16 @@ def test_the_hash_kernel_equals_the_tensor_chain_bit_for_bit(monkeypatch):
         assert via_kernel.shape == (3, 4, 7, 5) and via_kernel.dtype == torch.float64
         assert torch.equal(via_kernel, chain)
         assert torch.equal(torch.ops.triroute.counter_uniform(prefix, sample, positions, counters), chain)
+    # the per-token words: every key field the chain has, keys at the ends of the 32-bit range and
+    # beyond (only the low 32 bits are a key's), any shape
+    keys = torch.cat([words(40), torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**40 + 5])]).view(-1, 1)
+    for field in range(7):
+        want = noise.chain_words_torch(keys, field)
+        assert torch.equal(torch.ops.triroute.chain_words(keys, field), want)
+        assert torch.equal(noise.chain_words(keys.view(1, -1), field), want.view(1, -1))
+    assert not torch.equal(noise.chain_words(keys, 4), noise.chain_words(keys, 5))
     calls = []
     monkeypatch.setattr(noise, "_hash_kernel", lambda device: calls.append(device))  # None: no kernel
+    monkeypatch.setattr(noise, "_words_kernel", lambda device: calls.append(device))
     test_noise_is_pinned_and_all_axes_at_once_equal_one_call_per_axis()
     assert calls  # the chain ran
