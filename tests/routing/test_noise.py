@@ -93,6 +93,7 @@ def test_the_hash_kernel_equals_the_tensor_chain_bit_for_bit(monkeypatch):
         assert torch.equal(torch.ops.triroute.chain_words(keys, field), want)
         assert torch.equal(noise.chain_words(keys.view(1, -1), field), want.view(1, -1))
     assert not torch.equal(noise.chain_words(keys, 4), noise.chain_words(keys, 5))
+    torch.library.opcheck(torch.ops.triroute.chain_words, (keys, 5))
     calls = []
     monkeypatch.setattr(noise, "_hash_kernel", lambda device: calls.append(device))  # None: no kernel
     monkeypatch.setattr(noise, "_words_kernel", lambda device: calls.append(device))

@@ -114,6 +114,8 @@ def test_the_cpu_kernels_equal_the_tensor_ops_and_autograd():
             _, r = _rms_norm(x, w, eps)
             _rms_norm_backward(dy, x, r, w)
         assert ops.ops == 2, ops.ops
+    torch.library.opcheck(torch.ops.triroute.rms_norm_rstd, (x, w, 1e-6))
+    torch.library.opcheck(torch.ops.triroute.rms_norm_backward, (dy, x, rstd, w))
 
 
 def test_the_fused_kernels_arguments_as_called_on_a_gpu_give_the_formula():
