@@ -71,16 +71,18 @@ class RunningWhitening(RunningStatistic):
         every forward and backward: kept on the first module, made again when any module's mean or
         var is another tensor or has been written since (its version counter)."""
         sources = tuple(t for m in modules for t in (m.mean, m.var))
-        versions = tuple(t._version for t in sources)
+        # statistics made under inference mode keep no version counter: made again at each call
+        versions = None if any(t.is_inference() for t in sources) else tuple(t._version for t in sources)
         kept = modules[0].__dict__.get("_standardisation")
-        if kept is not None and len(kept[0]) == len(sources) and kept[1] == versions \
+        if versions is not None and kept is not None and len(kept[0]) == len(sources) and kept[1] == versions \
                 and all(a is b for a, b in zip(kept[0], sources)):
             return kept[2], kept[3]
         one = len(modules) == 1
         mean = modules[0].mean if one else torch.cat([m.mean for m in modules])
         var = modules[0].var if one else torch.cat([m.var for m in modules])
         denom = var.sqrt() + modules[0].eps
-        modules[0].__dict__["_standardisation"] = (sources, versions, mean, denom)
+        if versions is not None:
+            modules[0].__dict__["_standardisation"] = (sources, versions, mean, denom)
         return mean, denom
 
     def pending(self) -> torch.Tensor:

@@ -32,6 +32,34 @@ def test_whitening_hand_computation_and_read_before_update():
     assert torch.allclose(out, torch.tensor([[(2.0 - 0.4) / (1.4**0.5 + 1e-5)]]))
 
 
+def test_whitening_divisor_follows_every_write_of_its_statistics():
+    """`RunningWhitening.standardisation` keeps the heads' stacked mean and std + eps between
+    optimizer steps: a commit, a load, an in-place change and a replaced buffer are each seen at the
+    next call; statistics made under inference mode (no version counter) are read afresh."""
+    u = torch.randn(4, 5)
+
+    def check(ws):
+        mean, var = torch.cat([w.mean for w in ws]), torch.cat([w.var for w in ws])
+        assert torch.equal(RunningWhitening.whiten_all(ws, u), (u - mean) / (var.sqrt() + 1e-5))
+
+    ws = [RunningWhitening(2, momentum=0.5), RunningWhitening(3, momentum=0.5)]
+    RunningWhitening.whiten_all([w.train() for w in ws], u)
+    commit_running_statistics(ws)
+    ws = [w.eval() for w in ws]
+    check(ws)
+    ws[1].var.fill_(4.0)
+    check(ws)
+    ws[0].load_state_dict({"mean": torch.ones(2), "var": torch.full((2,), 9.0), "steps": torch.tensor(3)})
+    check(ws)
+    ws[1].mean = torch.full((3,), 2.0)
+    check(ws)
+    with torch.inference_mode():
+        fresh = [RunningWhitening(2).eval(), RunningWhitening(3).eval()]
+        check(fresh)
+        fresh[0].var.fill_(2.0)
+        check(fresh)
+
+
 def test_whitening_accumulates_once_under_activation_recompute_and_never_in_eval():
     w = RunningWhitening(3).train()
     x = torch.randn(5, 3, requires_grad=True)
