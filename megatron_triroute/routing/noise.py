@@ -170,29 +170,28 @@ def counter_uniform_torch(prefix: torch.Tensor, sample_words: torch.Tensor, posi
 
 
 def _hash_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
-    """The kernel of `counter_uniform` on `device` here, or None: the C++ op on a CPU (the kernels
-    are built once per machine), the Triton kernel on a GPU where triton is installed."""
+    """The kernel of `counter_uniform` on `device` here, or None (`_kernel`)."""
+    return _kernel(device, "counter_uniform", _checked_triton_kernel)
+
+
+def _words_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The kernel of `chain_words` on `device` here, or None (`_kernel`)."""
+    return _kernel(device, "chain_words", _checked_words_kernel)
+
+
+def _kernel(device: torch.device, op: str, checked: Callable[[torch.device], Callable[..., torch.Tensor] | None]
+            ) -> Callable[..., torch.Tensor] | None:
+    """`torch.ops.triroute.<op>` on a CPU (the kernels are built once per machine), the Triton
+    kernel `checked(device)` gives on a GPU where triton is installed (once per process and
+    device), else None."""
     try:
         from triroute_kernels import HAS_TRITON, cpu_ops_available
     except ImportError:  # model code without the kernels: the tensor chain
         return None
     if device.type == "cpu":
-        return torch.ops.triroute.counter_uniform if cpu_ops_available() else None
+        return getattr(torch.ops.triroute, op) if cpu_ops_available() else None
     if device.type == "cuda" and HAS_TRITON:
-        return checked_once(("noise", str(device)), lambda: _checked_triton_kernel(device))
-    return None
-
-
-def _words_kernel(device: torch.device) -> Callable[..., torch.Tensor] | None:
-    """The kernel of `chain_words` on `device` here, or None: as `_hash_kernel`."""
-    try:
-        from triroute_kernels import HAS_TRITON, cpu_ops_available
-    except ImportError:
-        return None
-    if device.type == "cpu":
-        return torch.ops.triroute.chain_words if cpu_ops_available() else None
-    if device.type == "cuda" and HAS_TRITON:
-        return checked_once(("noise words", str(device)), lambda: _checked_words_kernel(device))
+        return checked_once((op, str(device)), lambda: checked(device))
     return None
 
 
