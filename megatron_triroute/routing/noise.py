@@ -203,8 +203,7 @@ def _checked_words_kernel(device: torch.device) -> Callable[..., torch.Tensor] |
 
         return chain_words_triton
 
-    keys = torch.tensor([[0, 1, 2**31, 2**32 - 1], [7, 2**20 + 3, 123456789, 4000000000]], dtype=torch.int64,
-                        device=device)
+    keys = (torch.arange(8, dtype=torch.int64, device=device) * 0x9E3779B9 % 2**33).view(2, 4)  # some past 2^32
     return first_use_check(device, load, chain_words_torch, (keys, 5), "the routing noise's chain words")
 
 
