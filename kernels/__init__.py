@@ -9,11 +9,13 @@ CPU under TRITON_INTERPRET=1); `dispatch` is the one point that chooses. Triton 
 GPU extra. `paged_ops` holds the decode step's one-call ops over all pools (attention with one
 online softmax, the mixed-width cache write and a decode step's append, the routed experts, the small-batch linear and RMS norm): C++ CPU kernels (`cpu_ops`,
 built once per machine) with PyTorch twins as the fallback. Training's kernels are the routing
-noise's counter hash (`torch.ops.triroute.counter_uniform` in C++, `triton_noise` on a GPU), whose
-definition is the tensor chain of `megatron_triroute.routing.noise`, and two C++ CPU ops defined by
-tensor ops of `megatron_triroute.routing`: the relaxed K/V write's values (`quantized_values`; on a
-GPU `triton_quant`) and the routing axes' softmax (`few_softmax`). The package imports only torch (and triton): nothing of
-`megatron_triroute`.
+noise's counter hash and its per-token chain words (`torch.ops.triroute.counter_uniform` and
+`chain_words` in C++, `triton_noise` on a GPU), whose definition is the tensor chain of
+`megatron_triroute.routing.noise`, and C++ CPU ops defined by tensor ops of
+`megatron_triroute.routing`: the relaxed K/V write's values (`quantized_values`; on a GPU
+`triton_quant`), the routing axes' softmax (`few_softmax`) and the controller's RMSNorms with their
+backward (`rms_norm_rstd`, `rms_norm_backward`; a GPU runs PyTorch's fused kernels). The package
+imports only torch (and triton): nothing of `megatron_triroute`.
 """
 
 from .cpu_ops import cpu_ops_available, cpu_ops_error, takes_cpu_kernel

@@ -103,8 +103,8 @@ class _BalancingLoss(torch.autograd.Function):
     """sum over a layer's routed axes of alpha L_bal + beta L_z + gamma L_ent (Eq. total's middle
     term) from the axes' logits, through one autograd node: the values of the term functions above,
     computed for every axis at once (the axes' decisions stacked as the rows of one block, padded
-    to the widest axis: `_Layout`), and their gradient to each axis's logits written out as one
-    expression per decision n,
+    to the widest axis: `_Layout`; the axes of one shape copied in as one group: `_Plan`), and
+    their gradient to each axis's logits written out as one expression per decision n,
 
         dz_n = G p_n * ((g - p_n . g) / N + beta * 2 lse_n / N),
         g = alpha |O| f + gamma * [L_ent > 0] * (log max(P, 1e-12) + 1) * [P >= 1e-12],
