@@ -31,6 +31,7 @@ from ..routing.modes import reach_by_mode
 from ..routing.pricing import PriceShifts, price_decisions, price_shifts
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
+from ..routing.versions import version_key
 from .attention import attend, projection_views, rope_tables
 from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
@@ -150,7 +151,7 @@ class InferenceLayer(nn.Module):
         """(w1 [E, F, D], w3, w2 [E, D, F]): a stacked copy of the experts' weights, what
         `routed_experts` takes on a GPU, made again whenever a weight's storage or version changes
         (a load or any in-place write). It costs one more copy of the experts' weights in device memory."""
-        key = tuple((w.data_ptr(), w._version) for group in weights for w in group)
+        key = version_key(w for group in weights for w in group)
         if getattr(self, "_stacked_key", None) != key:
             self._stacked, self._stacked_key = tuple(torch.stack([w.detach() for w in group]) for group in weights), key
         return self._stacked
@@ -220,7 +221,7 @@ class InferenceModel(nn.Module):
 
     def host_prices(self) -> tuple[float, float]:
         """(mu_flops, mu_mem) as host floats, read from the buffer once per change."""
-        key = (self.prices.data_ptr(), self.prices._version)
+        key = version_key((self.prices,))
         if getattr(self, "_prices_key", None) != key:
             self._host_prices, self._prices_key = tuple(float(p) for p in self.prices), key
         return self._host_prices
@@ -229,7 +230,7 @@ class InferenceModel(nn.Module):
         """The token tables on the host (the scheduler computes psi there; copied once per change)."""
         if self.device.type == "cpu":
             return self.tables
-        key = tuple((t.data_ptr(), t._version) for t in (self.token_log_prob, self.token_word_start))
+        key = version_key((self.token_log_prob, self.token_word_start))
         if getattr(self, "_host_tables_key", None) != key:
             self._host_tables = TokenTables(self.token_log_prob.cpu(), self.token_word_start.cpu(), self.eod_id)
             self._host_tables_key = key

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import BudgetConfig
+from .versions import version_key
 
 RESOURCES = ("flops", "mem")
 
@@ -51,7 +52,7 @@ class BudgetController(nn.Module):
         micro-batch reads them and they change only when a buffer they read is written (the step's
         update, a load): computed once per version of those buffers, the same tensor until then."""
         key = (self.config.enabled, self.config.dual_kp, self.config.tied,
-               *((t.data_ptr(), t._version) for t in (self.lambdas, self.ema, self.targets, self.steps)))
+               *version_key((self.lambdas, self.ema, self.targets, self.steps)))
         cached = self.__dict__.get("_multipliers_cache")
         if cached is None or cached[0] != key:
             self.__dict__["_multipliers_cache"] = cached = (key, self._multipliers())

@@ -35,6 +35,7 @@ from .side_features import (
     decision_feature_size,
 )
 from .trunk_grad import run_forward_pre_hooks, shared_trunk_logits
+from .versions import version_key
 from .whitening import RunningWhitening
 
 if (MODE_FRACTIONS, REAL_EXPERT_FRACTION, WIDTH_ONE_HOT) != (slice(0, N_MODES), N_MODES, slice(N_MODES + 1, None)):
@@ -246,7 +247,7 @@ class TriRouteController(nn.Module):
         d_router), bias) (rebuilt when a tensor it reads changes: keyed on their storage and
         version counters, `RouterHead.fold_inputs`)."""
         heads = self._modules["heads"]._modules
-        key = tuple((t.data_ptr(), t._version) for a in self.sizes for t in heads[a].fold_inputs())
+        key = version_key(t for a in self.sizes for t in heads[a].fold_inputs())
         if getattr(self, "_fold_key", None) != key:
             maps = [self.heads[a].folded() for a in self.sizes]
             self._fold = (torch.cat([w for w, _ in maps]).contiguous(), torch.cat([b for _, b in maps]))

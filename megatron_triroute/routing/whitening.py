@@ -25,6 +25,7 @@ import torch
 
 from .device_values import to_device
 from .running_stats import RunningStatistic
+from .versions import version_key
 
 
 class RunningWhitening(RunningStatistic):
@@ -68,21 +69,19 @@ class RunningWhitening(RunningStatistic):
     def standardisation(modules: list["RunningWhitening"]) -> tuple[torch.Tensor, torch.Tensor]:
         """(mean, std + eps) of `modules`' features laid end to end, as `whiten_all` divides by them.
         They change once per optimizer step (`commit_all`) or on a load, and a layer reads them in
-        every forward and backward: kept on the first module, made again when any module's mean or
-        var is another tensor or has been written since (its version counter)."""
+        every forward and backward: kept on the first module under `version_key` of every module's
+        mean and var, with those tensors themselves (so a replaced one's address is never reused
+        while the key names it)."""
         sources = tuple(t for m in modules for t in (m.mean, m.var))
-        # statistics made under inference mode keep no version counter: made again at each call
-        versions = None if any(t.is_inference() for t in sources) else tuple(t._version for t in sources)
+        key = version_key(sources)
         kept = modules[0].__dict__.get("_standardisation")
-        if versions is not None and kept is not None and len(kept[0]) == len(sources) and kept[1] == versions \
-                and all(a is b for a, b in zip(kept[0], sources)):
+        if kept is not None and kept[0] == key:
             return kept[2], kept[3]
         one = len(modules) == 1
         mean = modules[0].mean if one else torch.cat([m.mean for m in modules])
         var = modules[0].var if one else torch.cat([m.var for m in modules])
         denom = var.sqrt() + modules[0].eps
-        if versions is not None:
-            modules[0].__dict__["_standardisation"] = (sources, versions, mean, denom)
+        modules[0].__dict__["_standardisation"] = (key, sources, mean, denom)
         return mean, denom
 
     def pending(self) -> torch.Tensor:
