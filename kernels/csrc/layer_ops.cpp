@@ -48,12 +48,15 @@ namespace {
 
 using at::Tensor;
 
-// out <- v * rsqrt(mean(v^2) + eps) * g, over d values (out may be v).
-inline void rms_norm_row(const float* v, const float* g, int64_t d, float eps, float* out) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < d; ++i) ss += v[i] * v[i];
-  const float r = 1.f / std::sqrt(ss / static_cast<float>(d) + eps);
+// out <- v * r * g, r = rsqrt(mean(v^2) + eps), over d values (out may be v); returns r. The squares
+// are summed in Acc: float for the decode ops, double for training's rms_norm_rstd.
+template <typename Acc = float>
+inline float rms_norm_row(const float* v, const float* g, int64_t d, float eps, float* out) {
+  Acc ss = 0;
+  for (int64_t i = 0; i < d; ++i) ss += static_cast<Acc>(v[i]) * v[i];
+  const float r = 1.f / std::sqrt(static_cast<float>(ss / static_cast<Acc>(d)) + eps);
   for (int64_t i = 0; i < d; ++i) out[i] = v[i] * r * g[i];
+  return r;
 }
 
 void check_f32(const Tensor& t, const char* name, int64_t dim, const char* op = "controller_logits") {
@@ -118,8 +121,8 @@ Tensor rms_norm_cpu(const Tensor& x, const Tensor& g, double eps) {
 }
 
 // rms_norm_rstd: (x * rstd * g, rstd) of rows x (M, D), rstd = 1 / sqrt(mean(x^2) + eps) (M, 1):
-// `aten::_fused_rms_norm`'s outputs (a CPU has no kernel for it: six tensor ops). The squares are
-// summed in float64, the mean and rstd rounded to float32 as the tensor ops round them.
+// `aten::_fused_rms_norm`'s outputs (a CPU has no kernel for it: six tensor ops): rms_norm_row with
+// the squares summed in float64, the mean and rstd rounded to float32 as the tensor ops round them.
 std::tuple<Tensor, Tensor> rms_norm_rstd_cpu(const Tensor& x, const Tensor& g, double eps) {
   check_f32(x, "x", 2, "rms_norm_rstd");
   check_f32(g, "weight", 1, "rms_norm_rstd");
@@ -130,15 +133,7 @@ std::tuple<Tensor, Tensor> rms_norm_rstd_cpu(const Tensor& x, const Tensor& g, d
   float *yp = y.data_ptr<float>(), *rp = rstd.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, M, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t m = begin; m < end; ++m) {
-      const float* v = xp + m * D;
-      double ss = 0.0;
-      for (int64_t i = 0; i < D; ++i) ss += static_cast<double>(v[i]) * v[i];
-      const float r = 1.f / std::sqrt(static_cast<float>(ss / static_cast<double>(D)) + e);
-      rp[m] = r;
-      float* out = yp + m * D;
-      for (int64_t i = 0; i < D; ++i) out[i] = v[i] * r * gp[i];
-    }
+    for (int64_t m = begin; m < end; ++m) rp[m] = rms_norm_row<double>(xp + m * D, gp, D, e, yp + m * D);
   });
   return {y, rstd};
 }
