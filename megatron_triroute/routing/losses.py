@@ -190,7 +190,7 @@ class _BalancingLoss(torch.autograd.Function):
             seg = seg.view(len(group.members), -1, W)
             if group.options < W:
                 seg = seg[..., :group.options]
-            for a, part in zip(group.members, seg.unbind(0) if len(group.members) > 1 else (seg[0],)):
+            for a, part in zip(group.members, seg.unbind(0)):
                 grads[a] = part.view(ctx.shapes[a]).to(ctx.dtypes[a])
         return None, None, None, *grads
 
