@@ -16,6 +16,7 @@ its own (tests, tools): the cache's `before_step` / `after_step` around it, then
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -27,10 +28,17 @@ from .audit import CostAudit, count_attention
 from .kv_cache import PagedKVCache
 
 
+@functools.lru_cache(maxsize=16)
+def _inv_freq(d: int, base: float, device: torch.device) -> torch.Tensor:
+    """(d/2,) the rotary frequencies, made once per (d, base, device) (a normal tensor, also when
+    first asked for under inference mode)."""
+    with torch.inference_mode(False):
+        return 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+
+
 def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin), each (N, 1, d), of the rotary embedding (Megatron's non-interleaved form) at positions (N,)."""
-    inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32, device=positions.device) / d))
-    freqs = positions.to(torch.float32).view(-1, 1) * inv_freq.view(1, -1)  # (N, d/2)
+    freqs = positions.to(torch.float32).view(-1, 1) * _inv_freq(d, base, positions.device).view(1, -1)  # (N, d/2)
     emb = torch.cat([freqs, freqs], -1).unsqueeze(1)  # (N, 1, d)
     return emb.cos(), emb.sin()
 
