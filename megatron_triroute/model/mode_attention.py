@@ -144,7 +144,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     w = min(window, max(T - 1, 0))  # keys before position 0 are padding either way
     pad_q = n * block - T
 
-    qb = F.pad(q, (0, 0, 0, 0, 0, pad_q)).view(B, n, block, H_kv, G, d)
+    qb = (F.pad(q, (0, 0, 0, 0, 0, pad_q)) if pad_q else q).reshape(B, n, block, H_kv, G, d)  # a view when unpadded
     qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(B, H_kv * n, G * block, d)  # (B, H_kv*n, G*b, d)
     mask = _local_block_mask(T, window, block, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
     ctx = F.scaled_dot_product_attention(qb, _key_windows(k, block, w, n), _key_windows(v, block, w, n), attn_mask=mask)
