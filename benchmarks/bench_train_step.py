@@ -35,7 +35,9 @@ under cProfile and writes the Python functions that take the host's time to `DIR
 
 Alongside the times (median and interquartile range per model, and of the per-step ratio: the
 models alternate who goes first), one extra untimed step of each model is counted: the aten ops it
-dispatches (`aten_ops_ratio`), the host syncs among them (`host_syncs_per_step`: value reads such
+dispatches (`aten_ops_ratio`), the bytes its memory-bound ops read and write (`moved_bytes_ratio`:
+every op but the matmuls and attention kernels, views moving nothing; `op_counter.moved_bytes`, a
+proxy for a GPU step's elementwise kernels' time), the host syncs among them (`host_syncs_per_step`: value reads such
 as `.item()`, data-dependent shapes such as `nonzero` or a boolean-mask index, `bincount`, which
 reads its input's maximum back on CUDA, device-to-host copies) and the attention
 FLOPs it executes (`attention_flops_ratio`, from the shapes every SDPA call gets; see
@@ -163,7 +165,8 @@ def _count_step(engine, mb, step: int, device: torch.device) -> dict:
         mode_attention.flex_local_attention = flex
     if report.skipped:
         raise RuntimeError(f"counted step {step} was skipped (non-finite loss or gradients)")
-    counts = {"aten_ops": counter.ops, "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
+    counts = {"aten_ops": counter.ops, "moved_bytes": counter.moved_bytes,
+              "host_syncs": sum(counter.syncs.values()), "host_sync_ops": counter.syncs,
               "attention_flops": flops.flops, "sdpa_calls": flops.calls, "gpu_slow_ops": counter.gpu_slow_ops}
     if device.type == "cuda":
         counts["cuda_syncs"], counts["cuda_sync_sites"] = _cuda_syncs(engine, mb, step + 1)
@@ -370,6 +373,7 @@ def main(argv: list[str] | None = None) -> dict:
         "counts": counts,
         "host_profile_s_per_step": host,
         "aten_ops_ratio": counts[system]["aten_ops"] / counts["dense"]["aten_ops"],
+        "moved_bytes_ratio": counts[system]["moved_bytes"] / counts["dense"]["moved_bytes"],
         "host_syncs_per_step": {name: c["host_syncs"] for name, c in counts.items()},
         "cuda_syncs_per_step": ({name: c["cuda_syncs"] for name, c in counts.items()} if device.type == "cuda" else None),
         "attention_flops_ratio": counts[system]["attention_flops"] / counts["dense"]["attention_flops"],
@@ -396,7 +400,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"  per-step ratio {system}/dense: median {r['median']:.2f}, IQR {r['q1']:.2f}..{r['q3']:.2f} wall; "
               f"median {c['median']:.2f}, IQR {c['q1']:.2f}..{c['q3']:.2f} process CPU time")
         print(f"  per step, {system}/dense: aten ops {counts[system]['aten_ops']}/{counts['dense']['aten_ops']} "
-              f"= {result['aten_ops_ratio']:.2f}; attention FLOPs (forward, as executed) "
+              f"= {result['aten_ops_ratio']:.2f}; bytes moved by memory-bound ops "
+              f"{counts[system]['moved_bytes'] / 1e6:.1f}/{counts['dense']['moved_bytes'] / 1e6:.1f} MB "
+              f"= {result['moved_bytes_ratio']:.2f}; attention FLOPs (forward, as executed) "
               f"{result['attention_flops_ratio']:.3f}; host syncs {counts[system]['host_syncs']} vs "
               f"{counts['dense']['host_syncs']} ({counts[system]['host_sync_ops']})")
         for name in configs:

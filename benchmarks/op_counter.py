@@ -10,7 +10,10 @@ and `activation_macs` (no operand is: attention scores and weighted values, what
 computed them), plus `scaled_dot_product_attention` kernels by their shapes. Ops outside the
 `aten` namespace (custom kernels) are listed in `foreign_ops`: their work is not seen by the
 counter, so a figure that depends on it is incomplete while that list is not empty. Ops known to
-be slow on a GPU though cheap on a CPU (`GPU_SLOW_OPS`) are counted by name.
+be slow on a GPU though cheap on a CPU (`GPU_SLOW_OPS`) are counted by name. `moved_bytes` adds up
+the bytes each memory-bound op reads and writes (every op but the matmuls and attention kernels, and
+views): a device-independent proxy for the device time of a GPU step's elementwise, reduction, copy
+and indexing kernels, which are bound by memory traffic.
 """
 
 from __future__ import annotations
@@ -52,6 +55,49 @@ listed among `foreign_ops` (their whole work is in those MACs)."""
 SDPA_OPS = frozenset({"aten._scaled_dot_product_flash_attention_for_cpu", "aten._scaled_dot_product_flash_attention",
                       "aten._scaled_dot_product_efficient_attention", "aten._scaled_dot_product_cudnn_attention",
                       "aten._scaled_dot_product_attention_math"})
+
+COMPUTE_OPS = MATMUL_OPS | SDPA_OPS | LINEAR_KERNELS | frozenset({
+    "aten._grouped_mm", "aten.convolution", "aten.convolution_backward",
+    "aten._scaled_dot_product_flash_attention_for_cpu_backward", "aten._scaled_dot_product_flash_attention_backward",
+    "aten._scaled_dot_product_efficient_attention_backward", "aten._scaled_dot_product_cudnn_attention_backward",
+})
+"""Ops bound by arithmetic, not memory traffic: left out of `moved_bytes`."""
+
+NO_DATA_OPS = frozenset({"aten._unsafe_view", "aten.lift_fresh", "aten.detach", "aten.alias", "aten.empty",
+                         "aten.empty_like", "aten.empty_strided", "aten.new_empty", "aten.new_empty_strided",
+                         "aten.split", "aten.split_with_sizes", "aten.unbind", "aten.chunk"})
+"""Ops that move no tensor data whatever their schema says (allocations, metadata-only results)."""
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of the distinct elements a tensor addresses (a broadcast dimension, stride 0, counts once;
+    a tensor without strides, sparse or nested, counts 0)."""
+    if t.layout != torch.strided:
+        return 0
+    n = 1
+    for size, stride in zip(t.shape, t.stride()):
+        if stride != 0:
+            n *= size
+    return n * t.element_size()
+
+
+def _tensors(values):
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            yield v
+        elif isinstance(v, (list, tuple)):
+            yield from (t for t in v if isinstance(t, torch.Tensor))
+
+
+def moved_bytes(func, args, kwargs, out) -> int:
+    """Bytes a memory-bound op reads and writes: its tensor operands and its results (an in-place
+    op's result is its operand, read and written); 0 for views, metadata ops and `COMPUTE_OPS`."""
+    packet = str(func.overloadpacket)
+    if packet in COMPUTE_OPS or packet in NO_DATA_OPS or func.is_view:
+        return 0
+    return sum(tensor_bytes(t) for t in _tensors((*args, *kwargs.values()))) + \
+        sum(tensor_bytes(t) for t in _tensors(out if isinstance(out, (list, tuple)) else (out,)))
+
 
 DATA_MOVEMENT_OPS = frozenset({
     "aten.view", "aten._unsafe_view", "aten.reshape", "aten.t", "aten.transpose", "aten.permute", "aten.expand",
@@ -95,6 +141,8 @@ class StepCounter(TorchDispatchMode):
     def __init__(self, weights=()):
         super().__init__()
         self.ops = 0
+        self.moved_bytes = 0
+        """Bytes read and written by the memory-bound ops (`moved_bytes`)."""
         self.syncs: dict[str, int] = {}
         self.weight_macs = 0
         self.activation_macs = 0
@@ -173,6 +221,7 @@ class StepCounter(TorchDispatchMode):
         elif packet in SDPA_OPS:
             self.activation_macs += _sdpa_macs(args, kwargs)
         out = func(*args, **kwargs)
+        self.moved_bytes += moved_bytes(func, args, kwargs, out)
         if self._weight_storages and packet in DATA_MOVEMENT_OPS and args and self._is_weight(args[0]):
             self._mark(out)
         return out

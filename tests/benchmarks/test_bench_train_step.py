@@ -73,7 +73,7 @@ def test_a_counted_flex_call_runs_outside_the_counter_and_counts_once(bench):
 def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     result = bench.main(["--micro-batch", "1", "--warmup", "0", "--repeats", "2", "--json",
                          "--host-profile", str(tmp_path), *TINY])
-    for key in ("ratio", "aten_ops_ratio", "attention_flops_ratio"):
+    for key in ("ratio", "aten_ops_ratio", "attention_flops_ratio", "moved_bytes_ratio"):
         assert result[key] > 0, key
     assert set(result["host_syncs_per_step"]) == {"triroute", "dense"}
     # no op measured pathologically slow on a GPU (a CPU figure cannot show that cost)
@@ -81,6 +81,9 @@ def test_tiny_run_reports_the_ratios(bench, capsys, tmp_path):
     # the same counts, from the per-model table
     counts = result["counts"]
     assert result["aten_ops_ratio"] == counts["triroute"]["aten_ops"] / counts["dense"]["aten_ops"]
+    assert result["moved_bytes_ratio"] == counts["triroute"]["moved_bytes"] / counts["dense"]["moved_bytes"]
+    # TriRoute's step moves more than Dense's (its controller, routing and local mode, on the same backbone)
+    assert counts["triroute"]["moved_bytes"] > counts["dense"]["moved_bytes"] > 0
     # Dense reads full attention only; TriRoute adds the local blocks: T = 32, w = 8, b = 16
     assert result["attention_flops_ratio"] == pytest.approx(1 + (32 // 16) * 16 * 24 / (32 * 33 / 2))
     for spread in (result["ratio_per_step"], result["cpu_ratio_per_step"]):

@@ -27,6 +27,22 @@ def test_counts_ops_and_host_syncs(oc):
     assert counter.foreign_ops == {}
 
 
+def test_moved_bytes_count_what_memory_bound_ops_read_and_write(oc):
+    """Hand counts: operands and results of elementwise ops, an in-place op's operand twice, a
+    broadcast operand once, nothing for views, allocations or matmuls."""
+    x, w = torch.randn(1000), torch.randn(10, 1000)
+    with oc.StepCounter() as counter:
+        y = x * 2  # reads 4,000 bytes, writes 4,000
+        assert counter.moved_bytes == 8000
+        x.view(10, 100), x[:5], x.split(10), torch.empty(50)  # views and an allocation: nothing
+        torch.mm(w, x.view(1000, 1))  # arithmetic-bound: left to the MAC counts
+        assert counter.moved_bytes == 8000
+        y.add_(1.0)  # read and written in place
+        x.unsqueeze(0).expand(4, 1000) + y  # the broadcast operand read once, 4,000 + 4,000 + 16,000
+        torch.cat([x, y])  # 8,000 read, 8,000 written
+    assert counter.moved_bytes == 8000 + 8000 + 24000 + 16000
+
+
 def test_counts_the_syncs_inside_ops(oc):
     """bincount reads its input's maximum back on CUDA, and a boolean mask index runs a nonzero
     inside the op: both are syncs though neither shows a sync op to the dispatcher. An integer
