@@ -65,63 +65,53 @@ class _KeyWindows(torch.autograd.Function):
     window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1.
 
     The windows overlap (each key is in about (w + b) / b of them), so they are not copied: x is
-    copied once into a zeroed buffer laid out as p = ceil(w / b) * b rows, then each (batch, kv
-    head)'s n * b positions, and the windows are a strided view of it. A window that starts before
-    its head's first row reads the rows in front of it (the zero rows, or the previous head's last
-    positions): positions < 0, which the mask leaves out. Backward: each window's gradient, with
-    p - w zero rows in front, is p / b + 1 blocks of b rows, added into the blocks they were read
-    from (`_sum_windows`)."""
+    copied once into a zeroed buffer laid out, per batch row, as w rows then each kv head's n * b
+    positions, and the windows are its unfold over those rows (b + w rows every b, a strided view).
+    A window that starts before its head's first position reads the rows in front of it (the zero
+    rows, or the previous head's last positions): positions < 0, which the mask leaves out, so their
+    attention weights are exactly 0 and so is the gradient they receive. Backward: each row the sum
+    of the windows that read it (`_sum_windows`; the zero gradients of the rows in front of a head
+    add nothing to the previous head's)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
         B, T, H_kv, d = x.shape
-        m = -(-w // block)  # blocks in front of each window's own
-        span, p = n * block, m * block  # rows per (batch, kv head); rows in front
-        buf = x.new_zeros(p + B * H_kv * span, d)
-        buf.as_strided((B, T, H_kv, d), (H_kv * span * d, d, span * d, 1), p * d).copy_(x)
-        ctx.geometry = (T, H_kv, block, w, n, m)
-        return buf.as_strided((B, H_kv * n, block + w, d), (H_kv * span * d, block * d, d, 1), (p - w) * d)
+        span = n * block  # positions per kv head (T and padding to whole blocks)
+        rows = w + H_kv * span  # per batch row: w in front, then every kv head's positions
+        buf = x.new_zeros(B, rows, d)
+        buf.as_strided((B, T, H_kv, d), (rows * d, d, span * d, 1), w * d).copy_(x)
+        ctx.geometry = (T, H_kv, block, w, n)
+        return buf.unfold(1, block + w, block).transpose(2, 3)  # (B, H_kv * n, b + w, d)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        T, H_kv, block, w, n, m = ctx.geometry
-        B, d = grad.shape[0], grad.shape[-1]
-        blocks = _sum_windows(grad.reshape(B, H_kv, n, block + w, d), m, block, grad.device.type == "cpu")
-        dx = blocks.as_strided((B, T, H_kv, d), (H_kv * (m + n) * block * d, d, (m + n) * block * d, 1), m * block * d)
-        return dx, None, None, None
+        T, H_kv, block, w, n = ctx.geometry
+        B, d, span = grad.shape[0], grad.shape[-1], n * block
+        rows = w + H_kv * span
+        buf = _sum_windows(grad, rows, block, grad.device.type == "cpu")
+        return buf.as_strided((B, T, H_kv, d), (rows * d, d, span * d, 1), w * d), None, None, None
 
 
-def _sum_windows(grad: torch.Tensor, m: int, block: int, index_add: bool) -> torch.Tensor:
-    """(B, H_kv, n, b + w, d) gradient of each window -> (B, H_kv, m + n, b * d): what each block (the
-    m in front of a head's first, then its n) receives, the sum over the windows that read it. Window
-    i's j-th block (of m + 1, its first padded with m b - w zero rows) is block i + j, so block q
-    sums window q - j's j-th block over j: an anti-diagonal of the (window, block) grid.
+def _sum_windows(grad: torch.Tensor, rows: int, block: int, index_add: bool) -> torch.Tensor:
+    """(B, n_w, r, d) gradient of windows of r rows every `block` rows -> (B, rows, d): each row the
+    sum over the windows that read it (the backward of `Tensor.unfold(1, r, block)`).
 
-    `index_add`: one `index_add_` over the windows' blocks (the fastest form on a CPU). Otherwise,
-    for a GPU, where `index_add_` takes atomic adds (516 us a call in bf16 at the 160m shape on an
-    H200, its largest TriRoute-only kernel): the windows are laid into a buffer with m zero windows
-    on either side, where each anti-diagonal is a strided view with positive strides, summed by
-    one reduction; deterministic, and no atomics."""
-    B, H_kv, n, rows, d = grad.shape
-    M, X = m + 1, block * d
+    `index_add` (a CPU): one `index_add_` of the gradient's rows, taken in (row, window) order, into
+    the rows they were read from: SDPA's CPU kernel lays the gradient out that way, so no copy of it
+    is made (a third of the time of summing it by blocks, which needed one, at the 160m shape).
+    Otherwise, for a GPU, where `index_add_` takes atomic adds (516 us a call in bf16 at the 160m
+    shape on an H200): `aten.unfold_backward`, a deterministic gather of each row's windows."""
+    B, n_w, r, d = grad.shape
     if index_add:
-        if m * block > rows - block:  # a window from the start of its first block
-            grad = F.pad(grad, (0, 0, m * block + block - rows, 0))
-        blocks = grad.new_zeros(B, H_kv, m + n, X)
-        return blocks.index_add_(2, _window_blocks(n, m, grad.device), grad.reshape(B, H_kv, n * M, X))
-    laid = grad.new_zeros(B, H_kv, n + 2 * m, M * block, d)
-    laid[:, :, m:m + n, M * block - rows:] = grad
-    span = (n + 2 * m) * M * X
-    # block q, term s = m - j: laid window q + s (window q + s - m), its block m - s
-    diagonals = laid.as_strided((B, H_kv, m + n, M, X), (H_kv * span, span, M * X, m * X, 1), m * X)
-    return diagonals.sum(3)
+        src = grad.transpose(1, 2).reshape(B, r * n_w, d)
+        return grad.new_zeros(B, rows, d).index_add_(1, _window_rows(n_w, r, block, grad.device), src)
+    return torch.ops.aten.unfold_backward(grad.transpose(2, 3), [B, rows, d], 1, r, block)
 
 
 @functools.lru_cache(maxsize=16)
-def _window_blocks(n: int, m: int, device: torch.device) -> torch.Tensor:
-    """Block (of the m + n, those in front first) that each window's j-th block was read from:
-    i + j, for window i < n and j <= m, in the windows' order."""
-    return (torch.arange(n, device=device).view(n, 1) + torch.arange(m + 1, device=device)).reshape(-1)
+def _window_rows(n_w: int, r: int, block: int, device: torch.device) -> torch.Tensor:
+    """(r n_w,): the row that row i of window j was read from, j block + i, in (row, window) order."""
+    return (torch.arange(r, device=device).view(r, 1) + torch.arange(n_w, device=device).view(1, n_w) * block).reshape(-1)
 
 
 def _key_windows(x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:

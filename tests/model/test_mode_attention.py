@@ -177,26 +177,64 @@ def test_key_windows_are_views_of_one_copy_and_sum_their_gradients(T, block, w):
     want, = torch.autograd.grad((expected * up).sum(), x)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     rows = windows.untyped_storage().nbytes() // (d * windows.element_size())
-    assert rows == -(-w // block) * block + B * H_kv * n * block  # one copy of x, padded; no per-window copy
+    assert rows == B * (w + H_kv * n * block)  # one copy of x, padded; no per-window copy
 
 
 @pytest.mark.parametrize("T,block,w", [(64, 16, 32), (64, 16, 8), (37, 16, 20), (5, 5, 4), (40, 8, 0), (32, 4, 20)])
-def test_window_gradients_sum_the_same_by_index_add_and_by_strided_diagonals(T, block, w):
-    """The backward's two forms (index_add_ on a CPU; a GPU's atomics-free sum of strided anti-diagonals)
-    against each other and against a loop over the windows, on a non-contiguous gradient as SDPA gives."""
-    from megatron_triroute.model.mode_attention import _sum_windows
+@pytest.mark.parametrize("index_add", [True, False])
+def test_window_gradients_sum_over_the_windows_that_read_each_key(T, block, w, index_add, monkeypatch):
+    """The windows' backward in both its forms (`index_add_` on a CPU; `unfold_backward`, a GPU's,
+    taken here on the CPU) against a loop over the windows, on a non-contiguous gradient as SDPA
+    gives, zero at the rows before each head's first position (what the mask guarantees, next test)."""
+    from megatron_triroute.model import mode_attention
+    from megatron_triroute.model.mode_attention import _KeyWindows
+
+    sum_windows = mode_attention._sum_windows
+    monkeypatch.setattr(mode_attention, "_sum_windows", lambda g, rows, block, _: sum_windows(g, rows, block, index_add))
 
     torch.manual_seed(T + w)
     B, H_kv, d = 2, 3, 4
-    n, m = -(-T // block), -(-w // block)
-    grad = torch.randn(B, H_kv, n, d, block + w).transpose(-1, -2)  # (B, H_kv, n, b + w, d), not contiguous
-    want = torch.zeros(B, H_kv, (m + n) * block, d)
-    for i in range(n):  # window i's rows are blocks i .. i + m, its first m b - w rows not read
-        want[:, :, (i + m + 1) * block - (block + w):(i + m + 1) * block] += grad[:, :, i]
-    want = want.view(B, H_kv, m + n, block * d)
-    for index_add in (True, False):
-        got = _sum_windows(grad, m, block, index_add)
-        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, msg=lambda e, f=index_add: f"index_add={f}: {e}")
+    n = -(-T // block)
+    x = torch.randn(B, T, H_kv, d, requires_grad=True)
+    position = torch.arange(n).view(n, 1) * block + torch.arange(block + w) - w  # (n, b + w)
+    grad = torch.randn(B, block + w, H_kv * n, d).transpose(1, 2)  # (B, H_kv n, b + w, d), not contiguous
+    grad = grad * (position >= 0).repeat(H_kv, 1).view(1, H_kv * n, block + w, 1)
+    got, = torch.autograd.grad(_KeyWindows.apply(x, block, w, n), x, grad)
+    want = torch.zeros(B, w + n * block, H_kv, d)  # w rows in front of each head's positions
+    for h in range(H_kv):
+        for i in range(n):  # window i reads rows i*b .. i*b + b + w - 1 of its head's
+            want[:, i * block:i * block + block + w, h] += grad[:, h * n + i]
+    torch.testing.assert_close(got, want[:, w:w + T], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("T,window,group", [(37, 5, 2), (64, 20, 1), (20, 100, 4)])
+def test_keys_before_a_heads_first_position_take_exactly_zero_gradient(T, window, group):
+    """What the windows' backward relies on: a window's rows before its kv head's first position
+    (the previous head's last positions, or the zeros in front) are masked out, so SDPA gives them a
+    gradient of exactly 0, whatever the upstream gradient."""
+    from megatron_triroute.model import mode_attention
+
+    torch.manual_seed(T + window)
+    q = torch.randn(2, T, 2 * group, 8, requires_grad=True)
+    k, v = (torch.randn(2, T, 2, 8, requires_grad=True) for _ in range(2))
+    grads, key_windows = [], mode_attention._key_windows
+
+    def hooked(x, block, w, n):
+        windows = key_windows(x, block, w, n)
+        windows.register_hook(grads.append)
+        return windows
+
+    mode_attention._key_windows = hooked
+    try:
+        (mode_attention.local_attention(q, k, v, window) * torch.randn(2, T, 2 * group, 8)).sum().backward()
+    finally:
+        mode_attention._key_windows = key_windows
+    block = min(mode_attention.LOCAL_QUERY_BLOCK, T)
+    n, w = -(-T // block), min(window, T - 1)
+    before = (torch.arange(n).view(n, 1) * block + torch.arange(block + w) - w < 0).repeat(2, 1)  # (H_kv n, b + w)
+    assert len(grads) == 2 and before.any()
+    for g in grads:
+        assert g[:, before].abs().max() == 0 and g[:, ~before].abs().max() > 0
 
 
 @pytest.mark.gpu
