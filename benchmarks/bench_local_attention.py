@@ -43,11 +43,12 @@ SHAPES = {  # batch, sequence, query heads, kv heads, head dim, window
 def load_baseline(source: str):
     """`mode_attention` from its source text (package-relative imports made absolute)."""
     source = source.replace("from ..", "from megatron_triroute.")
-    with tempfile.NamedTemporaryFile("w", suffix="_mode_attention.py", delete=False) as f:
-        f.write(source)
-    spec = importlib.util.spec_from_file_location("baseline_mode_attention", f.name)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    with tempfile.TemporaryDirectory() as where:  # the file only while it is executed
+        path = Path(where) / "baseline_mode_attention.py"
+        path.write_text(source)
+        spec = importlib.util.spec_from_file_location("baseline_mode_attention", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
     return module
 
 
