@@ -4,12 +4,11 @@ token by token equals one full-sequence forward."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
-from ..routing.side_features import TokenTables
+from ..routing.side_features import TokenTables, normalised_features
 
 
 @dataclass
@@ -52,12 +51,7 @@ def _advance_chunk(tokens: torch.Tensor, lengths: torch.Tensor, states: list[Sid
     word_start = torch.cummax(torch.where(word_flag, pos, none), 1).values
     word_start = torch.maximum(word_start, torch.tensor([s.word_start for s in states], device=dev).view(B, 1))
 
-    scale = math.log1p(max_doc_position)
-    feats = torch.stack([
-        torch.log1p((pos - doc_start).float()) / scale,
-        torch.log1p((pos - word_start).float()) / scale,
-        -tables.log_prob[tokens].float() / math.log(tables.log_prob.numel()),
-    ], -1)
+    feats = normalised_features(pos - doc_start, pos - word_start, tokens, tables, max_doc_position)
     rows = torch.arange(B, device=dev)
     last = (lengths.to(dev) - 1).clamp_min(0)
     ends = torch.stack([tokens[rows, last], doc_start[rows, last], word_start[rows, last]], 1).tolist()
@@ -73,7 +67,7 @@ def _advance_one(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideS
                  max_doc_position: int) -> torch.Tensor:
     """`advance` of one token per request (tokens (B, 1)): the document and word starts, integers,
     on the host from each state (a one-token chunk's cumulative maxima are a `max` with the
-    state's), then the features by `advance`'s own tensor ops on the same (B, 1) operands."""
+    state's), then the features by the same normalisation on the same (B, 1) operands."""
     B = tokens.shape[0]
     flat = tokens.view(B)
     doc, word = [], []
@@ -87,9 +81,4 @@ def _advance_one(tokens: torch.Tensor, lengths: torch.Tensor, states: list[SideS
         if count:
             s.length, s.last_token, s.doc_start, s.word_start = pos + 1, token, doc_start, word_start
     distance = torch.tensor([doc, word], dtype=torch.long, device=tokens.device).view(2, B, 1)
-    scale = math.log1p(max_doc_position)
-    return torch.stack([
-        torch.log1p(distance[0].float()) / scale,
-        torch.log1p(distance[1].float()) / scale,
-        -tables.log_prob[tokens].float() / math.log(tables.log_prob.numel()),
-    ], -1)
+    return normalised_features(distance[0], distance[1], tokens, tables, max_doc_position)

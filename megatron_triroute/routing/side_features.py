@@ -94,12 +94,23 @@ def word_distances(tokens: torch.Tensor, word_start: torch.Tensor, eod_id: int) 
 
 def static_side_features(tokens: torch.Tensor, tables: TokenTables, max_doc_position: int) -> torch.Tensor:
     """(B, T, N_STATIC_FEATURES) float32: [document position, word distance, surprisal], normalised."""
+    return normalised_features(document_positions(tokens, tables.eod_id),
+                               word_distances(tokens, tables.word_start, tables.eod_id), tokens, tables,
+                               max_doc_position)
+
+
+def normalised_features(doc_position: torch.Tensor, word_distance: torch.Tensor, tokens: torch.Tensor,
+                        tables: TokenTables, max_doc_position: int) -> torch.Tensor:
+    """(..., N_STATIC_FEATURES) float32 from integer positions and distances of `tokens` (all of one
+    shape): log1p(pos) and log1p(dist) over log1p(max_doc_position), and the surprisal over
+    log(vocab_size) (module doc). The one normalisation of psi's static block, whoever computed the
+    integers (a whole sequence here; a chunk or a decode step, `inference.side_state`)."""
     scale = math.log1p(max_doc_position)
-    pos = torch.log1p(document_positions(tokens, tables.eod_id).float()) / scale
-    dist = torch.log1p(word_distances(tokens, tables.word_start, tables.eod_id).float()) / scale
-    vocab = tables.log_prob.numel()
-    surprisal = -tables.log_prob.to(tokens.device)[tokens].float() / math.log(vocab)
-    return torch.stack([pos, dist, surprisal], dim=-1)
+    return torch.stack([
+        torch.log1p(doc_position.float()) / scale,
+        torch.log1p(word_distance.float()) / scale,
+        -tables.log_prob.to(tokens.device)[tokens].float() / math.log(tables.log_prob.numel()),
+    ], dim=-1)
 
 
 def decision_feature_size(num_bits: int) -> int:
