@@ -271,4 +271,5 @@ class NoiseKey:
             pos = self.positions.to(device)
             sample_words, position_words = token_words(self.sample_index.view(B), pos if pos.dim() == 1 else pos.view(B, T))
         g = noise_fn(prefix, sample_words, position_words, counter_words(max(counts.values()), device))  # (A, B, T, n_max)
-        return {a: g[i, :, :, : counts[a]].to(dtype).reshape(shapes[a]) for i, a in enumerate(axes)}
+        g = g.to(dtype)  # every axis in one cast
+        return {a: g[i, :, :, : counts[a]].reshape(shapes[a]) for i, a in enumerate(axes)}

@@ -274,3 +274,51 @@ def test_auto_takes_the_blocks_on_a_cpu_and_flex_takes_flex_anywhere():
     k, v = torch.randn(1, 40, 2, 16), torch.randn(1, 40, 2, 16)
     assert not takes_flex("auto", q) and not takes_flex("blocks", q) and takes_flex("flex", q)
     assert torch.equal(local_mode_attention(q, k, v, 8, "auto"), local_mode_attention(q, k, v, 8, "blocks"))
+
+
+def _mix_chain(modes, terms):
+    """The relaxed mix as autograd's own chain of selects, casts, products and sums."""
+    out = None
+    for m, a in terms.items():
+        term = modes[..., m, None].to(a.dtype) * a
+        out = term if out is None else out + term
+    return out
+
+
+@pytest.mark.parametrize("soft", [False, True])
+def test_mode_mix_node_equals_the_chain_with_fewer_ops(soft):
+    """`_ModeMix` against the chain it stands for: the same values (bit for bit on straight-through
+    one-hots, within rounding on soft weights) and gradients to the modes and to each mode's
+    attention, in fewer dispatched ops forward and backward."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_triroute.model.attention import _ModeMix
+    from megatron_triroute.routing.modes import READING_MODES
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(2, 9, 4, N_MODES, generator=g, requires_grad=True)
+    attn = [torch.randn(2, 9, 4, 8, generator=g, requires_grad=True) for _ in READING_MODES]
+    upstream = torch.randn(2, 9, 4, 8, generator=g)
+    results = []
+    for mix in (lambda m: _ModeMix.apply(m, *attn), lambda m: _mix_chain(m, dict(zip(READING_MODES, attn)))):
+        modes = logits.softmax(-1) if soft else st_gumbel_softmax(logits, 1.0, noise=torch.zeros_like(logits))
+        Count.n = 0
+        with Count():
+            out = mix(modes)
+            grads = torch.autograd.grad((out * upstream).sum(), [modes, *attn])
+        results.append((out, grads, Count.n))
+    (ours, d_ours, n_ours), (chain, d_chain, n_chain) = results
+    if soft:
+        torch.testing.assert_close(ours, chain, rtol=1e-6, atol=1e-6)
+    else:
+        assert torch.equal(ours, chain)
+    for a, b in zip(d_ours, d_chain):
+        assert torch.equal(a, b)
+    assert d_ours[0][..., 0].abs().sum() == 0 and d_ours[0][..., 1:].abs().sum() > 0  # SKIP reads nothing
+    assert n_ours + 5 <= n_chain, (n_ours, n_chain)  # 17 against 23 with the product and sum around them

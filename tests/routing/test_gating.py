@@ -45,6 +45,57 @@ def test_without_null_expert_indices_are_real():
 def test_gate_gradient_flows_through_selected_probabilities():
     logits = torch.tensor([[0.2, 1.0, -0.5, 0.3]], requires_grad=True)
     r = top_k_gating(logits, 2, True)
+    r.probs.retain_grad()
     (r.weight * torch.tensor([[1.0, 2.0]])).sum().backward()
-    assert logits.grad[0, 2] == 0  # unselected option gets no gradient
+    assert r.probs.grad[0, 0] == 0 and r.probs.grad[0, 2] == 0  # unselected options: exactly none
+    assert r.probs.grad[0, 1] != 0 and r.probs.grad[0, 3] != 0
+    # through the softmax an unselected logit gets -p_j sum_S p dp, which is 0 up to rounding
+    assert logits.grad[0, 2].abs() <= 1e-6 * logits.grad.abs().max()
     assert logits.grad[0, 1] != 0 and logits.grad[0, 3] != 0
+
+
+def _autograd_gates(probs, option):
+    """The gates through autograd's own chain: the reference for `_RenormalisedGates`."""
+    chosen = probs.gather(-1, option)
+    return chosen / chosen.sum(-1, keepdim=True).clamp_min(1e-20)
+
+
+def test_gates_node_equals_autograd_chain_values_and_gradient():
+    from megatron_triroute.routing.gating import option_probs, renormalised_gates
+    g = torch.Generator().manual_seed(3)
+    for shape, k in (((2, 7, 5), 2), ((3, 4, 9), 3), ((5, 3), 1)):
+        logits = (torch.randn(shape, generator=g) * 3).requires_grad_()
+        probs = option_probs(logits)
+        option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+        upstream = torch.randn(*shape[:-1], k, generator=g)
+        ours = renormalised_gates(probs, option)
+        (d_ours,) = torch.autograd.grad((ours * upstream).sum(), logits, retain_graph=True)
+        ref = _autograd_gates(probs, option)
+        (d_ref,) = torch.autograd.grad((ref * upstream).sum(), logits)
+        assert torch.equal(ours, ref)
+        torch.testing.assert_close(d_ours, d_ref, rtol=1e-5, atol=1e-7)
+        assert ours.grad_fn is not None and "RenormalisedGates" in type(ours.grad_fn).__name__
+
+
+def test_gates_node_backward_takes_fewer_ops_than_the_chain():
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from megatron_triroute.routing.gating import renormalised_gates
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def backward_ops(fn):
+        probs = torch.softmax(torch.randn(64, 5), -1).requires_grad_()
+        option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :2]
+        w = fn(probs, option)
+        Count.n = 0
+        with Count():
+            w.backward(torch.ones_like(w))
+        return Count.n
+
+    ours, chain = backward_ops(renormalised_gates), backward_ops(_autograd_gates)
+    assert ours + 5 <= chain, (ours, chain)  # six ops written out against about a dozen
