@@ -107,11 +107,10 @@ class BudgetController(nn.Module):
     def update(self, realised: torch.Tensor) -> None:
         """One dual-ascent step on the realised fractions (2,) of a global batch."""
         realised = realised.to(torch.float64)
-        if self.steps.item() == 0:
-            self.ema.copy_(realised)
-        else:
-            m = self.config.ema_momentum
-            self.ema.copy_(m * self.ema + (1.0 - m) * realised)
+        m = self.config.ema_momentum
+        # the first step takes the realised fractions as they are: a select, not a branch on the
+        # step count (no host read, so nothing waits for the device here)
+        self.ema.copy_(torch.where(self.steps == 0, realised, m * self.ema + (1.0 - m) * realised))
         self.steps += 1
         if not self.config.enabled:
             return

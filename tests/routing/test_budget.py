@@ -203,3 +203,21 @@ def _dp_worker(rank, world_size):
 @pytest.mark.distributed
 def test_two_ranks_agree_bitwise_and_match_one_process_on_the_union():
     run_distributed(_dp_worker, 2)
+
+
+def test_the_dual_update_reads_nothing_back_to_the_host():
+    """`update` selects the first step's EMA on the device: no host read (a device wait on a GPU)
+    in any step, and the EMA is the hand computation's."""
+    from benchmarks.op_counter import StepCounter
+
+    b = BudgetController(BudgetConfig(flops_target=0.5, mem_target=0.4, dual_step=0.05, ema_momentum=0.9, dual_kp=0.0))
+    counter = StepCounter()
+    with counter:
+        b.update(torch.tensor([0.6, 0.4], dtype=torch.float64))
+        first = b.ema.clone()
+        b.update(torch.tensor([0.2, 0.6], dtype=torch.float64))
+    assert counter.host_syncs == 0, counter.syncs
+    assert first.tolist() == [0.6, 0.4]  # the first step: the realised fractions themselves
+    ema = torch.tensor([0.9 * 0.6 + 0.1 * 0.2, 0.9 * 0.4 + 0.1 * 0.6], dtype=torch.float64)
+    torch.testing.assert_close(b.ema, ema, rtol=1e-14, atol=0.0)
+    assert int(b.steps) == 2
