@@ -13,7 +13,7 @@ kernel that skips the key blocks outside the window; no backward on a CPU):
 K/V are never repeated per query head: the G query heads of one kv head are stacked along the
 query axis of their kv head's block (G*b queries x (b + w) keys). On a CPU nor are they copied per
 block: the blocks' key windows overlap, and are strided views of one copy of K (and of V)
-(`_KeyWindows`, `_key_windows`).
+(`_KeyWindows`, `_key_windows`; of K and V together where they are one tensor, `_KVWindows`).
 """
 
 from __future__ import annotations
@@ -92,6 +92,54 @@ class _KeyWindows(torch.autograd.Function):
         return buf.as_strided((B, T, H_kv, d), (rows * d, d, span * d, 1), w * d), None, None, None
 
 
+class _KVWindows(torch.autograd.Function):
+    """`_KeyWindows` of K and V at once, from kv (B, T, 2 H_kv, d) that holds K's heads then V's (the
+    layer's written K/V are one tensor): one zeroed buffer laid out per batch row as w rows then each
+    of the 2 H_kv heads' positions, one copy into it, one unfold; returns (K's windows, V's windows),
+    each (B, H_kv * n, b + w, d), the unfold's first and last H_kv n windows. V's first windows read
+    K's last positions in front of them, where `_KeyWindows` reads zeros: positions < 0, which the
+    mask leaves out either way (weight and gradient exactly 0). Backward (a CPU): both gradients
+    added into one buffer by `index_add_` in SDPA's layout (`_sum_windows`), returned as kv's."""
+
+    @staticmethod
+    def forward(ctx, kv: torch.Tensor, block: int, w: int, n: int):
+        B, T, H2, d = kv.shape
+        span = n * block
+        rows = w + H2 * span
+        buf = kv.new_zeros(B, rows, d)
+        buf.as_strided((B, T, H2, d), (rows * d, d, span * d, 1), w * d).copy_(kv)
+        ctx.geometry = (T, H2, block, w, n)
+        windows = buf.unfold(1, block + w, block).transpose(2, 3)  # (B, 2 H_kv * n, b + w, d)
+        half = H2 // 2 * n
+        return windows[:, :half], windows[:, half:]
+
+    @staticmethod
+    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
+        T, H2, block, w, n = ctx.geometry
+        B, n_w, r, d = grad_k.shape
+        span, rows = n * block, w + H2 * n * block
+        buf = grad_k.new_zeros(B, rows, d)
+        for first, grad in ((0, grad_k), (n_w, grad_v)):  # V's windows come after K's n_w
+            src = grad.transpose(1, 2).reshape(B, r * n_w, d)
+            buf.index_add_(1, _window_rows(n_w, r, block, grad.device, first), src)
+        return buf.as_strided((B, T, H2, d), (rows * d, d, span * d, 1), w * d), None, None, None
+
+
+def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    """The one (B, T, 2 H_kv, d) tensor whose heads k and v are, K's first, when they are its two
+    halves (`torch.chunk` of the layer's written K/V, `quant.relaxed_kv_write`'s output); None
+    otherwise, and None where that tensor is not the one autograd tracks k and v through (a base
+    made inside an autograd function's forward, which tracks nothing)."""
+    kv = k._base
+    if kv is None or v._base is not kv or (k.requires_grad or v.requires_grad) and not kv.requires_grad or \
+            kv.dim() != 4 or kv.shape[:2] != k.shape[:2] or \
+            kv.shape[2] != 2 * k.shape[2] or kv.shape[3] != k.shape[3] or k.stride() != kv.stride() or \
+            v.stride() != kv.stride() or k.storage_offset() != kv.storage_offset() or \
+            v.storage_offset() != kv.storage_offset() + k.shape[2] * kv.stride(2):
+        return None
+    return kv
+
+
 def _sum_windows(grad: torch.Tensor, rows: int, block: int, index_add: bool) -> torch.Tensor:
     """(B, n_w, r, d) gradient of windows of r rows every `block` rows -> (B, rows, d): each row the
     sum over the windows that read it (the backward of `Tensor.unfold(1, r, block)`).
@@ -109,9 +157,11 @@ def _sum_windows(grad: torch.Tensor, rows: int, block: int, index_add: bool) -> 
 
 
 @functools.lru_cache(maxsize=16)
-def _window_rows(n_w: int, r: int, block: int, device: torch.device) -> torch.Tensor:
-    """(r n_w,): the row that row i of window j was read from, j block + i, in (row, window) order."""
-    return (torch.arange(r, device=device).view(r, 1) + torch.arange(n_w, device=device).view(1, n_w) * block).reshape(-1)
+def _window_rows(n_w: int, r: int, block: int, device: torch.device, first: int = 0) -> torch.Tensor:
+    """(r n_w,): the row that row i of window j was read from, j block + i, in (row, window) order,
+    for the windows first .. first + n_w - 1."""
+    windows = torch.arange(first, first + n_w, device=device)
+    return (torch.arange(r, device=device).view(r, 1) + windows.view(1, n_w) * block).reshape(-1)
 
 
 def _key_windows(x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
@@ -137,7 +187,12 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     qb = (F.pad(q, (0, 0, 0, 0, 0, pad_q)) if pad_q else q).reshape(B, n, block, H_kv, G, d)  # a view when unpadded
     qb = qb.permute(0, 3, 1, 4, 2, 5).reshape(B, H_kv * n, G * block, d)  # (B, H_kv*n, G*b, d)
     mask = _local_block_mask(T, window, block, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
-    ctx = F.scaled_dot_product_attention(qb, _key_windows(k, block, w, n), _key_windows(v, block, w, n), attn_mask=mask)
+    kv = stacked_kv(k, v) if q.device.type == "cpu" else None
+    if kv is not None:  # the layer's K and V, one tensor: their windows from one buffer
+        k_windows, v_windows = _KVWindows.apply(kv, block, w, n)
+    else:
+        k_windows, v_windows = _key_windows(k, block, w, n), _key_windows(v, block, w, n)
+    ctx = F.scaled_dot_product_attention(qb, k_windows, v_windows, attn_mask=mask)
     ctx = ctx.view(B, H_kv, n, G, block, d).permute(0, 2, 4, 1, 3, 5).reshape(B, n * block, H, d)
     return ctx[:, :T]
 

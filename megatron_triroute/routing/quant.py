@@ -87,7 +87,12 @@ class _RelaxedWrite(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):  # the written values keep x's dtype, exactly
             if values.shape[2] == 1:  # one width (Dense, KV-quant): a scale, not a sum over widths
                 return (weights[..., 0] * values[:, :, 0]).view_as(x)
-            return (weights @ values).view_as(x)  # (B, T, 1, H_kv * d_h)
+            # written into a tensor of x's shape, not returned as a view of the product: a view
+            # taken of the output (k and v, its halves) then has the output itself as its base,
+            # the tensor autograd tracks (`model.mode_attention.stacked_kv`)
+            out = x.new_empty(x.shape)
+            torch.matmul(weights, values, out=out.view(B, T, 1, -1))  # (B, T, 1, H_kv * d_h)
+            return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -322,3 +322,73 @@ def test_mode_mix_node_equals_the_chain_with_fewer_ops(soft):
         assert torch.equal(a, b)
     assert d_ours[0][..., 0].abs().sum() == 0 and d_ours[0][..., 1:].abs().sum() > 0  # SKIP reads nothing
     assert n_ours + 5 <= n_chain, (n_ours, n_chain)  # 17 against 23 with the product and sum around them
+
+
+@pytest.mark.parametrize("T,window,H_kv,G", [(48, 20, 2, 2), (37, 5, 3, 4), (37, 40, 1, 3), (9, 0, 2, 1)])
+def test_key_and_value_windows_from_one_tensor_equal_the_separate_ones(T, window, H_kv, G):
+    """K and V given as the two halves of one tensor (as the layer writes them) take their windows
+    from one buffer (`_KVWindows`): the same local attention, bit for bit, and the same gradients to
+    q and to that tensor as K and V given apart."""
+    from megatron_triroute.model.mode_attention import _KVWindows, stacked_kv
+
+    g = torch.Generator().manual_seed(T + window + H_kv)
+    q = torch.randn(2, T, H_kv * G, 8, generator=g, requires_grad=True)
+    kv = torch.randn(2, T, 2 * H_kv, 8, generator=g, requires_grad=True)
+    upstream = torch.randn(2, T, H_kv * G, 8, generator=g)
+    calls = []
+    apply = _KVWindows.apply
+    results = []
+    for together in (True, False):
+        k, v = kv.chunk(2, dim=2) if together else (kv[:, :, :H_kv].clone(), kv[:, :, H_kv:].clone())
+        assert (stacked_kv(k, v) is kv) == together
+        _KVWindows.apply = lambda *a: (calls.append(together), apply(*a))[1]
+        try:
+            out = local_attention(q, k, v, window)
+        finally:
+            _KVWindows.apply = apply
+        results.append((out, *torch.autograd.grad((out * upstream).sum(), (q, kv))))
+    assert calls == [True]  # the one-buffer path ran for the halves only
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_stacked_kv_takes_only_the_two_halves_in_order():
+    from megatron_triroute.model.mode_attention import stacked_kv
+
+    kv = torch.randn(2, 5, 4, 8)
+    k, v = kv.chunk(2, dim=2)
+    assert stacked_kv(k, v) is kv
+    assert stacked_kv(v, k) is None  # V's heads first
+    assert stacked_kv(k, k) is None
+    a, b = torch.randn(2, 5, 6, 8).split([2, 4], dim=2)
+    assert stacked_kv(a, b) is None  # unequal halves
+    c, e = torch.randn(2, 5, 4, 8).chunk(2, dim=3)
+    assert stacked_kv(c, e) is None  # split along the head dim, not the heads
+    x = torch.randn(2, 5, 6, 8)
+    assert stacked_kv(x[:, :, :2], x[:, :, 2:4]) is None  # the first two thirds, not halves
+
+
+def test_stacked_kv_refuses_a_base_autograd_does_not_track():
+    """An autograd function whose output is a view of a tensor made in its forward: the halves' base
+    is that tensor, which tracks no gradient, so taking the windows from it would lose K's and V's
+    gradients: refused (the layer's write returns a tensor of its own, whose halves are taken)."""
+    from megatron_triroute.model.mode_attention import stacked_kv
+    from megatron_triroute.routing.quant import relaxed_kv_write
+
+    class ViewOut(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return (x * 2).view(x.shape)
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad * 2
+
+    x = torch.randn(2, 5, 4, 8, requires_grad=True)
+    k, v = ViewOut.apply(x).chunk(2, dim=2)
+    assert k._base is not None and not k._base.requires_grad
+    assert stacked_kv(k, v) is None
+    y = torch.zeros(2, 5, 4)
+    y[..., 2] = 1
+    written = relaxed_kv_write(x, y.requires_grad_(), (2, 4, 8, 16), 8)
+    assert stacked_kv(*written.chunk(2, dim=2)) is written
