@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .device_values import to_device
+from .device_values import device_constant, to_device
 from .running_stats import RunningStatistic
 from .versions import version_key
 
@@ -53,9 +53,15 @@ class RunningWhitening(RunningStatistic):
             raise ValueError("whiten_all: the modules must share eps")
         one = len(modules) == 1
         if modules[0].should_accumulate():
-            flat = u.detach().reshape(-1, u.shape[-1]).to(torch.float64)
-            # [count, sums(D), squares(D)] of the whole width: one module's accumulator layout
-            stats = torch.cat([flat.new_full((1,), flat.shape[0]), flat.sum(0), flat.pow(2).sum(0)])
+            # the rows as they come: the controller's training node passes 2-D rows tracking nothing
+            flat = u.detach() if u.requires_grad else u
+            if flat.dim() != 2:
+                flat = flat.reshape(-1, flat.shape[-1])
+            flat = flat.to(torch.float64)
+            # [count, sums(D), squares(D)] of the whole width: one module's accumulator layout (the
+            # count a constant of the shape)
+            count = device_constant((float(flat.shape[0]),), torch.float64, flat.device)
+            stats = torch.cat([count, flat.sum(0), flat.pow(2).sum(0)])
             if one:
                 modules[0]._acc.add_(stats)
             else:  # each module's [count, sum(d), squares(d)], end to end
