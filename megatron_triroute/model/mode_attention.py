@@ -13,7 +13,7 @@ kernel that skips the key blocks outside the window; no backward on a CPU):
 K/V are never repeated per query head: the G query heads of one kv head are stacked along the
 query axis of their kv head's block (G*b queries x (b + w) keys). On a CPU nor are they copied per
 block: the blocks' key windows overlap, and are strided views of one copy of K (and of V)
-(`_KeyWindows`, `_key_windows`; of K and V together where they are one tensor, `_KVWindows`).
+(`_KeyWindows`, `_key_windows`; of K and V together where they are one tensor).
 """
 
 from __future__ import annotations
@@ -62,67 +62,37 @@ def _local_block_mask(T: int, window: int, block: int, kv_heads: int, group: int
 
 class _KeyWindows(torch.autograd.Function):
     """K or V (B, T, H_kv, d) -> the key windows of `local_attention`'s blocks, (B, H_kv * n, b + w, d):
-    window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1.
+    window h * n + i holds kv head h's positions i*b - w .. i*b + b - 1. With `parts` > 1, x holds
+    that many tensors' heads end to end (the layer's written K/V: K's heads, then V's), and each
+    part's windows are returned as its own output, all from one buffer.
 
     The windows overlap (each key is in about (w + b) / b of them), so they are not copied: x is
     copied once into a zeroed buffer laid out, per batch row, as w rows then each kv head's n * b
     positions, and the windows are its unfold over those rows (b + w rows every b, a strided view).
     A window that starts before its head's first position reads the rows in front of it (the zero
-    rows, or the previous head's last positions): positions < 0, which the mask leaves out, so their
-    attention weights are exactly 0 and so is the gradient they receive. Backward: each row the sum
-    of the windows that read it (`_sum_windows`; the zero gradients of the rows in front of a head
-    add nothing to the previous head's)."""
+    rows, or the previous head's last positions, also across parts): positions < 0, which the mask
+    leaves out, so their attention weights are exactly 0 and so is the gradient they receive.
+    Backward: each row the sum of the windows that read it (`_sum_windows`; the zero gradients of
+    the rows in front of a head add nothing to the previous head's)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
-        B, T, H_kv, d = x.shape
+    def forward(ctx, x: torch.Tensor, block: int, w: int, n: int, parts: int) -> tuple[torch.Tensor, ...]:
+        B, T, H, d = x.shape
         span = n * block  # positions per kv head (T and padding to whole blocks)
-        rows = w + H_kv * span  # per batch row: w in front, then every kv head's positions
+        rows = w + H * span  # per batch row: w in front, then every kv head's positions
         buf = x.new_zeros(B, rows, d)
-        buf.as_strided((B, T, H_kv, d), (rows * d, d, span * d, 1), w * d).copy_(x)
-        ctx.geometry = (T, H_kv, block, w, n)
-        return buf.unfold(1, block + w, block).transpose(2, 3)  # (B, H_kv * n, b + w, d)
+        buf.as_strided((B, T, H, d), (rows * d, d, span * d, 1), w * d).copy_(x)
+        ctx.geometry = (T, H, block, w, n)
+        windows = buf.unfold(1, block + w, block).transpose(2, 3)  # (B, H * n, b + w, d)
+        return windows.chunk(parts, dim=1) if parts > 1 else (windows,)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        T, H_kv, block, w, n = ctx.geometry
-        B, d, span = grad.shape[0], grad.shape[-1], n * block
-        rows = w + H_kv * span
-        buf = _sum_windows(grad, rows, block, grad.device.type == "cpu")
-        return buf.as_strided((B, T, H_kv, d), (rows * d, d, span * d, 1), w * d), None, None, None
-
-
-class _KVWindows(torch.autograd.Function):
-    """`_KeyWindows` of K and V at once, from kv (B, T, 2 H_kv, d) that holds K's heads then V's (the
-    layer's written K/V are one tensor): one zeroed buffer laid out per batch row as w rows then each
-    of the 2 H_kv heads' positions, one copy into it, one unfold; returns (K's windows, V's windows),
-    each (B, H_kv * n, b + w, d), the unfold's first and last H_kv n windows. V's first windows read
-    K's last positions in front of them, where `_KeyWindows` reads zeros: positions < 0, which the
-    mask leaves out either way (weight and gradient exactly 0). Backward (a CPU): both gradients
-    added into one buffer by `index_add_` in SDPA's layout (`_sum_windows`), returned as kv's."""
-
-    @staticmethod
-    def forward(ctx, kv: torch.Tensor, block: int, w: int, n: int):
-        B, T, H2, d = kv.shape
-        span = n * block
-        rows = w + H2 * span
-        buf = kv.new_zeros(B, rows, d)
-        buf.as_strided((B, T, H2, d), (rows * d, d, span * d, 1), w * d).copy_(kv)
-        ctx.geometry = (T, H2, block, w, n)
-        windows = buf.unfold(1, block + w, block).transpose(2, 3)  # (B, 2 H_kv * n, b + w, d)
-        half = H2 // 2 * n
-        return windows[:, :half], windows[:, half:]
-
-    @staticmethod
-    def backward(ctx, grad_k: torch.Tensor, grad_v: torch.Tensor):
-        T, H2, block, w, n = ctx.geometry
-        B, n_w, r, d = grad_k.shape
-        span, rows = n * block, w + H2 * n * block
-        buf = grad_k.new_zeros(B, rows, d)
-        for first, grad in ((0, grad_k), (n_w, grad_v)):  # V's windows come after K's n_w
-            src = grad.transpose(1, 2).reshape(B, r * n_w, d)
-            buf.index_add_(1, _window_rows(n_w, r, block, grad.device, first), src)
-        return buf.as_strided((B, T, H2, d), (rows * d, d, span * d, 1), w * d), None, None, None
+    def backward(ctx, *grads: torch.Tensor):
+        T, H, block, w, n = ctx.geometry
+        B, d, span = grads[0].shape[0], grads[0].shape[-1], n * block
+        rows = w + H * span
+        buf = _sum_windows(grads, rows, block, grads[0].device.type == "cpu")
+        return buf.as_strided((B, T, H, d), (rows * d, d, span * d, 1), w * d), None, None, None, None
 
 
 def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
@@ -131,28 +101,38 @@ def stacked_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
     otherwise, and None where that tensor is not the one autograd tracks k and v through (a base
     made inside an autograd function's forward, which tracks nothing)."""
     kv = k._base
-    if kv is None or v._base is not kv or (k.requires_grad or v.requires_grad) and not kv.requires_grad or \
-            kv.dim() != 4 or kv.shape[:2] != k.shape[:2] or \
-            kv.shape[2] != 2 * k.shape[2] or kv.shape[3] != k.shape[3] or k.stride() != kv.stride() or \
-            v.stride() != kv.stride() or k.storage_offset() != kv.storage_offset() or \
-            v.storage_offset() != kv.storage_offset() + k.shape[2] * kv.stride(2):
+    if kv is None or v._base is not kv:
         return None
-    return kv
+    if (k.requires_grad or v.requires_grad) and not kv.requires_grad:
+        return None
+    B, T, H, d = k.shape
+    halves = kv.shape == (B, T, 2 * H, d) and k.shape == v.shape and k.stride() == v.stride() == kv.stride()
+    in_place = k.storage_offset() == kv.storage_offset() and v.storage_offset() == kv.storage_offset() + H * kv.stride(2)
+    return kv if halves and in_place else None
 
 
-def _sum_windows(grad: torch.Tensor, rows: int, block: int, index_add: bool) -> torch.Tensor:
-    """(B, n_w, r, d) gradient of windows of r rows every `block` rows -> (B, rows, d): each row the
-    sum over the windows that read it (the backward of `Tensor.unfold(1, r, block)`).
+def _sum_windows(grads: tuple[torch.Tensor, ...], rows: int, block: int, index_add: bool) -> torch.Tensor:
+    """The gradients (B, n_w, r, d) of consecutive runs of windows of r rows every `block` rows ->
+    (B, rows, d): each row the sum over the windows that read it (the backward of
+    `Tensor.unfold(1, r, block)`).
 
-    `index_add` (a CPU): one `index_add_` of the gradient's rows, taken in (row, window) order, into
-    the rows they were read from: SDPA's CPU kernel lays the gradient out that way, so no copy of it
-    is made (a third of the time of summing it by blocks, which needed one, at the 160m shape).
-    Otherwise, for a GPU, where `index_add_` takes atomic adds (516 us a call in bf16 at the 160m
-    shape on an H200): `aten.unfold_backward`, a deterministic gather of each row's windows."""
-    B, n_w, r, d = grad.shape
+    `index_add` (a CPU): one `index_add_` per run of the gradient's rows, taken in (row, window)
+    order, into the rows they were read from: SDPA's CPU kernel lays the gradient out that way, so
+    no copy of it is made (a third of the time of summing it by blocks, which needed one, at the
+    160m shape). Otherwise, for a GPU, where `index_add_` takes atomic adds (516 us a call in bf16
+    at the 160m shape on an H200): `aten.unfold_backward`, a deterministic gather of each row's
+    windows."""
+    B, _, r, d = grads[0].shape
     if index_add:
-        src = grad.transpose(1, 2).reshape(B, r * n_w, d)
-        return grad.new_zeros(B, rows, d).index_add_(1, _window_rows(n_w, r, block, grad.device), src)
+        buf = grads[0].new_zeros(B, rows, d)
+        first = 0
+        for grad in grads:
+            n_w = grad.shape[1]
+            src = grad.transpose(1, 2).reshape(B, r * n_w, d)
+            buf.index_add_(1, _window_rows(n_w, r, block, grad.device, first), src)
+            first += n_w
+        return buf
+    grad = grads[0] if len(grads) == 1 else torch.cat(grads, 1)
     return torch.ops.aten.unfold_backward(grad.transpose(2, 3), [B, rows, d], 1, r, block)
 
 
@@ -168,7 +148,7 @@ def _key_windows(x: torch.Tensor, block: int, w: int, n: int) -> torch.Tensor:
     """`_KeyWindows` as SDPA reads it. On a CPU its flash kernel reads the strided view and makes its
     K and V gradients afresh; elsewhere the windows are copied first, since a kernel that made its
     K gradient with K's strides would write overlapping windows' gradients into the same memory."""
-    windows = _KeyWindows.apply(x, block, w, n)
+    (windows,) = _KeyWindows.apply(x, block, w, n, 1)
     return windows if x.device.type == "cpu" else windows.contiguous()
 
 
@@ -189,7 +169,7 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: i
     mask = _local_block_mask(T, window, block, H_kv, G, q.dtype, q.device)  # (1, H_kv*n, G*b, b + w)
     kv = stacked_kv(k, v) if q.device.type == "cpu" else None
     if kv is not None:  # the layer's K and V, one tensor: their windows from one buffer
-        k_windows, v_windows = _KVWindows.apply(kv, block, w, n)
+        k_windows, v_windows = _KeyWindows.apply(kv, block, w, n, 2)
     else:
         k_windows, v_windows = _key_windows(k, block, w, n), _key_windows(v, block, w, n)
     ctx = F.scaled_dot_product_attention(qb, k_windows, v_windows, attn_mask=mask)

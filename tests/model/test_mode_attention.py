@@ -182,24 +182,26 @@ def test_key_windows_are_views_of_one_copy_and_sum_their_gradients(T, block, w):
 
 @pytest.mark.parametrize("T,block,w", [(64, 16, 32), (64, 16, 8), (37, 16, 20), (5, 5, 4), (40, 8, 0), (32, 4, 20)])
 @pytest.mark.parametrize("index_add", [True, False])
-def test_window_gradients_sum_over_the_windows_that_read_each_key(T, block, w, index_add, monkeypatch):
+@pytest.mark.parametrize("parts", [1, 2])
+def test_window_gradients_sum_over_the_windows_that_read_each_key(T, block, w, index_add, parts, monkeypatch):
     """The windows' backward in both its forms (`index_add_` on a CPU; `unfold_backward`, a GPU's,
     taken here on the CPU) against a loop over the windows, on a non-contiguous gradient as SDPA
-    gives, zero at the rows before each head's first position (what the mask guarantees, next test)."""
+    gives, zero at the rows before each head's first position (what the mask guarantees, next test);
+    with the heads' windows returned whole or as two parts (K's and V's), each with its gradient."""
     from megatron_triroute.model import mode_attention
     from megatron_triroute.model.mode_attention import _KeyWindows
 
     sum_windows = mode_attention._sum_windows
-    monkeypatch.setattr(mode_attention, "_sum_windows", lambda g, rows, block, _: sum_windows(g, rows, block, index_add))
+    monkeypatch.setattr(mode_attention, "_sum_windows", lambda gs, rows, block, _: sum_windows(gs, rows, block, index_add))
 
     torch.manual_seed(T + w)
-    B, H_kv, d = 2, 3, 4
+    B, H_kv, d = 2, 3 * parts, 4
     n = -(-T // block)
     x = torch.randn(B, T, H_kv, d, requires_grad=True)
     position = torch.arange(n).view(n, 1) * block + torch.arange(block + w) - w  # (n, b + w)
     grad = torch.randn(B, block + w, H_kv * n, d).transpose(1, 2)  # (B, H_kv n, b + w, d), not contiguous
     grad = grad * (position >= 0).repeat(H_kv, 1).view(1, H_kv * n, block + w, 1)
-    got, = torch.autograd.grad(_KeyWindows.apply(x, block, w, n), x, grad)
+    got, = torch.autograd.grad(_KeyWindows.apply(x, block, w, n, parts), x, grad.chunk(parts, 1))
     want = torch.zeros(B, w + n * block, H_kv, d)  # w rows in front of each head's positions
     for h in range(H_kv):
         for i in range(n):  # window i reads rows i*b .. i*b + b + w - 1 of its head's
@@ -327,27 +329,27 @@ def test_mode_mix_node_equals_the_chain_with_fewer_ops(soft):
 @pytest.mark.parametrize("T,window,H_kv,G", [(48, 20, 2, 2), (37, 5, 3, 4), (37, 40, 1, 3), (9, 0, 2, 1)])
 def test_key_and_value_windows_from_one_tensor_equal_the_separate_ones(T, window, H_kv, G):
     """K and V given as the two halves of one tensor (as the layer writes them) take their windows
-    from one buffer (`_KVWindows`): the same local attention, bit for bit, and the same gradients to
+    from one buffer (`_KeyWindows` with two parts): the same local attention, bit for bit, and the same gradients to
     q and to that tensor as K and V given apart."""
-    from megatron_triroute.model.mode_attention import _KVWindows, stacked_kv
+    from megatron_triroute.model.mode_attention import _KeyWindows, stacked_kv
 
     g = torch.Generator().manual_seed(T + window + H_kv)
     q = torch.randn(2, T, H_kv * G, 8, generator=g, requires_grad=True)
     kv = torch.randn(2, T, 2 * H_kv, 8, generator=g, requires_grad=True)
     upstream = torch.randn(2, T, H_kv * G, 8, generator=g)
-    calls = []
-    apply = _KVWindows.apply
+    calls = []  # per call of the windows' node: how many tensors' windows it made from its buffer
+    apply = _KeyWindows.apply
     results = []
     for together in (True, False):
         k, v = kv.chunk(2, dim=2) if together else (kv[:, :, :H_kv].clone(), kv[:, :, H_kv:].clone())
         assert (stacked_kv(k, v) is kv) == together
-        _KVWindows.apply = lambda *a: (calls.append(together), apply(*a))[1]
+        _KeyWindows.apply = lambda *a: (calls.append(a[-1]), apply(*a))[1]
         try:
             out = local_attention(q, k, v, window)
         finally:
-            _KVWindows.apply = apply
+            _KeyWindows.apply = apply
         results.append((out, *torch.autograd.grad((out * upstream).sum(), (q, kv))))
-    assert calls == [True]  # the one-buffer path ran for the halves only
+    assert calls == [2, 1, 1]  # the one-buffer path ran for the halves only, once for both
     for a, b in zip(*results):
         assert torch.equal(a, b)
 
