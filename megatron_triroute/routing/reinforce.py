@@ -42,13 +42,16 @@ class RewardBaseline(RunningStatistic):
 
     @torch.no_grad()
     def commit(self, reduced: torch.Tensor) -> None:
-        total, count = reduced.tolist()
-        self._acc.zero_()
-        if count <= 0:
-            return
+        """value <- the global batch's mean reward at the first step with rewards, then its EMA;
+        unchanged by a step without rewards. Selects, not branches: no host read (float64, the
+        same roundings as the scalar formula)."""
+        total, count = reduced.double().unbind()  # may be views of _acc: read before it is zeroed
         mean = total / count
-        self.value.fill_(mean if self.steps.item() == 0 else self.momentum * self.value.item() + (1 - self.momentum) * mean)
-        self.steps += 1
+        seen = count > 0
+        ema = self.value * self.momentum + mean * (1 - self.momentum)
+        self.value.copy_(torch.where(seen, torch.where(self.steps == 0, mean, ema), self.value))
+        self.steps += seen.long()
+        self._acc.zero_()
 
 
 class _RewardTap(torch.autograd.Function):

@@ -113,6 +113,26 @@ def test_reinforce_has_no_straight_through_path_and_learns_from_reward():
     assert st.attn.y.requires_grad and st.attn.log_prob is None
 
 
+def test_reinforce_baseline_commits_the_scalar_ema_without_reading_the_host():
+    """The baseline's once-a-step update: the first step with rewards sets the mean, later ones
+    the EMA, a step without rewards changes nothing; bit for bit the float64 scalar formula, and no
+    value read back (no sync on a GPU)."""
+    from .test_controller import _HostReads
+
+    steps = [(0.0, 0.0), (3.3, 7.0), (0.0, 0.0), (-1.7, 3.0), (2.123456789, 11.0)]
+    baseline, value, seen, reads = RewardBaseline(momentum=0.9), 0.0, 0, _HostReads()
+    for total, count in steps:
+        baseline.accumulate(torch.tensor(total, dtype=torch.float64), count)
+        with reads:
+            baseline.commit(baseline.pending())  # pending() is the accumulator itself: read before zeroed
+        if count > 0:
+            value = total / count if seen == 0 else 0.9 * value + (1 - 0.9) * (total / count)
+            seen += 1
+        assert baseline.value.item() == value and baseline.steps.item() == seen
+        assert baseline.pending().tolist() == [0.0, 0.0]
+    assert reads.reads == []
+
+
 def test_no_null_expert_never_skips_the_ffn():
     c, cfg = build(null_expert=False)
     out = run(c, cfg)
