@@ -77,6 +77,7 @@ from benchmarks.forced_decisions import (  # noqa: E402
 from benchmarks.op_counter import StepCounter, model_weights  # noqa: E402
 from megatron_triroute.config import ModelConfig, TriRouteConfig  # noqa: E402
 from megatron_triroute.inference.attention import apply_rope, rope_tables  # noqa: E402
+from megatron_triroute.inference.huge_pages import huge_page_copies, place_on_huge_pages  # noqa: E402
 from megatron_triroute.routing.controller import RouterOutput  # noqa: E402
 from megatron_triroute.routing.cost import bit_costs, expert_width, hard_cost  # noqa: E402
 from megatron_triroute.routing.modes import SKIP, read_start  # noqa: E402
@@ -180,6 +181,7 @@ def build_routed(config: TriRouteConfig, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() >= 2 else torch.ones(p.shape))
+    place_on_huge_pages(model)  # as the engine's checkpoint loader places them
     for layer in model.layers:
         layer.controller = ForcedController(layer.controller, config)
     return model.eval()
@@ -268,6 +270,9 @@ class DenseRunner:
     def __init__(self, m: ModelConfig, context: int, batch: int, steps: int, repeats: int):
         self.dec = DenseDecoder(m, batch, context + WARMUP + steps * repeats + 4)
         self.dec.fill(context)
+        # on huge pages as the routed systems' weights, and its contiguous K/V cache as well
+        place_on_huge_pages(self.dec)
+        self.dec.k, self.dec.v = huge_page_copies([self.dec.k, self.dec.v])
         self.batch, self.tokens = batch, torch.zeros(batch, dtype=torch.long)
 
     def step(self, audit=None) -> None:

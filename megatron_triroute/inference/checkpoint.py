@@ -149,14 +149,18 @@ def map_megatron_state(state: dict[str, torch.Tensor], config: TriRouteConfig) -
 
 
 def build_model(tree: dict, state: dict[str, torch.Tensor], eod_id: int):
-    """The `InferenceModel` of a loaded checkpoint (`eod_id` from the run's tokenizer tables)."""
+    """The `InferenceModel` of a loaded checkpoint (`eod_id` from the run's tokenizer tables), its
+    weights on huge pages where the kernel offers them (`huge_pages.place_on_huge_pages`: the engine
+    serves on the CPU, where a decode step streams them)."""
     from ..routing.side_features import TokenTables
+    from .huge_pages import place_on_huge_pages
     from .model import InferenceModel
 
     config = TriRouteConfig.from_dict(tree["triroute"]).validate()
     tables = TokenTables(state["token_log_prob"], state["token_word_start"].bool(), eod_id)
     model = InferenceModel(config, tables)
     load_state(model, state)
+    place_on_huge_pages(model)
     return model
 
 
