@@ -172,8 +172,10 @@ class DenseDecoder(nn.Module):
 
 
 # --- routed systems through the engine ----------------------------------------------------------
-def build_routed(config: TriRouteConfig, seed: int = 0):
-    """Random-weight `InferenceModel`, each layer's real controller wrapped in a `ForcedController`."""
+def build_routed(config: TriRouteConfig, seed: int = 0, huge_pages: bool = True):
+    """Random-weight `InferenceModel`, each layer's real controller wrapped in a `ForcedController`;
+    its weights on huge pages as the engine's checkpoint loader places them (`huge_pages` False: left
+    where they were made, for a comparison)."""
     from megatron_triroute.inference.model import InferenceModel
 
     model = InferenceModel(config)
@@ -181,7 +183,8 @@ def build_routed(config: TriRouteConfig, seed: int = 0):
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() >= 2 else torch.ones(p.shape))
-    place_on_huge_pages(model)  # as the engine's checkpoint loader places them
+    if huge_pages:
+        place_on_huge_pages(model)
     for layer in model.layers:
         layer.controller = ForcedController(layer.controller, config)
     return model.eval()

@@ -28,6 +28,13 @@ outputs).
 decisions in one call (`triroute.decode_layer`, the default) and the same layers op by op
 (`InferenceLayer.fused` off) on alternate steps, A B then B A; prints the median step of each and the
 quartiles of the per-round ratio one call / op by op.
+
+    OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --against-base-pages [--rounds 20]
+
+`--against-base-pages` times whole decode steps of two runners alike but for where their weights
+live: on huge pages (`inference/huge_pages.py`, what the engine's checkpoint loader does) and where
+PyTorch allocated them, on alternate steps, A B then B A; prints the median step of each and the
+quartiles of the per-round ratio huge / base pages.
 """
 
 from __future__ import annotations
@@ -50,13 +57,14 @@ from benchmarks.forced_decisions import budget_mix  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
 
 
-def synthetic_runner(shape: str, context: int, batch: int, steps: int) -> bench_decode.RoutedRunner:
+def synthetic_runner(shape: str, context: int, batch: int, steps: int, huge_pages: bool = True) -> bench_decode.RoutedRunner:
     """`bench_decode.py`'s synthetic TriRoute cell for `steps` decode steps: the recipe's backbone with
-    random weights, its controllers forced to the budget mix, a cache of `context` tokens."""
+    random weights (on huge pages unless `huge_pages` is False), its controllers forced to the budget
+    mix, a cache of `context` tokens."""
     from megatron_triroute.training.recipes import get_recipe
 
     config = system_config("triroute", get_recipe(shape).triroute.validate())
-    model = bench_decode.build_routed(config)
+    model = bench_decode.build_routed(config, huge_pages=huge_pages)
     return bench_decode.RoutedRunner(model, context, batch, budget_mix(model.config, context), steps, 1)
 
 
@@ -170,6 +178,25 @@ def fused_against_op_by_op(shape: str, context: int, batch: int, rounds: int, wa
         runner, lambda: Fused(runner.model, True), lambda: Fused(runner.model, False), rounds, warmup))
 
 
+def huge_against_base_pages(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
+    """Whole decode steps of two runners alike but for where their weights live, on huge pages
+    (`inference/huge_pages.py`, the default) and where PyTorch allocated them, on alternate steps
+    (A B, B A, ...): the median step of each and the per-round ratio huge / base pages. Both are in
+    memory at once (twice the weights)."""
+    from benchmarks.bench_cpu_ops import interleaved
+    from megatron_triroute.inference.huge_pages import huge_pages_available
+
+    if not huge_pages_available():
+        raise SystemExit("this kernel offers no transparent huge pages (not Linux, or "
+                         "/sys/kernel/mm/transparent_hugepage/enabled is never): nothing to compare")
+    huge, base = (synthetic_runner(shape, context, batch, warmup + rounds, huge_pages=h) for h in (True, False))
+    for _ in range(warmup):
+        huge.step()
+        base.step()
+    return _result(shape, context, batch, rounds,
+                   interleaved(lambda _counters: huge.step(), lambda _counters: base.step(), rounds))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="160m", help="recipe whose backbone is profiled (synthetic weights)")
@@ -182,14 +209,18 @@ def main(argv=None) -> dict:
                                                      "interleaved (module doc)")
     p.add_argument("--against-op-by-op", action="store_true",
                    help="time whole steps with each layer in one call against the same layers op by op, interleaved")
+    p.add_argument("--against-base-pages", action="store_true",
+                   help="time whole steps with the weights on huge pages against the same model's weights on the "
+                        "pages PyTorch allocated, interleaved (two models in memory)")
     p.add_argument("--rounds", type=int, default=20,
-                   help="--baseline, --against-op-by-op: A B rounds timed (after 3 of each untimed)")
+                   help="--baseline, --against-op-by-op, --against-base-pages: A B rounds timed (after 3 of each "
+                        "untimed)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
-    if a.baseline and a.against_op_by_op:
-        p.error("--baseline and --against-op-by-op are two comparisons: give one")
-    if a.against_op_by_op or a.baseline:
+    if sum(map(bool, (a.baseline, a.against_op_by_op, a.against_base_pages))) > 1:
+        p.error("--baseline, --against-op-by-op and --against-base-pages are three comparisons: give one")
+    if a.against_op_by_op or a.baseline or a.against_base_pages:
         with torch.no_grad():
             if a.baseline:
                 from benchmarks.bench_cpu_ops import baseline_ops
@@ -197,6 +228,9 @@ def main(argv=None) -> dict:
                 baseline_ops(a.baseline)
                 result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
                 ours, theirs, ratio = "this tree", f"{a.baseline}'s decode ops", "this tree / baseline"
+            elif a.against_base_pages:
+                result = huge_against_base_pages(a.shape, a.context, a.batch, a.rounds)
+                ours, theirs, ratio = "weights on huge pages", "on the pages PyTorch allocated", "huge / base pages"
             else:
                 result = fused_against_op_by_op(a.shape, a.context, a.batch, a.rounds)
                 ours, theirs, ratio = "a layer in one call", "op by op", "one call / op by op"

@@ -40,9 +40,25 @@ def test_layers_in_one_call_against_op_by_op_alternate_steps():
 
 
 def test_the_cli_refuses_two_comparisons(capsys):
-    with pytest.raises(SystemExit) as stop:
-        load_benchmark("profile_decode").main(["--baseline", "HEAD", "--against-op-by-op"])
-    assert stop.value.code == 2 and "give one" in capsys.readouterr().err
+    for two in (["--baseline", "HEAD", "--against-op-by-op"], ["--against-op-by-op", "--against-base-pages"]):
+        with pytest.raises(SystemExit) as stop:
+            load_benchmark("profile_decode").main(two)
+        assert stop.value.code == 2 and "give one" in capsys.readouterr().err
+
+
+def test_huge_against_base_pages_places_one_runner_and_alternates_steps(monkeypatch):
+    from megatron_triroute.inference.huge_pages import huge_pages_available
+
+    if not huge_pages_available():
+        pytest.skip("the kernel offers no transparent huge pages here")
+    bench = load_benchmark("profile_decode")
+    placed = []
+    monkeypatch.setattr(bench.bench_decode, "place_on_huge_pages", lambda model: placed.append(model) or 0)
+    with torch.no_grad():
+        result = bench.huge_against_base_pages("tiny", context=32, batch=2, rounds=2, warmup=1)
+    assert len(placed) == 1  # the huge-page runner's model, not the other's
+    assert result["this_tree_ms"] > 0 and result["baseline_ms"] > 0
+    assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
 
 
 def test_shares_add_up_to_the_profiled_time(shares):
