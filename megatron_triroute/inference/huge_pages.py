@@ -1,10 +1,10 @@
 """A CPU model's weights on transparent huge pages.
 
 A decode step streams every weight it uses from memory (docs/inference.md). On 4 KiB pages the
-160m shape's 1.3 GB of weights are 330,000 pages, a translation miss every 64 lines, and the
-prefetches that hide the memory's latency behind the matmuls stop at page boundaries. Placed in one
-buffer aligned to 2 MiB and advised as huge pages (`madvise(MADV_HUGEPAGE)` before its first touch,
-so the kernel backs it with 2 MiB pages as it faults it in), they are 650 pages.
+160m shape's 1.27 GB of weights are 310,000 pages, a translation miss every 64 cache lines. Placed in
+one buffer aligned to 2 MiB and advised as huge pages (`madvise(MADV_HUGEPAGE)` before its first
+touch, so the kernel backs it with 2 MiB pages as it faults it in), they are 610: a decode step took
+0.94 of its time at batch 8 and 0.96 at batch 1 (`benchmarks/profile_decode.py --against-base-pages`).
 
 Linux only, and only where transparent huge pages are not off
 (`/sys/kernel/mm/transparent_hugepage/enabled` reads `always` or `madvise`); elsewhere nothing moves.
