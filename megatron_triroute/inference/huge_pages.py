@@ -64,6 +64,20 @@ def huge_pages_available() -> bool:
     return sys.platform.startswith("linux") and thp_mode() in ("always", "madvise")
 
 
+def _views(specs: list[tuple[torch.Size, torch.dtype]]):
+    """One `huge_page_buffer` for tensors of these (shape, dtype); yields, one by one, a view of it of
+    each shape and dtype (uninitialised), each starting on a cache line. It holds no tensor of the
+    caller's: one the caller lets go is freed at once."""
+    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    offsets, end = [], 0
+    for nbytes in sizes:
+        offsets.append(end)
+        end += -(-nbytes // ALIGN) * ALIGN
+    buffer, base = huge_page_buffer(end)
+    for (shape, dtype), offset, nbytes in zip(specs, offsets, sizes):
+        yield buffer[base + offset:base + offset + nbytes].view(dtype).view(shape)
+
+
 def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Copies of `tensors` (CPU, contiguous) in one `huge_page_buffer`, each starting on a cache
     line; the tensors themselves where huge pages are not available."""
@@ -71,27 +85,21 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return list(tensors)
     if any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors):
         raise ValueError("huge_page_copies takes contiguous CPU tensors")
-    offsets, end = [], 0
-    for t in tensors:
-        offsets.append(end)
-        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    buffer, base = huge_page_buffer(end)
-    copies = []
     with torch.no_grad():
-        for t, offset in zip(tensors, offsets):
-            view = buffer[base + offset:base + offset + t.numel() * t.element_size()].view(t.dtype).view(t.shape)
-            copies.append(view.copy_(t))
-    return copies
+        return [view.copy_(t) for t, view in zip(tensors, _views([(t.shape, t.dtype) for t in tensors]))]
 
 
 def place_on_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
     """Move `model`'s CPU parameters of `min_bytes` or more (the ones a decode step streams) into one
-    buffer on huge pages (`huge_page_copies`), each parameter a view of it with its own values.
+    buffer on huge pages, each parameter a view of it with its own values. One parameter at a time:
+    its old storage is let go as its copy is made, and the buffer's pages are only backed as they are
+    written, so the process holds the weights about once plus one parameter, not twice.
     Returns the bytes moved: 0 where huge pages are not available or nothing qualifies."""
     if not huge_pages_available():
         return 0
     params = [p for p in model.parameters()  # each tensor once (a tied weight is one parameter)
               if p.device.type == "cpu" and p.is_contiguous() and p.numel() * p.element_size() >= min_bytes]
-    for p, copy in zip(params, huge_page_copies([p.data for p in params])):
-        p.data = copy
+    with torch.no_grad():
+        for p, view in zip(params, _views([(p.shape, p.dtype) for p in params])):
+            p.data = view.copy_(p.data)
     return sum(p.numel() * p.element_size() for p in params)

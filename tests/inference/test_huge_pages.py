@@ -100,3 +100,26 @@ def test_the_checkpoint_loader_places_the_weights_it_loaded(monkeypatch):
     model = build_model({"triroute": source.config.to_dict()}, dict(source.state_dict()), 0)
     assert placed == [model]
     assert all(torch.equal(a, b) for a, b in zip(source.state_dict().values(), model.state_dict().values()))
+
+
+@needs_thp
+def test_each_parameter_lets_its_old_storage_go_before_the_next_is_copied(monkeypatch):
+    """The process holds the weights about once while they move, not twice: when a parameter's copy
+    is made, every earlier parameter's old tensor is already freed."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    model = nn.Sequential(*(nn.Linear(64, 64, bias=False) for _ in range(4)))
+    old = [StorageWeakRef(p.untyped_storage()) for p in model.parameters()]
+    alive_at_copy = []
+    views = huge_pages._views
+
+    def watched(specs):
+        for i, view in enumerate(views(specs)):
+            alive_at_copy.append([not ref.expired() for ref in old[:i]])
+            yield view
+
+    monkeypatch.setattr(huge_pages, "_views", watched)
+    assert not any(ref.expired() for ref in old)
+    assert place_on_huge_pages(model, min_bytes=0) == 4 * 64 * 64 * 4
+    assert alive_at_copy == [[], [False], [False, False], [False, False, False]]
+    assert all(ref.expired() for ref in old)
