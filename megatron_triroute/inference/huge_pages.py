@@ -89,16 +89,22 @@ def huge_page_copies(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         return [view.copy_(t) for t, view in zip(tensors, _views([(t.shape, t.dtype) for t in tensors]))]
 
 
+def _owns_storage(t: torch.Tensor) -> bool:
+    """Whether `t` is its storage, whole and contiguous: a view of a larger storage (which another
+    tensor may share) stays where it is, since a copy would end the sharing."""
+    return t.is_contiguous() and t.storage_offset() == 0 and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+
+
 def place_on_huge_pages(model: nn.Module, min_bytes: int = HUGE_PAGE) -> int:
-    """Move `model`'s CPU parameters of `min_bytes` or more (the ones a decode step streams) into one
-    buffer on huge pages, each parameter a view of it with its own values. One parameter at a time:
+    """Move `model`'s CPU parameters of `min_bytes` or more (the ones a decode step streams) that own
+    their storage (`_owns_storage`) into one buffer on huge pages, each a view of it with its own values. One parameter at a time:
     its old storage is let go as its copy is made, and the buffer's pages are only backed as they are
     written, so the process holds the weights about once plus one parameter, not twice.
     Returns the bytes moved: 0 where huge pages are not available or nothing qualifies."""
     if not huge_pages_available():
         return 0
     params = [p for p in model.parameters()  # each tensor once (a tied weight is one parameter)
-              if p.device.type == "cpu" and p.is_contiguous() and p.numel() * p.element_size() >= min_bytes]
+              if p.device.type == "cpu" and _owns_storage(p) and p.numel() * p.element_size() >= min_bytes]
     with torch.no_grad():
         for p, view in zip(params, _views([(p.shape, p.dtype) for p in params])):
             p.data = view.copy_(p.data)

@@ -123,3 +123,15 @@ def test_each_parameter_lets_its_old_storage_go_before_the_next_is_copied(monkey
     assert place_on_huge_pages(model, min_bytes=0) == 4 * 64 * 64 * 4
     assert alive_at_copy == [[], [False], [False, False], [False, False, False]]
     assert all(ref.expired() for ref in old)
+
+
+@needs_thp
+def test_a_parameter_that_shares_its_storage_stays_where_it_is():
+    """Two parameters that are views of one tensor keep sharing it (a copy each would end that)."""
+    flat = torch.randn(2, 1024, 512)
+    model = nn.Module()
+    model.a, model.b = nn.Parameter(flat[0]), nn.Parameter(flat[1])
+    model.c = nn.Parameter(torch.randn(1024, 512))
+    assert place_on_huge_pages(model, min_bytes=0) == 1024 * 512 * 4  # c alone
+    assert model.a.data_ptr() == flat[0].data_ptr() and model.b.data_ptr() == flat[1].data_ptr()
+    assert model.c.data_ptr() % HUGE_PAGE == 0
