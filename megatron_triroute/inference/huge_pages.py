@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import sys
 from pathlib import Path
 
@@ -42,10 +43,16 @@ def thp_mode(setting: Path = THP_SETTING) -> str | None:
     return text[start + 1:end] if 0 <= start < end else None
 
 
+@functools.lru_cache(maxsize=1)
+def _madvise():
+    """libc's madvise, looked up once (`find_library` runs `ldconfig`)."""
+    madvise = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True).madvise
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return madvise
+
+
 def _madvise_huge(address: int, length: int) -> bool:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return libc.madvise(address, length, MADV_HUGEPAGE) == 0
+    return _madvise()(address, length, MADV_HUGEPAGE) == 0
 
 
 def huge_page_buffer(nbytes: int) -> tuple[torch.Tensor, int]:
@@ -68,7 +75,7 @@ def _views(specs: list[tuple[torch.Size, torch.dtype]]):
     """One `huge_page_buffer` for tensors of these (shape, dtype); yields, one by one, a view of it of
     each shape and dtype (uninitialised), each starting on a cache line. It holds no tensor of the
     caller's: one the caller lets go is freed at once."""
-    sizes = [torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size() for shape, dtype in specs]
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     offsets, end = [], 0
     for nbytes in sizes:
         offsets.append(end)
