@@ -132,13 +132,21 @@ class ForcedController(nn.Module):
 
     def forward(self, hidden, side, noise_key=None, tau=1.0, prev=None, decide=True) -> RouterOutput:
         self.real(hidden, side, noise_key, tau, prev, **({} if decide else {"decide": False}))  # TriRoute's only
+        out = self.next_decisions()
+        if prev is not None and self.config.router.attn_routing:
+            out = RouterOutput(attn=AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard), bits=out.bits,
+                               experts=out.experts)
+        return out
+
+
+    def next_decisions(self) -> RouterOutput:
+        """The next scheduled decisions: what `forward` returns after running the real controller, and
+        what a decode step with its layers in one call (`inference.fused_step`) gives the layer while
+        it runs the real controller itself."""
         if self.calls >= len(self.schedule):
             raise RuntimeError(f"forced schedule exhausted after {self.calls} calls; draw one for every step")
         out = self.schedule[self.calls]
         self.calls += 1
-        if prev is not None and self.config.router.attn_routing:
-            out = RouterOutput(attn=AxisDecision(prev.attn.y, prev.attn.y_cost, prev.attn.hard), bits=out.bits,
-                               experts=out.experts)
         return out
 
 

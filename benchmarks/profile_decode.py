@@ -17,17 +17,20 @@ revision REV (built as `bench_cpu_ops.py --baseline` builds them, library `triro
 in for this tree's (`torch.ops.triroute.paged_attention`, `routed_experts`, `decode_linear`,
 `cache_append`, ...) on every other step of one runner, A B then B A (`bench_cpu_ops.interleaved`);
 everything else in the step is this tree's, and the layers run op by op on both sides (the one-call
-layer, `triroute.decode_layer`, calls this tree's kernels whatever op stands in for them). Prints the median step time of each and the median and
+step and layer, `triroute.decode_layers` and `decode_layer`, call this tree's kernels whatever op
+stands in for them). Prints the median step time of each and the median and
 quartiles of the per-round ratio this tree / baseline: a kernel change measured in the step it serves
 (cold caches, the experts' weights streaming beside it), in one process, so both see the same machine
 load. The baseline's ops must take this tree's arguments (an op whose schema differs is refused) and
 keep its cache layout (not checked here: `bench_cpu_ops.py --baseline` compares the attention's
 outputs).
 
-`--against-op-by-op` times whole decode steps of one runner with each layer's ops after its
-decisions in one call (`triroute.decode_layer`, the default) and the same layers op by op
-(`InferenceLayer.fused` off) on alternate steps, A B then B A; prints the median step of each and the
-quartiles of the per-round ratio one call / op by op.
+`--against-op-by-op` times whole decode steps of one runner with its layers in one call
+(`triroute.decode_layers`, the default: every layer's decisions and ops, `inference/fused_step.py`)
+and the same layers op by op (`InferenceModel.fused_step` and `InferenceLayer.fused` off) on
+alternate steps, A B then B A; prints the median step of each and the quartiles of the per-round
+ratio one call / op by op. `--against-layer-calls` does the same against each layer's ops after its
+decisions in one call (`triroute.decode_layer`), the controller called from Python.
 
     OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --against-base-pages [--rounds 20]
 
@@ -114,19 +117,26 @@ class OpSwap:
 
 
 class Fused:
-    """A context in which the model's decode layers run as one call each (`InferenceLayer.fused`) or
-    op by op; on exit as before."""
+    """A context in which the model's decode steps run their layers in one call (`mode` "step",
+    `InferenceModel.fused_step`, the default), each layer in one call ("layer", `InferenceLayer.fused`)
+    or op by op ("op by op"); on exit as before."""
 
-    def __init__(self, model, on: bool):
-        self.layers, self.on = list(model.layers), on
+    MODES = ("step", "layer", "op by op")
+
+    def __init__(self, model, mode: str):
+        if mode not in self.MODES:
+            raise ValueError(f"mode {mode!r}: one of {self.MODES}")
+        self.model, self.layers, self.mode = model, list(model.layers), mode
 
     def __enter__(self) -> None:
-        self.before = [layer.fused for layer in self.layers]
+        self.before = (self.model.fused_step, [layer.fused for layer in self.layers])
+        self.model.fused_step = self.mode == "step"
         for layer in self.layers:
-            layer.fused = self.on
+            layer.fused = self.mode != "op by op"
 
     def __exit__(self, *exc) -> None:
-        for layer, was in zip(self.layers, self.before):
+        self.model.fused_step = self.before[0]
+        for layer, was in zip(self.layers, self.before[1]):
             layer.fused = was
 
 
@@ -158,7 +168,7 @@ def step_against(namespace: str, shape: str, context: int, batch: int, rounds: i
     run op by op on both (`InferenceLayer.fused` off): the one-call layer runs this tree's kernels
     whatever op stands in for them."""
     runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
-    unfused = Fused(runner.model, False)
+    unfused = Fused(runner.model, "op by op")
     swap, same = OpSwap(namespace), OpSwap("triroute")  # both steps set the same attributes
 
     @contextlib.contextmanager
@@ -170,12 +180,13 @@ def step_against(namespace: str, shape: str, context: int, batch: int, rounds: i
                    interleaved_steps(runner, lambda: both(same), lambda: both(swap), rounds, warmup))
 
 
-def fused_against_op_by_op(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
-    """Decode steps of one runner with each layer in one call (`triroute.decode_layer`) and op by op
-    on alternate steps (A B, B A, ...): the median step of each and the per-round ratio one call / op by op."""
+def fused_against(shape: str, context: int, batch: int, rounds: int, warmup: int = 3, theirs: str = "op by op") -> dict:
+    """Decode steps of one runner with the step's layers in one call (`triroute.decode_layers`, the
+    default) and as `theirs` (`Fused`: each layer in one call, or op by op) on alternate steps (A B,
+    B A, ...): the median step of each and the per-round ratio one call / theirs."""
     runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
     return _result(shape, context, batch, rounds, interleaved_steps(
-        runner, lambda: Fused(runner.model, True), lambda: Fused(runner.model, False), rounds, warmup))
+        runner, lambda: Fused(runner.model, "step"), lambda: Fused(runner.model, theirs), rounds, warmup))
 
 
 def huge_against_base_pages(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
@@ -208,19 +219,23 @@ def main(argv=None) -> dict:
     p.add_argument("--baseline", metavar="REV", help="time whole steps against the decode ops of git revision REV, "
                                                      "interleaved (module doc)")
     p.add_argument("--against-op-by-op", action="store_true",
-                   help="time whole steps with each layer in one call against the same layers op by op, interleaved")
+                   help="time whole steps with the layers in one call against the same layers op by op, interleaved")
+    p.add_argument("--against-layer-calls", action="store_true",
+                   help="time whole steps with the layers in one call against one call per layer, interleaved")
     p.add_argument("--against-base-pages", action="store_true",
                    help="time whole steps with the weights on huge pages against the same model's weights on the "
                         "pages PyTorch allocated, interleaved (two models in memory)")
     p.add_argument("--rounds", type=int, default=20,
-                   help="--baseline, --against-op-by-op, --against-base-pages: A B rounds timed (after 3 of each "
-                        "untimed)")
+                   help="--baseline, --against-op-by-op, --against-layer-calls, --against-base-pages: A B rounds "
+                        "timed (after 3 of each untimed)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
-    if sum(map(bool, (a.baseline, a.against_op_by_op, a.against_base_pages))) > 1:
-        p.error("--baseline, --against-op-by-op and --against-base-pages are three comparisons: give one")
-    if a.against_op_by_op or a.baseline or a.against_base_pages:
+    comparisons = (a.baseline, a.against_op_by_op, a.against_layer_calls, a.against_base_pages)
+    if sum(map(bool, comparisons)) > 1:
+        p.error("--baseline, --against-op-by-op, --against-layer-calls and --against-base-pages are four "
+                "comparisons: give one")
+    if any(comparisons):
         with torch.no_grad():
             if a.baseline:
                 from benchmarks.bench_cpu_ops import baseline_ops
@@ -231,9 +246,12 @@ def main(argv=None) -> dict:
             elif a.against_base_pages:
                 result = huge_against_base_pages(a.shape, a.context, a.batch, a.rounds)
                 ours, theirs, ratio = "weights on huge pages", "on the pages PyTorch allocated", "huge / base pages"
+            elif a.against_layer_calls:
+                result = fused_against(a.shape, a.context, a.batch, a.rounds, theirs="layer")
+                ours, theirs, ratio = "the layers in one call", "one call per layer", "one call / per layer"
             else:
-                result = fused_against_op_by_op(a.shape, a.context, a.batch, a.rounds)
-                ours, theirs, ratio = "a layer in one call", "op by op", "one call / op by op"
+                result = fused_against(a.shape, a.context, a.batch, a.rounds)
+                ours, theirs, ratio = "the layers in one call", "op by op", "one call / op by op"
         if a.json:
             print(json.dumps(result, indent=1))
             return result

@@ -1,7 +1,7 @@
 """The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/layer_ops.cpp`, `csrc/noise_ops.cpp`,
 `csrc/quant_ops.cpp`, `csrc/softmax_ops.cpp`): built once per machine, registered as
 `torch.ops.triroute.{paged_attention, cache_write, cache_append, routed_experts, decode_linear}` and
-`{controller_logits, rms_norm, decode_qkv, decode_decisions}` (a decode step's),
+`{controller_logits, rms_norm, decode_qkv, decode_decisions, decode_layer, decode_layers}` (a decode step's),
 `torch.ops.triroute.{counter_uniform, chain_words}` (the routing noise's hash and its per-token words,
 training),
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
@@ -203,7 +203,7 @@ def _register_fakes() -> None:
         return torch.empty_like(x), x.new_empty(x.shape[1])
 
     @torch.library.register_fake("triroute::decode_qkv")
-    def _(x, wq, wk, wv, cos, sin):
+    def _(x, wq, wk, wv, cos, sin, read=None):
         M, d = x.shape[0], cos.shape[1]
         return x.new_empty(M, wq.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d), x.new_empty(M, wk.shape[0] // d, d)
 
@@ -221,5 +221,17 @@ def _register_fakes() -> None:
           page_size, k_data, k_scale, k_zero, v_data, v_scale, v_zero, token_pos, bits, group_size, sm_scale, counters,
           ffn_norm, ffn_eps, expert_index, expert_weight, w1, w3, w2):
         return torch.empty_like(x)
+
+    @torch.library.register_fake("triroute::decode_layers")
+    def _(x, side, cos, sin, rows, positions, attn_shift, expert_shift, bits_shift, weights, state, given, n_layers,
+          n_experts, n_pools, sizes, whitened, eps, reach, bits, group_size, page_size, sm_scale, top_k, null_expert):
+        B, M, nb = side.shape[0], len(reach), sizes[2]
+        Ha, E = sizes[0] // M, sizes[1]
+        f32, i64 = dict(dtype=x.dtype), dict(dtype=torch.long)
+        per_layer = [x.new_empty(B, sum(sizes), **f32), x.new_empty(B, 1, Ha, **i64), x.new_empty(B, 1, Ha, M, **f32),
+                     x.new_empty(B, 1, **i64), x.new_empty(B, 1, nb, **f32), x.new_empty(B, 1, E, **f32),
+                     x.new_empty(B, 1, top_k, **i64), x.new_empty(B, 1, top_k, **i64), x.new_empty(B, 1, top_k, **f32),
+                     x.new_empty(B, 1, M + 1 + nb, **f32)]
+        return [torch.empty_like(x)] + [t.clone() for _ in range(n_layers) for t in per_layer]
 
     _state["fakes"] = True

@@ -1478,7 +1478,8 @@ int64_t parallel_threads_cpu(int64_t items) {
 }  // namespace
 
 namespace triroute_linear {
-void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y) {
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy) {
+  if (ldy < 0) ldy = N;
 #if defined(TRIROUTE_AVX2)
   const int64_t blocks = N / 8;
   // Per block of 8 rows of w (8 K floats: in the first-level cache once the first x row has
@@ -1493,23 +1494,23 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
     const auto next = [&](int64_t b) { return b + 1 < b1 ? w + (b + 1) * 8 * K : nullptr; };
 #if defined(TRIROUTE_AVX512)
     if (M >= 1 && M <= kStreamRows && K % 16 == 0) {  // few rows of x: the block read row after row, once
-      for (int64_t b = b0; b < b1; ++b) stream_block8(w + b * 8 * K, x, M, K, N, y + b * 8, next(b));
+      for (int64_t b = b0; b < b1; ++b) stream_block8(w + b * 8 * K, x, M, K, ldy, y + b * 8, next(b));
       return;
     }
     if (K % 16 == 0) {  // more rows of x: the block's rows of w read once for three of them
-      for (int64_t b = b0; b < b1; ++b) gemm_block8(w + b * 8 * K, x, M, K, N, y + b * 8, next(b));
+      for (int64_t b = b0; b < b1; ++b) gemm_block8(w + b * 8 * K, x, M, K, ldy, y + b * 8, next(b));
       return;
     }
 #endif
     for (int64_t b = b0; b < b1; ++b)
       for (int64_t m = 0; m < M; ++m)
-        gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * N + b * 8, m == 0 ? next(b) : nullptr);
+        gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * ldy + b * 8, m == 0 ? next(b) : nullptr);
   });
   for (int64_t n = blocks * 8; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * N + n] = dot(w + n * K, x + m * K, K);  // rows past the last block
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot(w + n * K, x + m * K, K);  // rows past the last block
 #else
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
-  Tensor out = at::from_blob(y, {M, N}, f32);
+  Tensor out = at::from_blob(y, {M, N}, {ldy, 1}, f32);
   at::mm_out(out, at::from_blob(const_cast<float*>(x), {M, K}, f32), at::from_blob(const_cast<float*>(w), {N, K}, f32).t());
 #endif
 }

@@ -21,7 +21,8 @@ namespace triroute_linear {
 // rows of w read from memory once for every row of x, blocks spread over the threads), also for the
 // small matmuls inside the fused ops of layer_ops.cpp; without AVX2 and FMA, at::mm, as decode_linear's
 // fallback at::linear computes it.
-void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y);
+// y's rows ldy floats apart (negative: N, y [M, N] contiguous).
+void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float* y, int64_t ldy = -1);
 }  // namespace triroute_linear
 
 namespace triroute_decode {

@@ -14,7 +14,9 @@
 // - decode_qkv (megatron_triroute/inference/attention.py, `attend`'s projections and `apply_rope`):
 //   q = rope(x Wq^T), k = rope(x Wk^T), v = x Wv^T, each row of heads of width d rotated by the
 //   row's (cos, sin) table as x * cos + rotate_half(x) * sin, in the same float32 operations as
-//   apply_rope (bit for bit on the same projections).
+//   apply_rope (bit for bit on the same projections). With `read` (a flag per query head), the Q
+//   rows of the flagged heads only (the others zero, their weights not read): decode_layer passes
+//   the heads some row reads.
 //
 // - decode_decisions (megatron_triroute/routing/controller.py, `decode_decisions`, is the caller;
 //   the definitions: the controller's eval `_categorical` and `gating.top_k_gating`, with prices
@@ -192,8 +194,12 @@ inline void rope_heads(float* x, int64_t heads, int64_t d, const float* cos, con
     }
 }
 
-std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor& wq, const Tensor& wk,
-                                                  const Tensor& wv, const Tensor& cos, const Tensor& sin) {
+// decode_qkv; with `read` (one flag per query head), the Q rows of only the heads whose flag is set,
+// the others' left zero (a head no row reads: its weights are not read either). Each computed row of
+// q has the bits it has without `read` (the same blocks of eight rows of wq, whole heads of them).
+std::tuple<Tensor, Tensor, Tensor> decode_qkv_heads(const Tensor& x, const Tensor& wq, const Tensor& wk,
+                                                    const Tensor& wv, const Tensor& cos, const Tensor& sin,
+                                                    const std::vector<uint8_t>* read) {
   for (const auto& [t, name] : {std::pair{&x, "x"}, {&wq, "wq"}, {&wk, "wk"}, {&wv, "wv"}, {&cos, "cos"}, {&sin, "sin"}})
     check_f32(*t, name, 2, "decode_qkv");
   const int64_t M = x.size(0), K = x.size(1), d = cos.size(1);
@@ -202,10 +208,23 @@ std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor&
               "decode_qkv: x [M, K], wq [H d, K], wk and wv [H_kv d, K], cos and sin [M, d] (d even), got x ",
               x.sizes(), ", wq ", wq.sizes(), ", wk ", wk.sizes(), ", wv ", wv.sizes(), ", cos ", cos.sizes());
   const int64_t H = wq.size(0) / d, Hk = wk.size(0) / d;
-  Tensor q = at::empty({M, H, d}, x.options()), k = at::empty({M, Hk, d}, x.options()),
-         v = at::empty({M, Hk, d}, x.options());
+  TORCH_CHECK(read == nullptr || static_cast<int64_t>(read->size()) == H, "decode_qkv: one read flag per head");
+  const bool every = read == nullptr || std::all_of(read->begin(), read->end(), [](uint8_t r) { return r != 0; });
+  Tensor q = every ? at::empty({M, H, d}, x.options()) : at::zeros({M, H, d}, x.options()),
+         k = at::empty({M, Hk, d}, x.options()), v = at::empty({M, Hk, d}, x.options());
   const float* xp = x.data_ptr<float>();
-  triroute_linear::rows(wq.data_ptr<float>(), xp, M, H * d, K, q.data_ptr<float>());
+  if (every) {
+    triroute_linear::rows(wq.data_ptr<float>(), xp, M, H * d, K, q.data_ptr<float>());
+  } else {
+    for (int64_t h0 = 0; h0 < H;) {  // each run of heads read, as one block of rows of wq
+      if (!(*read)[h0]) { ++h0; continue; }
+      int64_t h1 = h0 + 1;
+      while (h1 < H && (*read)[h1]) ++h1;
+      triroute_linear::rows(wq.data_ptr<float>() + h0 * d * K, xp, M, (h1 - h0) * d, K, q.data_ptr<float>() + h0 * d,
+                            H * d);
+      h0 = h1;
+    }
+  }
   triroute_linear::rows(wk.data_ptr<float>(), xp, M, Hk * d, K, k.data_ptr<float>());
   triroute_linear::rows(wv.data_ptr<float>(), xp, M, Hk * d, K, v.data_ptr<float>());
   for (int64_t m = 0; m < M; ++m) {
@@ -214,6 +233,18 @@ std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor&
     rope_heads(k.data_ptr<float>() + m * Hk * d, Hk, d, c, s);
   }
   return {q, k, v};
+}
+
+std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor& wq, const Tensor& wk,
+                                                  const Tensor& wv, const Tensor& cos, const Tensor& sin,
+                                                  const c10::optional<Tensor>& read) {
+  if (!read) return decode_qkv_heads(x, wq, wk, wv, cos, sin, nullptr);
+  TORCH_CHECK(read->scalar_type() == at::kBool && read->dim() == 1 && read->device().is_cpu(),
+              "decode_qkv: read must be a bool CPU tensor [H] (one flag per query head), got ", read->scalar_type(),
+              " ", read->sizes());
+  const Tensor rc = read->contiguous();
+  std::vector<uint8_t> flags(rc.data_ptr<bool>(), rc.data_ptr<bool>() + rc.numel());
+  return decode_qkv_heads(x, wq, wk, wv, cos, sin, &flags);
 }
 
 // The first index of the largest of n values z[i] - shift[i] (float64; shift null: 0), NaN largest.
@@ -374,6 +405,16 @@ Tensor decode_layer_cpu(const Tensor& x, const Tensor& attn_norm, double attn_ep
   check_f32(x, "x", 2, "decode_layer");
   const int64_t N = x.size(0), d = cos.size(-1);
   const Tensor lo = read_start(positions, mode, reach);  // checked before anything is written
+  // The query heads some row reads (a key range lo..t not empty): only their Q rows are computed. A
+  // head no row reads has an empty range for every row, so its context is zero whatever its query.
+  const int64_t H = mode.size(1);
+  std::vector<uint8_t> read(H, 0);
+  {
+    const Tensor tc = positions.contiguous();
+    const int64_t *lp = lo.data_ptr<int64_t>(), *tp = tc.data_ptr<int64_t>();
+    for (int64_t n = 0; n < N; ++n)
+      for (int64_t hh = 0; hh < H; ++hh) read[hh] |= lp[n * H + hh] <= tp[n];
+  }
   // Each kernel under its op's name for the profiler (a no-op when none is recording).
   const auto norm = [&](const Tensor& y, const Tensor& g, double eps) {
     RECORD_FUNCTION("triroute::rms_norm", std::vector<c10::IValue>());
@@ -383,7 +424,9 @@ Tensor decode_layer_cpu(const Tensor& x, const Tensor& attn_norm, double attn_ep
   Tensor q, k, v;
   {
     RECORD_FUNCTION("triroute::decode_qkv", std::vector<c10::IValue>());
-    std::tie(q, k, v) = decode_qkv_cpu(h, wq, wk, wv, cos.reshape({N, d}).contiguous(), sin.reshape({N, d}).contiguous());
+    std::tie(q, k, v) = decode_qkv_heads(h, wq, wk, wv, cos.reshape({N, d}).contiguous(),
+                                         sin.reshape({N, d}).contiguous(),
+                                         wq.size(0) == H * d ? &read : nullptr);
   }
   {
     RECORD_FUNCTION("triroute::cache_append", std::vector<c10::IValue>());
@@ -410,6 +453,157 @@ Tensor decode_layer_cpu(const Tensor& x, const Tensor& attn_norm, double attn_ep
   return x1 + y;
 }
 
+// The controller's heads folded into one affine map, as TriRouteController._folded_heads (with
+// RouterHead.folded, the definition) stacks them: per head (n_i rows of width R) its projection and
+// bias; whitened, gain, mean and var as well: a = gain / (sqrt(var) + eps), W a (row by row),
+// bias - a mean, each a float32 operation as the tensor ops round it (the square root by at::sqrt,
+// PyTorch's own kernel: bit for bit). Made into `w` and `b` again only when `key` (each input's
+// address and version counter, as routing/versions.py's version_key) no longer matches them.
+void folded_heads(const Tensor* head, int64_t n_heads, bool whitened, double eps, Tensor& w, Tensor& b, Tensor& key) {
+  const int64_t per = whitened ? 5 : 2;
+  bool fresh = key.numel() == 2 * n_heads * per && key.scalar_type() == at::kLong && key.is_contiguous();
+  std::vector<int64_t> now(2 * n_heads * per);
+  for (int64_t i = 0; i < n_heads * per; ++i) {
+    const Tensor& t = head[i];
+    if (t.is_inference()) fresh = false;  // no version counter: made again at every call
+    now[2 * i] = reinterpret_cast<int64_t>(t.data_ptr());
+    now[2 * i + 1] = t.is_inference() ? -1 : static_cast<int64_t>(t._version());
+  }
+  if (fresh && std::equal(now.begin(), now.end(), key.data_ptr<int64_t>())) return;
+  int64_t O = 0, R = -1;
+  for (int64_t i = 0; i < n_heads; ++i) {
+    const Tensor* t = head + i * per;  // proj, bias[, gain, mean, var]
+    check_f32(t[0], "a head's projection", 2, "decode_layers");
+    for (int64_t j = 1; j < per; ++j) check_f32(t[j], "a head's bias, gain or statistics", 1, "decode_layers");
+    TORCH_CHECK((R < 0 || t[0].size(1) == R) && t[1].size(0) == t[0].size(0) &&
+                    (!whitened || (t[2].size(0) == t[0].size(0) && t[3].size(0) == t[0].size(0) &&
+                                   t[4].size(0) == t[0].size(0))),
+                "decode_layers: a controller head's projection ", t[0].sizes(), " and its vectors do not match");
+    R = t[0].size(1);
+    O += t[0].size(0);
+  }
+  w.resize_({O, R});
+  b.resize_({O});
+  float *wp = w.data_ptr<float>(), *bp = b.data_ptr<float>();
+  for (int64_t i = 0; i < n_heads; ++i) {
+    const Tensor* t = head + i * per;
+    const float *pw = t[0].data_ptr<float>(), *pb = t[1].data_ptr<float>();
+    const Tensor std = whitened ? at::sqrt(t[4]) : Tensor();
+    for (int64_t o = 0; o < t[0].size(0); ++o, ++bp, wp += R) {
+      if (!whitened) {
+        std::copy(pw + o * R, pw + (o + 1) * R, wp);
+        *bp = pb[o];
+        continue;
+      }
+      const float a = t[2].data_ptr<float>()[o] / (std.data_ptr<float>()[o] + static_cast<float>(eps));
+      for (int64_t r = 0; r < R; ++r) wp[r] = pw[o * R + r] * a;
+      *bp = pb[o] - a * t[3].data_ptr<float>()[o];
+    }
+  }
+  key.resize_({static_cast<int64_t>(now.size())});
+  std::copy(now.begin(), now.end(), key.data_ptr<int64_t>());
+}
+
+// Per layer, decode_layers' `weights` are: the attention norm, wq [H, d, D], wk and wv [H_kv, d, D],
+// wo [D, H, d], the page tables, the FFN norm; the controller's input norm, fc1's weight and bias,
+// fc2's weight and bias, its trunk norm (these kLayerWeights); per head (attention, experts, bits)
+// its projection and bias, whitened its gain, mean and var; then every expert's w1, every w3, every w2.
+constexpr int64_t kLayerWeights = 13;
+// The state tensors per layer in decode_layers' `state` before its 7 pool lists: counts, executed,
+// and the folded heads' cache (weight, bias, key: folded_heads).
+constexpr int64_t kLayerState = 5;
+
+// A decode step's layers (one token per request, every token valid, routed experts) in one call, as
+// InferenceModel.forward_step runs them (megatron_triroute/inference/model.py, the definition): per
+// layer, the controller's logits of [x; side, the previous layer's decision block] with its heads
+// folded (controller_logits), the (priced) decisions (decode_decisions with the step's shifts), then
+// the layer after them (decode_layer); the same kernels on the same values, so the same bits. With
+// `given` (five tensors per layer: modes [N, H], widths [N], expert index and gates [N, k], decision
+// block [B, 1, F]), the layer runs those decisions instead of its controller's (which still runs):
+// decisions drawn elsewhere, replayed. Returns x after the last layer, then per layer its
+// controller's logits [N, sum of sizes] and decode_decisions' nine outputs of them.
+std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const Tensor& cos, const Tensor& sin,
+                                      const Tensor& rows, const Tensor& positions,
+                                      const c10::optional<Tensor>& attn_shift,
+                                      const c10::optional<Tensor>& expert_shift,
+                                      const c10::optional<Tensor>& bits_shift, at::TensorList weights,
+                                      at::TensorList state, at::TensorList given, int64_t n_layers, int64_t n_experts,
+                                      int64_t n_pools, at::IntArrayRef sizes, bool whitened, at::ArrayRef<double> eps,
+                                      at::IntArrayRef reach, at::IntArrayRef bits, int64_t group_size,
+                                      int64_t page_size, double sm_scale, int64_t top_k, bool null_expert) {
+  check_f32(x, "x", 2, "decode_layers");
+  TORCH_CHECK(side.dim() == 3 && side.scalar_type() == at::kFloat && side.size(1) == 1,
+              "decode_layers: side must be float32 [B, 1, F], got ", side.scalar_type(), " ", side.sizes());
+  TORCH_CHECK(sizes.size() == 3, "decode_layers: the controller's three axes' logit sizes, got ", sizes.size());
+  const int64_t N = x.size(0), B = side.size(0);
+  const int64_t n_head_tensors = 3 * (whitened ? 5 : 2);
+  const int64_t per_layer = kLayerWeights + n_head_tensors + 3 * n_experts, per_state = kLayerState + 7 * n_pools;
+  TORCH_CHECK(N == B && n_layers > 0 && static_cast<int64_t>(weights.size()) == n_layers * per_layer &&
+                  static_cast<int64_t>(state.size()) == n_layers * per_state &&
+                  static_cast<int64_t>(eps.size()) == 5 * n_layers &&
+                  (given.empty() || static_cast<int64_t>(given.size()) == 5 * n_layers),
+              "decode_layers: ", n_layers, " layers of ", per_layer, " weights, ", per_state,
+              " state tensors, 5 eps (and 5 given decisions) each, one row per request; got ", weights.size(),
+              " weights, ", state.size(), " state tensors, ", eps.size(), " eps, ", given.size(), " given, ", N,
+              " rows for ", B, " requests");
+  const int64_t Ha = sizes[0] / static_cast<int64_t>(reach.size()), M = static_cast<int64_t>(reach.size());
+  TORCH_CHECK(Ha * M == sizes[0], "decode_layers: attention logits ", sizes[0], " are not heads x ", M, " modes");
+  Tensor h = x.contiguous(), block = at::zeros({B, 1, M + 1 + static_cast<int64_t>(sizes[2])}, x.options());
+  const Tensor side2 = side.reshape({B, side.size(2)});
+  std::vector<Tensor> out(1 + 10 * n_layers);
+  for (int64_t l = 0; l < n_layers; ++l) {
+    const Tensor* w = weights.data() + l * per_layer;
+    const Tensor* st = state.data() + l * per_state;
+    const double* e = eps.data() + 5 * l;  // attn norm, ffn norm, input norm, trunk norm, whitening
+    std::vector<Tensor> decided;
+    Tensor z;
+    {
+      RECORD_FUNCTION("triroute::controller_logits", std::vector<c10::IValue>());
+      Tensor wh = st[2], bh = st[3], fold_key = st[4];
+      folded_heads(w + kLayerWeights, 3, whitened, e[4], wh, bh, fold_key);
+      z = controller_logits_cpu(h, at::cat({side2, block.reshape({B, -1})}, 1), w[7], e[2], w[8], w[9], w[10], w[11],
+                                w[12], e[3], wh, bh);
+      TORCH_CHECK(z.size(1) == sizes[0] + sizes[1] + sizes[2], "decode_layers: layer ", l, "'s heads give ",
+                  z.size(1), " logits, not ", sizes[0], " + ", sizes[1], " + ", sizes[2]);
+    }
+    {
+      RECORD_FUNCTION("triroute::decode_decisions", std::vector<c10::IValue>());
+      decided = decode_decisions_cpu(z.narrow(1, 0, sizes[0]).view({B, 1, Ha, M}),
+                                     z.narrow(1, sizes[0], sizes[1]).view({B, 1, sizes[1]}),
+                                     z.narrow(1, sizes[0] + sizes[1], sizes[2]).view({B, 1, sizes[2]}), attn_shift,
+                                     expert_shift, bits_shift, top_k, null_expert);
+    }
+    const int64_t H = w[1].numel() / w[1].size(-1) / cos.size(-1);  // wq [H, d, D]
+    TORCH_CHECK(Ha == 1 || Ha == H, "decode_layers: ", Ha, " attention decisions per token for ", H, " heads");
+    Tensor mode, option, index, gate;
+    if (given.empty()) {
+      mode = decided[0].reshape({N, Ha}).expand({N, H}).contiguous();  // token-granular: every head
+      option = decided[2].reshape({N});
+      index = decided[6].reshape({N, top_k});
+      gate = decided[7].reshape({N, top_k});
+      block = decided[8];
+    } else {
+      const Tensor* g = given.data() + 5 * l;
+      mode = g[0].reshape({N, H}).contiguous(), option = g[1].reshape({N}).contiguous();
+      index = g[2].reshape({N, -1}).contiguous(), gate = g[3].reshape({N, -1}).contiguous(), block = g[4];
+    }
+    const Tensor* pools = st + kLayerState;
+    const auto list = [&](int64_t j) { return at::TensorList(pools + j * n_pools, n_pools); };
+    const int64_t D = w[1].size(-1);  // the projections as the layer loop takes them (attention.projection_views)
+    h = decode_layer_cpu(h, w[0], e[0], w[1].reshape({-1, D}), w[2].reshape({-1, D}), w[3].reshape({-1, D}),
+                         w[4].reshape({D, -1}), cos, sin, mode, reach, option, rows, positions, st[0],
+                         w[5], page_size, list(0), list(1), list(2), list(3), list(4), list(5), list(6), bits,
+                         group_size, sm_scale, st[1], w[6], e[1], index, gate,
+                         at::TensorList(w + per_layer - 3 * n_experts, n_experts),
+                         at::TensorList(w + per_layer - 2 * n_experts, n_experts),
+                         at::TensorList(w + per_layer - n_experts, n_experts));
+    out[1 + 10 * l] = z;
+    for (int64_t j = 0; j < 9; ++j) out[2 + 10 * l + j] = std::move(decided[j]);
+  }
+  out[0] = h;
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
@@ -419,7 +613,9 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("rms_norm_rstd(Tensor x, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rms_norm_backward(Tensor dy, Tensor x, Tensor rstd, Tensor weight) -> (Tensor, Tensor)");
-  m.def("decode_qkv(Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor cos, Tensor sin) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "decode_qkv(Tensor x, Tensor wq, Tensor wk, Tensor wv, Tensor cos, Tensor sin, Tensor? read=None) -> "
+      "(Tensor, Tensor, Tensor)");
   m.def(
       "decode_decisions(Tensor attn_z, Tensor expert_z, Tensor bits_z, Tensor? attn_shift, Tensor? expert_shift, "
       "Tensor? bits_shift, int top_k, bool null_expert) -> Tensor[]");
@@ -430,6 +626,12 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
       "Tensor(d!)[] k_zero, Tensor(e!)[] v_data, Tensor(f!)[] v_scale, Tensor(g!)[] v_zero, Tensor(h!)[] token_pos, "
       "int[] bits, int group_size, float sm_scale, Tensor(i!) counters, Tensor ffn_norm, float ffn_eps, "
       "Tensor expert_index, Tensor expert_weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
+  m.def(
+      "decode_layers(Tensor x, Tensor side, Tensor cos, Tensor sin, Tensor rows, Tensor positions, "
+      "Tensor? attn_shift, Tensor? expert_shift, Tensor? bits_shift, Tensor[] weights, Tensor(a!)[] state, "
+      "Tensor[] given, int n_layers, int n_experts, int n_pools, int[] sizes, bool whitened, float[] eps, "
+      "int[] reach, int[] bits, int group_size, int page_size, float sm_scale, int top_k, bool null_expert) "
+      "-> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
@@ -440,4 +642,5 @@ TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("decode_qkv", &decode_qkv_cpu);
   m.impl("decode_decisions", &decode_decisions_cpu);
   m.impl("decode_layer", &decode_layer_cpu);
+  m.impl("decode_layers", &decode_layers_cpu);
 }

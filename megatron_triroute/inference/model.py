@@ -34,6 +34,7 @@ from ..routing.state import RoutingState
 from ..routing.versions import version_key
 from .attention import attend, projection_views, rope_tables
 from .audit import CostAudit, count_attention
+from .fused_step import decode_layers, fusable
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
 
@@ -87,6 +88,14 @@ class InferenceLayer(nn.Module):
             return self.controller(x, side, None, 1.0, leader)
         out = self.controller(x, side, None, 1.0, leader, decide=False)  # the priced argmax decides every axis
         return price_decisions(out, prices, positions, self.config.model, self.config.router)
+
+    @property
+    def as_defined(self) -> bool:
+        """Whether this layer decides and runs as `InferenceLayer` defines it (neither `decide` nor
+        `forward` replaced, on it or by a subclass): what a step's layers in one call compute."""
+        cls = type(self)
+        return cls.decide is InferenceLayer.decide and cls.forward is InferenceLayer.forward and \
+            "decide" not in vars(self) and "forward" not in vars(self)
 
     fused: bool = True
     """A decode step's layer (one token per request, every token valid, routed experts) on a CPU where
@@ -267,11 +276,27 @@ class InferenceModel(nn.Module):
         attn_heads = max(1, max(layer.controller.attn_heads for layer in self.layers))
         return price_shifts(prices, positions, self.config.model, self.config.router, attn_heads).to(self.device)
 
+    fused_step: bool = True
+    """A decode step's layers in one call where they can (`inference.fused_step`); False: the layer
+    loop (each layer one call or op by op, `InferenceLayer.fused`)."""
+
     def forward_step(self, batch: StepBatch, cache: PagedKVCache, all_logits: bool = False):
         """The step itself, tensor ops only (no host read): logits (B, V) of each request's last new
         token, or (B, n, V) with `all_logits`, and the per-layer decisions."""
         B, n = batch.tokens.shape
         x = self.embed(batch.tokens)
+        if self.fused_step and fusable(self, batch, x):  # a decode step's layers in one call (inference/fused_step.py)
+            x, outs = decode_layers(self, x, batch, cache)
+        else:
+            x, outs = self._layers(x, batch, cache)
+        x = rms_norm(x, self.final_norm.weight, self.final_norm.eps)
+        if not all_logits:
+            x = x[:, 0] if batch.last is None else x[torch.arange(B, device=x.device), batch.last]
+        return decode_linear(x.reshape(-1, x.shape[-1]), self.lm_head.weight).view(*x.shape[:-1], -1), outs
+
+    def _layers(self, x: torch.Tensor, batch: StepBatch, cache: PagedKVCache) -> tuple[torch.Tensor, list[RouterOutput]]:
+        """`forward_step`'s layers one by one: x after the last, each layer's decisions."""
+        B, n = batch.tokens.shape
         state, outs = RoutingState.initial(self.config, B, n, x.device), []
         for layer in self.layers:
             out = layer.decide(x, torch.cat([batch.side, state.decisions], -1), state.leader_output(),
@@ -279,10 +304,7 @@ class InferenceModel(nn.Module):
             x = layer(x, out, batch, cache)
             state = state.after(out, self.config)
             outs.append(out)
-        x = rms_norm(x, self.final_norm.weight, self.final_norm.eps)
-        if not all_logits:
-            x = x[:, 0] if batch.last is None else x[torch.arange(B, device=x.device), batch.last]
-        return decode_linear(x.reshape(-1, x.shape[-1]), self.lm_head.weight).view(*x.shape[:-1], -1), outs
+        return x, outs
 
     def finish(self, batch: StepBatch, outs: list[RouterOutput], cache: PagedKVCache, rids: list[int],
                audit: CostAudit | None, all_logits: bool = False) -> None:

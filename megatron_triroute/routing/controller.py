@@ -386,8 +386,14 @@ def decode_decisions(attn_z: torch.Tensor, expert_z: torch.Tensor, bits_z: torch
     if not few_rows(expert_z.flatten(0, 1)):
         return None
     shift = (None, None, None) if shifts is None else (shifts.attn, shifts.expert, shifts.bits)
-    attn_hard, attn_y, bits_hard, bits_y, probs, option, index, weight, block = torch.ops.triroute.decode_decisions(
-        attn_z, expert_z, bits_z, *shift, router.top_k, router.null_expert)
+    decided = torch.ops.triroute.decode_decisions(attn_z, expert_z, bits_z, *shift, router.top_k, router.null_expert)
+    return decided_output(attn_z, expert_z, bits_z, decided, n_heads)
+
+
+def decided_output(attn_z: torch.Tensor, expert_z: torch.Tensor, bits_z: torch.Tensor, decided, n_heads: int) -> RouterOutput:
+    """The `RouterOutput` of `torch.ops.triroute.decode_decisions`' nine outputs `decided` for those
+    logits (attn_z (B, T, H_a, N_MODES), expert_z, bits_z), with psi's decision block."""
+    attn_hard, attn_y, bits_hard, bits_y, probs, option, index, weight, block = decided
     out = RouterOutput(attn=_expand_heads(AxisDecision(attn_y, attn_y, attn_hard, logits=attn_z), n_heads),
                        bits=AxisDecision(bits_y, bits_y, bits_hard, logits=bits_z),
                        experts=ExpertRoutes(probs, index, weight, option), expert_logits=expert_z)

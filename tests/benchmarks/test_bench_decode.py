@@ -59,7 +59,7 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
             assert set(r["uncounted_ops"]) <= ({"triroute.paged_attention", "triroute.cache_append",
                                                 "triroute.routed_experts", "triroute.controller_logits",
                                                 "triroute.decode_qkv", "triroute.rms_norm", "triroute.decode_decisions",
-                                                "triroute.decode_layer"}
+                                                "triroute.decode_layer", "triroute.decode_layers"}
                                                if name != "dense" else {"triroute.rms_norm"})
         assert dense["host_syncs_per_step"] == 0
         assert dense["executed_over_audited_attn"] == 1.0  # SDPA over exactly the t + 1 keys

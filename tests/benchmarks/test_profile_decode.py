@@ -15,32 +15,37 @@ def shares():
 
 
 def test_each_layer_runs_one_attention_and_one_expert_call_a_step(shares):
-    """Inside the one-call layer too: its kernels are profiled under their ops' names."""
+    """Inside the one-call step too: its kernels are profiled under their ops' names."""
     n_layers = get_recipe("tiny").triroute.model.n_layers
     ops = {op["name"]: op for op in shares["ops"]}
-    assert ops["triroute::decode_layer"]["calls_per_step"] == n_layers
+    assert ops["triroute::decode_layers"]["calls_per_step"] == 1
+    for name in ("controller_logits", "decode_decisions", "decode_qkv", "cache_append"):
+        assert ops[f"triroute::{name}"]["calls_per_step"] == n_layers
     assert ops["triroute::paged_attention"]["calls_per_step"] == n_layers
     assert ops["triroute::routed_experts"]["calls_per_step"] == n_layers
     assert ops["triroute::rms_norm"]["calls_per_step"] == 2 * n_layers + 1
 
 
-def test_layers_in_one_call_against_op_by_op_alternate_steps():
+@pytest.mark.parametrize("theirs,their_op", [("op by op", "triroute.paged_attention"),
+                                               ("layer", "triroute.decode_layer")])
+def test_the_layers_in_one_call_against_their_other_forms_alternate_steps(theirs, their_op):
     from benchmarks.op_counter import StepCounter
 
     bench = load_benchmark("profile_decode")
     n_layers = get_recipe("tiny").triroute.model.n_layers
     counter = StepCounter()
     with torch.no_grad(), counter:
-        result = bench.fused_against_op_by_op("tiny", context=32, batch=2, rounds=2, warmup=1)
+        result = bench.fused_against("tiny", context=32, batch=2, rounds=2, warmup=1, theirs=theirs)
     steps = 1 + 2  # each side: the warm-up and the timed rounds
-    assert counter.foreign_ops["triroute.decode_layer"] == steps * n_layers  # one side's steps
-    assert counter.foreign_ops["triroute.paged_attention"] == steps * n_layers  # the other's
+    assert counter.foreign_ops["triroute.decode_layers"] == steps  # one side's steps
+    assert counter.foreign_ops[their_op] == steps * n_layers  # the other's
     assert result["this_tree_ms"] > 0 and result["baseline_ms"] > 0
     assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
 
 
 def test_the_cli_refuses_two_comparisons(capsys):
-    for two in (["--baseline", "HEAD", "--against-op-by-op"], ["--against-op-by-op", "--against-base-pages"]):
+    for two in (["--baseline", "HEAD", "--against-op-by-op"], ["--against-op-by-op", "--against-base-pages"],
+                ["--against-layer-calls", "--against-op-by-op"]):
         with pytest.raises(SystemExit) as stop:
             load_benchmark("profile_decode").main(two)
         assert stop.value.code == 2 and "give one" in capsys.readouterr().err

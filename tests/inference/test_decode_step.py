@@ -12,6 +12,7 @@ import torch
 
 from benchmarks.op_counter import StepCounter, model_weights
 from megatron_triroute.inference.side_state import SideState
+from megatron_triroute.routing.modes import SKIP
 from megatron_triroute.routing.state import RoutingState
 from tests.inference.test_engine import tiny_model
 
@@ -25,6 +26,9 @@ LAYER_OPS = ("triroute.paged_attention", "triroute.cache_append", "triroute.rout
 
 
 def fused_layers(model, on: bool):
+    """`model` with each layer in one call (`triroute.decode_layer`) or op by op, the step's layers
+    looped over (not in one call: `tests/inference/test_fused_step.py`)."""
+    model.fused_step = False
     for layer in model.layers:
         layer.fused = on
     return model
@@ -72,15 +76,20 @@ def _priced(model, prices, own):
     return None if prices is None else torch.tensor(prices, dtype=torch.float64)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["one call per layer", "op by op"])
+@pytest.mark.parametrize("fused", ["step", True, False], ids=["one call per step", "one call per layer", "op by op"])
 @pytest.mark.parametrize("prices,own", PRICES, ids=PRICE_IDS)
 def test_a_decode_step_has_no_host_read_and_few_ops(prices, own, fused):
-    model = fused_layers(tiny_model(), fused)
+    model = fused_layers(tiny_model(), fused is not False)
+    model.fused_step = fused == "step"
     L = model.config.model.n_layers
     step_prices = _priced(model, prices, own)
     for _, counter in decode_steps(model, 3, lambda: StepCounter(model_weights(model)), step_prices):
         assert counter.syncs == {}, counter.syncs
         assert counter.ops / L <= OPS_PER_LAYER, counter.ops / L
+        if fused == "step":  # every layer's decisions and ops in one call (inference/fused_step.py)
+            assert counter.foreign_ops == {"triroute.decode_layers": 1, "triroute.rms_norm": 1}, counter.foreign_ops
+            assert counter.linear_kernels == {"triroute.decode_linear": 1}, counter.linear_kernels
+            continue
         for op in DECISION_OPS:  # the one-call kernels ran, once per layer (not their fallbacks)
             assert counter.foreign_ops.get(op) == L, counter.foreign_ops
         for op in LAYER_OPS:
@@ -115,6 +124,35 @@ def test_a_layer_in_one_call_equals_it_op_by_op_bit_for_bit(prices, own):
         assert torch.equal(a, b)
     assert len(state) == len(fused_state)
     for a, b in zip(state, fused_state):
+        assert torch.equal(a, b)
+
+
+def _skipping(model, heads):
+    """`model` whose layers' decisions skip `heads` for every row (the other heads as decided)."""
+    for layer in model.layers:
+        decide = layer.decide
+
+        def skip(*args, _decide=decide, **kwargs):
+            out = _decide(*args, **kwargs)
+            out.attn.hard = out.attn.hard.clone()
+            out.attn.hard[..., heads] = SKIP
+            return out
+
+        layer.decide = skip
+    return model
+
+
+def test_a_layer_in_one_call_with_heads_no_row_reads_equals_it_op_by_op():
+    """Heads that every row of a step skips (the one-call layer computes no Q row of theirs, with
+    `decode_qkv`'s read flags, `tests/kernels/test_layer_ops.py`): bit for bit the layer op by op,
+    which computes them and multiplies their zero context."""
+    runs = {}
+    for fused in (False, True):
+        model = _skipping(fused_layers(tiny_model(seed=3), fused), [0, 2])
+        runs[fused] = [step_logits for step_logits, _, outs, _ in _decoded(model, 4)
+                       if all(bool((out.attn.hard[..., [0, 2]] == SKIP).all()) for out in outs)]
+    assert len(runs[False]) == len(runs[True]) == 4
+    for a, b in zip(runs[False], runs[True]):
         assert torch.equal(a, b)
 
 

@@ -56,6 +56,29 @@ def test_decode_qkv_is_the_engines_projections_and_rotation_bit_for_bit(rows, H,
     torch.testing.assert_close(q.double(), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows,H,Hk,d,D", [(1, 12, 3, 64, 768), (5, 4, 2, 8, 32), (DECODE_LINEAR_ROWS, 6, 3, 8, 20)])
+def test_decode_qkv_with_read_flags_computes_the_flagged_heads_only(rows, H, Hk, d, D):
+    """The flagged heads' Q rows bit for bit those of the whole projection, in runs of any length and
+    position; the others zero, their weights not read (NaN there reaches nothing); K and V unchanged."""
+    g = torch.Generator().manual_seed(rows + H)
+    x = torch.randn(rows, D, generator=g)
+    wq, wk, wv = (torch.randn(n * d, D, generator=g) * 0.2 for n in (H, Hk, Hk))
+    cos, sin = (t.view(rows, d) for t in rope_tables(torch.randint(0, 5000, (rows,), generator=g), d))
+    full = torch.ops.triroute.decode_qkv(x, wq, wk, wv, cos, sin)
+    read = torch.rand(H, generator=g) < 0.5
+    read[0], read[-1], read[1] = False, True, True  # a skipped first head, a run to the end
+    unread = wq.clone().view(H, d, D)
+    unread[~read] = float("nan")
+    q, k, v = torch.ops.triroute.decode_qkv(x, unread.view(H * d, D), wk, wv, cos, sin, read)
+    assert torch.equal(q[:, read], full[0][:, read])
+    assert torch.equal(q[:, ~read], torch.zeros_like(q[:, ~read]))
+    assert torch.equal(k, full[1]) and torch.equal(v, full[2])
+    every = torch.ops.triroute.decode_qkv(x, wq, wk, wv, cos, sin, torch.ones(H, dtype=torch.bool))
+    assert all(torch.equal(a, b) for a, b in zip(every, full))
+    with pytest.raises(RuntimeError, match="one read flag per head"):
+        torch.ops.triroute.decode_qkv(x, wq, wk, wv, cos, sin, read[:-1])
+
+
 def test_decode_qkv_refuses_shapes_that_do_not_chain():
     x, w = torch.randn(2, 8), torch.randn(8, 8)
     cos = torch.randn(2, 4)

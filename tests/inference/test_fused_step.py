@@ -1,0 +1,192 @@
+"""A decode step's layers in one call (`triroute.decode_layers`, `inference/fused_step.py`) against
+the layer loop (`InferenceModel.forward_step`'s definition, each layer one call and op by op): the
+same logits, decisions, cache and executed counters bit for bit, unpriced and priced, whitened heads
+with running statistics and without, token-granular attention, replayed decisions; where it is taken
+and where the loop runs."""
+
+import pytest
+import torch
+
+from megatron_triroute.inference.fused_step import LayerDecisions, fusable
+from megatron_triroute.routing.controller import TriRouteController
+from tests.inference.test_decode_step import PRICE_IDS, PRICES, _decoded, _prefilled, _priced
+from tests.inference.test_engine import tiny_model
+
+
+def _model(seed=3, **router):
+    model = tiny_model(seed=seed, **router)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():  # whitening statistics away from their initial (0, 1), so the fold matters
+        for name, b in model.named_buffers():
+            if name.endswith("whiten.mean"):
+                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+            elif name.endswith("whiten.var"):
+                b.copy_(torch.rand(b.shape, generator=g) * 2 + 0.1)
+    return model
+
+
+def _mode(model, mode):
+    model.fused_step = mode == "step"
+    for layer in model.layers:
+        layer.fused = mode != "op by op"
+    return model
+
+
+def _run(model, steps=6, prices=None):
+    logits, decisions = [], []
+    for step_logits, _, outs, cache in _decoded(model, steps, prices=prices):
+        logits.append(step_logits)
+        decisions.append([(o.attn.hard, o.bits.hard, o.experts.index, o.experts.weight, o.experts.probs,
+                           o.experts.option, o.decision_block.features) for o in outs])
+    pools = [t for layer in cache.layers for group in layer.lists().tensors for t in group]
+    return logits, decisions, [*pools, cache.counts, cache.tables, cache.executed]
+
+
+def _assert_same(a, b):
+    for x, y in zip(a[0], b[0]):
+        assert torch.equal(x, y)
+    assert len(a[1]) == len(b[1])
+    for step_a, step_b in zip(a[1], b[1]):
+        for la, lb in zip(step_a, step_b):
+            for x, y in zip(la, lb):
+                assert torch.equal(x, y)
+    assert len(a[2]) == len(b[2])
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("prices,own", PRICES, ids=PRICE_IDS)
+@pytest.mark.parametrize("router", [{}, {"whitening": False}, {"attn_granularity": "token"}],
+                         ids=["whitened", "no whitening", "token-granular attention"])
+def test_the_step_in_one_call_equals_the_layer_loop_bit_for_bit(prices, own, router):
+    runs = {}
+    for mode in ("step", "layer", "op by op"):
+        model = _mode(_model(**router), mode)
+        runs[mode] = _run(model, prices=_priced(model, prices, own))
+    modes = {int(m) for step in runs["step"][1] for layer in step for m in layer[0].flatten()}
+    assert modes == {0, 1, 2}, modes  # every attention mode was taken
+    _assert_same(runs["layer"], runs["step"])
+    _assert_same(runs["op by op"], runs["step"])
+
+
+def test_a_decode_step_takes_the_one_call_and_a_prefill_the_loop():
+    model = _model()
+    calls = []
+    real = torch.ops.triroute.decode_layers
+
+    def counted(*args):
+        calls.append(len(args))
+        return real(*args)
+
+    torch.ops.triroute.decode_layers = counted
+    try:
+        for _, _, outs, _ in _decoded(model, 3):
+            assert isinstance(outs, LayerDecisions) and len(outs) == model.config.model.n_layers
+    finally:
+        torch.ops.triroute.decode_layers = real
+    assert len(calls) == 3  # the decode steps; the prefill (5 and 2 tokens) ran the loop
+
+
+class Replaying(torch.nn.Module):
+    """A controller that replays decisions drawn elsewhere, the real one running beside."""
+
+    def __init__(self, real, schedule):
+        super().__init__()
+        self.real, self.schedule = real, list(schedule)
+
+    def next_decisions(self):
+        return self.schedule.pop(0)
+
+    def forward(self, hidden, side, noise_key=None, tau=1.0, prev=None, decide=True):
+        self.real(hidden, side, noise_key, tau, prev, **({} if decide else {"decide": False}))
+        return self.next_decisions()
+
+
+def test_replayed_decisions_run_in_one_call_as_in_the_loop():
+    """Another model's decisions (seed 5), replayed into this one's decode steps (seed 3): the one call
+    runs them as the layer loop does, and runs the real controller too."""
+    steps = 5
+    recorded = [outs for _, _, outs, _ in _decoded(_mode(_model(seed=5), "layer"), steps)]
+    runs = {}
+    for mode in ("step", "layer"):
+        model = _mode(_model(seed=3), mode)
+        cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+        for i, layer in enumerate(model.layers):
+            layer.controller = Replaying(layer.controller, [step[i] for step in recorded])
+        logits, ran = [], []
+        real_forward = TriRouteController.forward
+
+        def counted(self, *args, **kwargs):
+            ran.append(1)
+            return real_forward(self, *args, **kwargs)
+
+        TriRouteController.forward = counted
+        try:
+            for _ in range(steps):
+                batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+                with torch.no_grad():
+                    step_logits, outs = model.forward_step(batch, cache)
+                model.finish(batch, outs, cache, rids, None)
+                last = step_logits.argmax(-1)
+                logits.append(step_logits)
+                assert len(outs) == len(recorded[0]) and all(a is b for a, b in zip(outs, recorded[len(logits) - 1]))
+        finally:
+            TriRouteController.forward = real_forward
+        assert all(not layer.controller.schedule for layer in model.layers)
+        pools = [t for layer in cache.layers for group in layer.lists().tensors for t in group]
+        runs[mode] = (logits, pools + [cache.counts, cache.executed], len(ran))
+    assert runs["layer"][2] == steps * len(recorded[0]) and runs["step"][2] == 0  # the call ran them in C++
+    for a, b in zip(runs["layer"][0], runs["step"][0]):
+        assert torch.equal(a, b)
+    for a, b in zip(runs["layer"][1], runs["step"][1]):
+        assert torch.equal(a, b)
+    own = [o for o in _run(_mode(_model(seed=3), "step"), steps)[0]]
+    assert any(not torch.equal(a, b) for a, b in zip(own, runs["step"][0]))  # the replayed decisions mattered
+
+
+def test_the_one_call_folds_the_heads_again_after_they_change():
+    """The folded heads are kept in the call between steps while their inputs are unchanged: a head's
+    bias, gain or whitening statistics written in place (as a load does), or a projection replaced,
+    is folded again, as the layer loop does (bit for bit)."""
+    runs = {}
+    for mode in ("step", "layer"):
+        model = _mode(_model(), mode)
+        logits = []
+        for i, (step_logits, _, _, _) in enumerate(_decoded(model, 6)):
+            logits.append(step_logits)
+            heads = model.layers[0].controller.heads
+            with torch.no_grad():
+                if i == 1:
+                    heads["experts"].bias.add_(torch.tensor([0.0, 2.0, -1.0, 0.0, 0.5]))
+                if i == 2:
+                    heads["attn"].whiten.var.mul_(4.0)
+                if i == 3:
+                    heads["bits"].gain.mul_(-1.0)
+                if i == 4:
+                    heads["bits"].proj.weight = torch.nn.Parameter(heads["bits"].proj.weight.flip(0).clone())
+        runs[mode] = logits
+    changed = [not torch.equal(a, b) for a, b in zip(runs["step"], _run(_mode(_model(), "step"), 6)[0])]
+    assert any(changed[2:])  # the writes changed the steps after them
+    for a, b in zip(runs["layer"], runs["step"]):
+        assert torch.equal(a, b)
+
+
+def test_the_one_call_schema_names_what_it_writes():
+    """`torch.library.opcheck` on a decode step's real arguments: the call writes only what its schema
+    marks as written (the counts, pools, executed counters and the folded heads' cache), and its fake
+    kernel gives the outputs' shapes and dtypes."""
+    model = _model()
+    real, captured = torch.ops.triroute.decode_layers, []
+
+    def capture(*args):
+        captured.append(args)
+        return real(*args)
+
+    torch.ops.triroute.decode_layers = capture
+    try:
+        for _ in _decoded(model, 1):
+            pass
+    finally:
+        torch.ops.triroute.decode_layers = real
+    assert len(captured) == 1
+    torch.library.opcheck(real.default, captured[0], test_utils=("test_schema", "test_faketensor"))
