@@ -31,6 +31,7 @@ from ..routing.modes import reach_by_mode
 from ..routing.state import has_leader
 
 _FLOAT32_EPS = torch.finfo(torch.float32).eps
+_AXES = list(AXES)
 
 
 class LayerDecisions(Sequence):
@@ -70,9 +71,11 @@ def fusable(model, batch, x: torch.Tensor) -> bool:
         return False
     if cfg.router.sharing != "shared_trunk" or not cfg.router.expert_routing:
         return False
+    heads = (1, cfg.model.n_heads)
     for layer in model.layers:
-        real = _real(layer.controller)
-        if not layer.fused or not layer.as_defined or real is None or tuple(real.sizes) != AXES or real.attn_heads not in (1, cfg.model.n_heads):
+        real = _real(layer._modules["controller"])
+        if not layer.fused or not layer.as_defined or real is None or real.attn_heads not in heads or \
+                list(real.sizes) != _AXES:
             return False
     return True
 
