@@ -106,7 +106,8 @@ def _layer_args(layer, cache) -> tuple[list, list, list]:
         weights += [e[name]._parameters["weight"] for e in experts]
     fold = getattr(layer, "_fold_cache", None)
     if fold is None:  # the folded heads, made in the call and kept there while their inputs are unchanged
-        fold = layer._fold_cache = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long))
+        with torch.inference_mode(False):  # normal tensors: written again outside inference mode too
+            fold = layer._fold_cache = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long))
     state = [cache.layer_counts[i], cache.layer_executed[i], *fold]
     for group in cache.layers[i].lists().tensors:
         state += group

@@ -190,3 +190,18 @@ def test_the_one_call_schema_names_what_it_writes():
         torch.ops.triroute.decode_layers = real
     assert len(captured) == 1
     torch.library.opcheck(real.default, captured[0], test_utils=("test_schema", "test_faketensor"))
+
+
+def test_the_folded_heads_made_under_inference_mode_are_folded_again_outside_it():
+    """A model first served under `torch.inference_mode` (an evaluation harness), then, its heads
+    changed, under `no_grad`: the call folds them again, as the layer loop does."""
+    runs = {}
+    for mode in ("step", "layer"):
+        model = _mode(_model(), mode)
+        with torch.inference_mode():
+            first = [step_logits for step_logits, *_ in _decoded(model, 2)]
+        with torch.no_grad():
+            model.layers[1].controller.heads["experts"].bias.add_(torch.tensor([0.0, 3.0, -2.0, 0.0, 1.0]))
+        runs[mode] = first + [step_logits for step_logits, *_ in _decoded(model, 2)]
+    for a, b in zip(runs["layer"], runs["step"]):
+        assert torch.equal(a, b)
