@@ -25,6 +25,22 @@ LAYER_OPS = ("triroute.paged_attention", "triroute.cache_append", "triroute.rout
 """What `triroute.decode_layer` runs in one call (op by op: each once per layer)."""
 
 
+@contextlib.contextmanager
+def captured_calls(name: str):
+    """The argument tuples of every call of `torch.ops.triroute.<name>` inside the context (the op runs)."""
+    real, calls = getattr(torch.ops.triroute, name), []
+
+    def capture(*args):
+        calls.append(args)
+        return real(*args)
+
+    setattr(torch.ops.triroute, name, capture)
+    try:
+        yield calls
+    finally:
+        setattr(torch.ops.triroute, name, real)
+
+
 def fused_layers(model, on: bool):
     """`model` with each layer in one call (`triroute.decode_layer`) or op by op, the step's layers
     looped over (not in one call: `tests/inference/test_fused_step.py`)."""
@@ -179,20 +195,11 @@ def test_the_one_call_layers_schema_names_what_it_writes():
     model = fused_layers(tiny_model(), True)
     cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]], page_size=16)
     batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
-    real, captured = torch.ops.triroute.decode_layer, []
-
-    def capture(*args):
-        captured.append(args)
-        return real(*args)
-
-    torch.ops.triroute.decode_layer = capture
-    try:
-        with torch.no_grad():
-            model.forward_step(batch, cache)
-    finally:
-        torch.ops.triroute.decode_layer = real
+    with captured_calls("decode_layer") as captured, torch.no_grad():
+        model.forward_step(batch, cache)
     assert len(captured) == model.config.model.n_layers
-    torch.library.opcheck(real.default, captured[0], test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.triroute.decode_layer.default, captured[0],
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_the_scheduler_reads_the_device_once_per_page_of_steps_and_holds_little_slack():

@@ -9,7 +9,7 @@ import torch
 
 from megatron_triroute.inference.fused_step import LayerDecisions, fusable
 from megatron_triroute.routing.controller import TriRouteController
-from tests.inference.test_decode_step import PRICE_IDS, PRICES, _decoded, _prefilled, _priced
+from tests.inference.test_decode_step import PRICE_IDS, PRICES, _decoded, _prefilled, _priced, captured_calls
 from tests.inference.test_engine import tiny_model
 
 
@@ -69,21 +69,32 @@ def test_the_step_in_one_call_equals_the_layer_loop_bit_for_bit(prices, own, rou
     _assert_same(runs["op by op"], runs["step"])
 
 
+def test_the_one_call_is_taken_only_where_the_loop_would_call_the_same_kernels():
+    def decode_batch(model):
+        cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+        batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids)
+        return batch, model.embed(batch.tokens)
+
+    model = _model()
+    batch, x = decode_batch(model)
+    assert fusable(model, batch, x)
+    assert not fusable(model, batch, x.expand(2, 3, x.shape[-1]))  # several tokens per request
+    assert not fusable(model, batch, x.double())  # not the kernels' float32
+    model.layers[1].fused = False  # op by op asked for
+    assert not fusable(model, batch, x)
+    model.layers[1].fused = True
+    model.layers[0].decide = lambda *args: None  # a layer's decisions taken elsewhere
+    assert not fusable(model, batch, x)
+    grouped = _model(attn_granularity="layer_group", layer_group_size=2)  # a follower reuses its leader's
+    batch, x = decode_batch(grouped)
+    assert not fusable(grouped, batch, x)
+
+
 def test_a_decode_step_takes_the_one_call_and_a_prefill_the_loop():
     model = _model()
-    calls = []
-    real = torch.ops.triroute.decode_layers
-
-    def counted(*args):
-        calls.append(len(args))
-        return real(*args)
-
-    torch.ops.triroute.decode_layers = counted
-    try:
+    with captured_calls("decode_layers") as calls:
         for _, _, outs, _ in _decoded(model, 3):
             assert isinstance(outs, LayerDecisions) and len(outs) == model.config.model.n_layers
-    finally:
-        torch.ops.triroute.decode_layers = real
     assert len(calls) == 3  # the decode steps; the prefill (5 and 2 tokens) ran the loop
 
 
@@ -175,21 +186,12 @@ def test_the_one_call_schema_names_what_it_writes():
     """`torch.library.opcheck` on a decode step's real arguments: the call writes only what its schema
     marks as written (the counts, pools, executed counters and the folded heads' cache), and its fake
     kernel gives the outputs' shapes and dtypes."""
-    model = _model()
-    real, captured = torch.ops.triroute.decode_layers, []
-
-    def capture(*args):
-        captured.append(args)
-        return real(*args)
-
-    torch.ops.triroute.decode_layers = capture
-    try:
-        for _ in _decoded(model, 1):
+    with captured_calls("decode_layers") as captured:
+        for _ in _decoded(_model(), 1):
             pass
-    finally:
-        torch.ops.triroute.decode_layers = real
     assert len(captured) == 1
-    torch.library.opcheck(real.default, captured[0], test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(torch.ops.triroute.decode_layers.default, captured[0],
+                          test_utils=("test_schema", "test_faketensor"))
 
 
 def test_the_folded_heads_made_under_inference_mode_are_folded_again_outside_it():
