@@ -48,6 +48,9 @@ class LayerDecisions(Sequence):
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]
+        if not -len(self) <= i < len(self):
+            raise IndexError(f"layer {i} of {len(self)}")
+        i %= len(self)
         if self._outs[i] is None:
             z = self._tensors[10 * i].view(self._batch, 1, -1)
             attn_z, expert_z, bits_z = z.split(self._sizes, -1)

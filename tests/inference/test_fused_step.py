@@ -96,6 +96,11 @@ def test_a_decode_step_takes_the_one_call_and_a_prefill_the_loop():
         for _, _, outs, _ in _decoded(model, 3):
             assert isinstance(outs, LayerDecisions) and len(outs) == model.config.model.n_layers
     assert len(calls) == 3  # the decode steps; the prefill (5 and 2 tokens) ran the loop
+    last = outs[len(outs) - 1]
+    assert outs[-1] is last and outs[-len(outs)] is outs[0] and outs[1:] == [last]  # made once, any index
+    assert torch.equal(last.bits.hard, last.bits.y.argmax(-1)) and last.decision_block.holds(last)
+    with pytest.raises(IndexError):
+        outs[len(outs)]
 
 
 class Replaying(torch.nn.Module):
