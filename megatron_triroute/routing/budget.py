@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..config import BudgetConfig
+from .running_stats import ema_from_first
 from .versions import version_key
 
 RESOURCES = ("flops", "mem")
@@ -108,9 +109,7 @@ class BudgetController(nn.Module):
         """One dual-ascent step on the realised fractions (2,) of a global batch."""
         realised = realised.to(torch.float64)
         m = self.config.ema_momentum
-        # the first step takes the realised fractions as they are: a select, not a branch on the
-        # step count (no host read, so nothing waits for the device here)
-        self.ema.copy_(torch.where(self.steps == 0, realised, m * self.ema + (1.0 - m) * realised))
+        self.ema.copy_(ema_from_first(self.steps, self.ema, realised, m))  # the first step's fractions as they are
         self.steps += 1
         if not self.config.enabled:
             return

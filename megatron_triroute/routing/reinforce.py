@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from .controller import RouterOutput
-from .running_stats import RunningStatistic
+from .running_stats import RunningStatistic, ema_from_first
 
 
 class RewardBaseline(RunningStatistic):
@@ -48,8 +48,7 @@ class RewardBaseline(RunningStatistic):
         total, count = reduced.double().unbind()  # may be views of _acc: read before it is zeroed
         mean = total / count
         seen = count > 0
-        ema = self.value * self.momentum + mean * (1 - self.momentum)
-        self.value.copy_(torch.where(seen, torch.where(self.steps == 0, mean, ema), self.value))
+        self.value.copy_(torch.where(seen, ema_from_first(self.steps, self.value, mean, self.momentum), self.value))
         self.steps += seen.long()
         self._acc.zero_()
 

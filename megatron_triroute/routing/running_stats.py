@@ -28,6 +28,13 @@ def in_backward_pass() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+def ema_from_first(steps: torch.Tensor, old: torch.Tensor, new: torch.Tensor, momentum: float) -> torch.Tensor:
+    """An exponential moving average that starts at its first value: `new` while `steps` is 0, else
+    old * momentum + new * (1 - momentum). A select, not a branch on the step count: no host read,
+    so nothing waits for the device (the budget's EMA, the REINFORCE reward baseline)."""
+    return torch.where(steps == 0, new, old * momentum + new * (1 - momentum))
+
+
 class RunningStatistic(nn.Module):
     """A module with a float64 accumulator committed once per optimizer step."""
 

@@ -2,7 +2,7 @@ import torch
 
 from benchmarks.op_counter import StepCounter
 from megatron_triroute.routing.grad_balance import GradBalance
-from megatron_triroute.routing.running_stats import commit_running_statistics, discard_running_statistics
+from megatron_triroute.routing.running_stats import commit_running_statistics, discard_running_statistics, ema_from_first
 from megatron_triroute.routing.whitening import RunningWhitening
 
 
@@ -70,3 +70,14 @@ def test_discard_zeroes_every_accumulator_and_moves_no_statistic():
     discard_running_statistics([container])
     assert all(not m._acc.any() for m in container)
     assert all(torch.equal(v, before[k]) for k, v in container.state_dict().items())
+
+
+def test_the_first_value_then_the_ema_by_hand_without_a_host_read():
+    old = torch.tensor([0.25, 4.0], dtype=torch.float64)
+    new = torch.tensor([1.0, -2.0], dtype=torch.float64)
+    with StepCounter() as counter:
+        first = ema_from_first(torch.zeros((), dtype=torch.long), old, new, 0.9)
+        later = ema_from_first(torch.ones((), dtype=torch.long), old, new, 0.9)
+    assert counter.syncs == {}
+    assert first.tolist() == [1.0, -2.0]
+    assert later.tolist() == [0.25 * 0.9 + 1.0 * (1 - 0.9), 4.0 * 0.9 + -2.0 * (1 - 0.9)]
