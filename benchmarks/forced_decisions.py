@@ -138,7 +138,6 @@ class ForcedController(nn.Module):
                                experts=out.experts)
         return out
 
-
     def next_decisions(self) -> RouterOutput:
         """The next scheduled decisions: what `forward` returns after running the real controller, and
         what a decode step with its layers in one call (`inference.fused_step`) gives the layer while

@@ -213,17 +213,14 @@ std::tuple<Tensor, Tensor, Tensor> decode_qkv_heads(const Tensor& x, const Tenso
   Tensor q = every ? at::empty({M, H, d}, x.options()) : at::zeros({M, H, d}, x.options()),
          k = at::empty({M, Hk, d}, x.options()), v = at::empty({M, Hk, d}, x.options());
   const float* xp = x.data_ptr<float>();
-  if (every) {
-    triroute_linear::rows(wq.data_ptr<float>(), xp, M, H * d, K, q.data_ptr<float>());
-  } else {
-    for (int64_t h0 = 0; h0 < H;) {  // each run of heads read, as one block of rows of wq
-      if (!(*read)[h0]) { ++h0; continue; }
-      int64_t h1 = h0 + 1;
-      while (h1 < H && (*read)[h1]) ++h1;
-      triroute_linear::rows(wq.data_ptr<float>() + h0 * d * K, xp, M, (h1 - h0) * d, K, q.data_ptr<float>() + h0 * d,
-                            H * d);
-      h0 = h1;
-    }
+  const auto is_read = [&](int64_t h) { return every || (*read)[h] != 0; };
+  for (int64_t h0 = 0; h0 < H;) {  // each run of heads read (every head: one run), as one block of rows of wq
+    if (!is_read(h0)) { ++h0; continue; }
+    int64_t h1 = h0 + 1;
+    while (h1 < H && is_read(h1)) ++h1;
+    triroute_linear::rows(wq.data_ptr<float>() + h0 * d * K, xp, M, (h1 - h0) * d, K, q.data_ptr<float>() + h0 * d,
+                          H * d);
+    h0 = h1;
   }
   triroute_linear::rows(wk.data_ptr<float>(), xp, M, Hk * d, K, k.data_ptr<float>());
   triroute_linear::rows(wv.data_ptr<float>(), xp, M, Hk * d, K, v.data_ptr<float>());
@@ -488,14 +485,14 @@ void folded_heads(const Tensor* head, int64_t n_heads, bool whitened, double eps
   for (int64_t i = 0; i < n_heads; ++i) {
     const Tensor* t = head + i * per;
     const float *pw = t[0].data_ptr<float>(), *pb = t[1].data_ptr<float>();
-    const Tensor std = whitened ? at::sqrt(t[4]) : Tensor();
+    const Tensor root = whitened ? at::sqrt(t[4]) : Tensor();  // sqrt(var), PyTorch's kernel
     for (int64_t o = 0; o < t[0].size(0); ++o, ++bp, wp += R) {
       if (!whitened) {
         std::copy(pw + o * R, pw + (o + 1) * R, wp);
         *bp = pb[o];
         continue;
       }
-      const float a = t[2].data_ptr<float>()[o] / (std.data_ptr<float>()[o] + static_cast<float>(eps));
+      const float a = t[2].data_ptr<float>()[o] / (root.data_ptr<float>()[o] + static_cast<float>(eps));
       for (int64_t r = 0; r < R; ++r) wp[r] = pw[o * R + r] * a;
       *bp = pb[o] - a * t[3].data_ptr<float>()[o];
     }
