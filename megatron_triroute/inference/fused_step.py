@@ -12,6 +12,12 @@ of few float32 rows on a CPU where the C++ kernels are built, every layer with i
 controller deciding all three axes and routed experts, no layer groups, no layer's `decide` or
 `forward` replaced. Elsewhere the layer loop runs.
 
+What the call reads from the modules (each layer's weights, norm epsilons, folded heads' cache) is
+read once into a plan and kept while no module, parameter or buffer is assigned anywhere and each
+whitening buffer is still its module's own; the cache's tensors are kept while the cache reallocates
+none (`PagedKVCache.layout`). A plain attribute set afterwards (a norm's `eps`) is not seen: assign
+its module again, or build the model with it.
+
 A controller that replays decisions drawn elsewhere (it has `real`, the `TriRouteController` that
 still runs, and `next_decisions()`, e.g. the decode benchmark's forced schedule) is run the same
 way, its decisions given to the call.
@@ -20,6 +26,7 @@ way, its decisions given to the call.
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Sequence
 
 import torch
@@ -31,6 +38,7 @@ from ..routing.modes import reach_by_mode
 from ..routing.state import has_leader
 
 _FLOAT32_EPS = torch.finfo(torch.float32).eps
+_TABLE = 5  # a layer's page table's place among its weights in `decode_layers`
 _AXES = list(AXES)
 
 
@@ -66,6 +74,83 @@ def _real(controller) -> TriRouteController | None:
     return real if type(real) is TriRouteController else None
 
 
+class _Registrations:
+    """How many modules, parameters and buffers have been registered or reassigned on any module of
+    this process (`torch.nn.modules.module`'s global registration hooks, counted from this module's
+    import). A step's plan read at one count still holds the modules' own tensors while the count is
+    unchanged: assigning a submodule, parameter or buffer goes through a hook, and so does
+    `load_state_dict(assign=True)`; `Module.to` keeps each parameter object (its data swapped in
+    place) but replaces buffers, which `_Plan.current` checks one by one."""
+
+    count = 0
+
+    @classmethod
+    def hook(cls, *_) -> None:
+        cls.count += 1
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_Registrations.hook)
+torch.nn.modules.module.register_module_parameter_registration_hook(_Registrations.hook)
+torch.nn.modules.module.register_module_buffer_registration_hook(_Registrations.hook)
+
+
+class _Plan:
+    """What `decode_layers` reads from a model's modules, read once and kept while it stays the
+    modules' own (`current`): whether every layer's controller can take the call, and each layer's
+    weights (before and after its page table, which is the cache's), norm epsilons and folded heads'
+    cache in the call's order. Reading them from the modules' tables every step, with the checks of
+    `fusable`, took about a twentieth of a batch-1 step on a CPU."""
+
+    def __init__(self, model):
+        self.registrations = _Registrations.count
+        self.layers = list(model.layers)
+        self.controllers = [layer._modules["controller"] for layer in self.layers]
+        self.replayed = [hasattr(c, "next_decisions") for c in self.controllers]
+        cfg = model.config
+        heads = (1, cfg.model.n_heads)
+        reals = [_real(c) for c in self.controllers]
+        self.fusable = all(real is not None and real.attn_heads in heads and list(real.sizes) == _AXES
+                           for real in reals) and (all(self.replayed) or not any(self.replayed))
+        self.weights, self.eps, self.folds, self.buffers = [], [], [], []
+        if self.fusable:
+            for layer in self.layers:
+                weights, eps, fold, buffers = _layer_args(layer)
+                self.weights.append((weights[:_TABLE], weights[_TABLE + 1:]))
+                self.eps += eps
+                self.folds.append(fold)
+                self.buffers += buffers
+            self.sizes = list(reals[0].sizes.values())
+
+    def arguments(self, cache) -> tuple[list, list]:
+        """(weights, state): every layer's, in the call's order, with `cache`'s tensors as it is laid out
+        now (`PagedKVCache.per_layout` keeps them until it reallocates one)."""
+        weights, state = [], []
+        for i, ((before, after), fold) in enumerate(zip(self.weights, self.folds)):
+            weights += before
+            weights.append(cache.layer_tables[i])
+            weights += after
+            state += [cache.layer_counts[i], cache.layer_executed[i], *fold]
+            for group in cache.layers[i].lists().tensors:
+                state += group
+        return weights, state
+
+    def current(self) -> bool:
+        """Whether this plan still holds its model's own modules and tensors."""
+        return self.registrations == _Registrations.count and all(
+            table.get(name) is t for table, name, t in self.buffers)
+
+
+_PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()
+
+
+def _plan(model) -> _Plan:
+    """`model`'s plan, read again when it is no longer current."""
+    plan = _PLANS.get(model)
+    if plan is None or not plan.current():
+        plan = _PLANS[model] = _Plan(model)
+    return plan
+
+
 def fusable(model, batch, x: torch.Tensor) -> bool:
     """Whether `decode_layers` can run this step of `model` (module doc)."""
     B, n, D = x.shape
@@ -74,35 +159,31 @@ def fusable(model, batch, x: torch.Tensor) -> bool:
         return False
     if cfg.router.sharing != "shared_trunk" or not cfg.router.expert_routing:
         return False
-    heads = (1, cfg.model.n_heads)
-    for layer in model.layers:
-        real = _real(layer._modules["controller"])
-        if not layer.fused or not layer.as_defined or real is None or real.attn_heads not in heads or \
-                list(real.sizes) != _AXES:
-            return False
-    return True
+    plan = _plan(model)
+    return plan.fusable and all(layer.fused and layer.as_defined for layer in plan.layers)
 
 
-def _layer_args(layer, cache) -> tuple[list, list, list]:
-    """(weights, state, eps) of one layer in `decode_layers`' order, read from the modules' own tables
-    (every layer's, every step: the call holds nothing between steps but the folded heads' cache)."""
+def _layer_args(layer) -> tuple[list, list, tuple, list]:
+    """(weights, eps, folded heads' cache, buffers) of one layer in `decode_layers`' order, read from
+    the modules' own tables; buffers: (table, name, tensor) of each buffer read."""
     mods, params = layer._modules, layer._parameters
     real = _real(mods["controller"])
     m = real._modules
     trunk = m["trunk"]._modules
     heads = m["heads"]._modules
     fc1, fc2 = trunk["fc1"]._parameters, trunk["fc2"]._parameters
-    i = layer.layer_number
     weights = [mods["attn_norm"]._parameters["weight"], params["wq"], params["wk"], params["wv"], params["wo"],
-               cache.layer_tables[i], mods["ffn_norm"]._parameters["weight"], m["input_norm"]._parameters["weight"],
+               None,  # the page table's place (_TABLE): the cache's, given by each step
+               mods["ffn_norm"]._parameters["weight"], m["input_norm"]._parameters["weight"],
                fc1["weight"], fc1["bias"], fc2["weight"], fc2["bias"], trunk["norm"]._parameters["weight"]]
-    whiten_eps = 0.0
+    whiten_eps, buffers = 0.0, []
     for axis in AXES:
         head = heads[axis]
         weights += [head._modules["proj"]._parameters["weight"], head._parameters["bias"]]
         stats = head._modules.get("whiten")
         if stats is not None:
             weights += [head._parameters["gain"], stats._buffers["mean"], stats._buffers["var"]]
+            buffers += [(stats._buffers, "mean", weights[-2]), (stats._buffers, "var", weights[-1])]
             whiten_eps = stats.eps
     experts = [e._modules for e in mods["experts"]._modules.values()]
     for name in ("w1", "w3", "w2"):
@@ -111,12 +192,9 @@ def _layer_args(layer, cache) -> tuple[list, list, list]:
     if fold is None:  # the folded heads, made in the call and kept there while their inputs are unchanged
         with torch.inference_mode(False):  # normal tensors: written again outside inference mode too
             fold = layer._fold_cache = (torch.empty(0), torch.empty(0), torch.empty(0, dtype=torch.long))
-    state = [cache.layer_counts[i], cache.layer_executed[i], *fold]
-    for group in cache.layers[i].lists().tensors:
-        state += group
     norm_eps = lambda norm: norm.eps if norm.eps is not None else _FLOAT32_EPS  # noqa: E731
     eps = [mods["attn_norm"].eps, mods["ffn_norm"].eps, norm_eps(m["input_norm"]), norm_eps(trunk["norm"]), whiten_eps]
-    return weights, state, eps
+    return weights, eps, fold, buffers
 
 
 def _given(out: RouterOutput, n_heads: int, n_bits: int, top_k: int) -> list[torch.Tensor]:
@@ -135,25 +213,20 @@ def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, S
     B, _, D = x.shape
     cfg = model.config
     m, r = cfg.model, cfg.router
-    weights, state, eps, given, replayed = [], [], [], [], []
-    for layer in model.layers:
-        w, s, e = _layer_args(layer, cache)
-        weights += w
-        state += s
-        eps += e
-        if hasattr(layer.controller, "next_decisions"):
-            replayed.append(layer.controller.next_decisions())
+    plan = _plan(model)
+    weights, state = cache.per_layout(plan, lambda: plan.arguments(cache))
+    given, replayed = [], []
+    if plan.replayed[0]:
+        for controller in plan.controllers:
+            replayed.append(controller.next_decisions())
             given += _given(replayed[-1], m.n_heads, len(r.bits), r.top_k)
-    if replayed and len(replayed) != len(model.layers):
-        raise ValueError("decode_layers: every layer's decisions are replayed, or none")
-    real = _real(model.layers[0].controller)
-    sizes = list(real.sizes.values())
+    sizes = plan.sizes
     pools = cache.layers[0].lists()
     shifts = batch.prices if r.kind == "triroute" else None
     shift = (None, None, None) if shifts is None else (shifts.attn, shifts.expert, shifts.bits)
     out = torch.ops.triroute.decode_layers(
         x.view(B, D), batch.side, batch.cos, batch.sin, batch.rows, batch.t, *shift, weights, state, given,
-        len(model.layers), r.num_experts, len(pools.bits), sizes, r.whitening, eps, reach_by_mode(r.window),
+        len(plan.layers), r.num_experts, len(pools.bits), sizes, r.whitening, plan.eps, reach_by_mode(r.window),
         pools.bits, pools.group_size, cache.page_size, 1.0 / math.sqrt(m.d_head), r.top_k, r.null_expert)
     outs = replayed if replayed else LayerDecisions(out[1:], B, sizes, m.n_heads)
     return out[0].view(B, 1, D), outs

@@ -169,6 +169,17 @@ class PagedKVCache:
         batch every `page_size` steps; in a prefill, one per layer."""
         self._slot_bytes = [torch.tensor([pool.slot_bytes for pool in layer.pools], dtype=torch.long)
                             for layer in self.layers]
+        self.layout = 0
+        """Counts the reallocations of `tables`, `counts` and any pool: the tensors a step gives its
+        kernels are the same objects while it is unchanged."""
+        self._per_layout: tuple | None = None
+
+    def per_layout(self, key, build):
+        """`build()`, called again only when `key` (compared by identity) or `layout` changed: what a
+        step gives its kernels, built once per layout and held by the cache whose tensors it holds."""
+        if self._per_layout is None or self._per_layout[0] is not key or self._per_layout[1] != self.layout:
+            self._per_layout = (key, self.layout, build())
+        return self._per_layout[2]
 
     def slot_bytes(self, layer: int) -> torch.Tensor:
         """(pools,) int64 on the host: one token's K and V bytes in each pool of `layer` (the layout's, fixed)."""
@@ -186,6 +197,7 @@ class PagedKVCache:
         self._free_rows = list(range(r, rows))[::-1] + self._free_rows
         self.tables, self.counts = tables, counts
         self.layer_tables, self.layer_counts = list(tables.unbind(0)), list(counts.unbind(0))
+        self.layout += 1
 
     def rows(self, rids: list[int]) -> torch.Tensor:
         """(B,) the decode-state rows of `rids`, on the cache's device."""
@@ -269,7 +281,9 @@ class PagedKVCache:
         """Pages for `slots` filled slots in one (layer, pool, request), noted in (where, ids)."""
         need = -(-slots // self.page_size) - len(entry.pages)
         if need > 0:
+            storage = pool.k
             new = pool.alloc(need)
+            self.layout += pool.k is not storage  # the pool was reallocated to hold them
             where.extend((l, o, self.row_of[rid], len(entry.pages) + i) for i in range(need))
             entry.pages.extend(new)
             ids.extend(new)

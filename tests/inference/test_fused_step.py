@@ -187,6 +187,35 @@ def test_the_one_call_folds_the_heads_again_after_they_change():
         assert torch.equal(a, b)
 
 
+def test_the_one_call_reads_again_what_was_replaced_between_steps():
+    """What the call reads from the modules is read once and kept (`fused_step._Plan`): a parameter
+    assigned, or a buffer replaced in its module's table as `Module.to` does (no registration hook
+    sees that), between steps is read again; so are the cache's tables and pools after the cache
+    reallocates them. Bit for bit the layer loop, which reads everything at every step."""
+    runs, layouts = {}, {}
+    for mode in ("step", "layer"):
+        model = _mode(_model(), mode)
+        logits, seen = [], []
+        for i, (step_logits, _, _, cache) in enumerate(_decoded(model, 6)):
+            logits.append(step_logits)
+            seen.append(cache.layout)
+            layer = model.layers[1]
+            with torch.no_grad():
+                if i == 0:
+                    layer.wq = torch.nn.Parameter(layer.wq.flip(0).clone())
+                if i == 1:
+                    layer.experts[0].w2.weight = torch.nn.Parameter(layer.experts[0].w2.weight * 3.0)
+                if i == 2:  # the cache reallocates at a later step (asserted below), with nothing replaced
+                    stats = layer.controller.heads["experts"].whiten
+                    stats._buffers["mean"] = stats.mean + 2.0
+        pools = [t for layer in cache.layers for group in layer.lists().tensors for t in group]
+        runs[mode], layouts[mode] = (logits, [], [*pools, cache.counts, cache.tables, cache.executed]), seen
+    assert layouts["step"][-1] > layouts["step"][3]  # the cache reallocated between later decode steps
+    unchanged = _run(_mode(_model(), "step"), 6)[0]
+    assert all(not torch.equal(a, b) for a, b in zip(runs["step"][0][1:], unchanged[1:]))  # every replacement mattered
+    _assert_same(runs["layer"], runs["step"])
+
+
 def test_the_one_call_schema_names_what_it_writes():
     """`torch.library.opcheck` on a decode step's real arguments: the call writes only what its schema
     marks as written (the counts, pools, executed counters and the folded heads' cache), and its fake
