@@ -223,8 +223,9 @@ def _register_fakes() -> None:
         return torch.empty_like(x)
 
     @torch.library.register_fake("triroute::decode_layers")
-    def _(x, side, cos, sin, rows, positions, attn_shift, expert_shift, bits_shift, weights, state, given, n_layers,
-          n_experts, n_pools, sizes, whitened, eps, reach, bits, group_size, page_size, sm_scale, top_k, null_expert):
+    def _(x, side, cos, sin, rows, positions, attn_shift, expert_shift, bits_shift, weights, folds, state, given,
+          n_layers, n_experts, n_pools, sizes, whitened, eps, reach, bits, group_size, page_size, sm_scale, top_k,
+          null_expert):
         B, M, nb = side.shape[0], len(reach), sizes[2]
         Ha, E = sizes[0] // M, sizes[1]
         f32, i64 = dict(dtype=x.dtype), dict(dtype=torch.long)

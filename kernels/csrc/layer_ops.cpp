@@ -501,14 +501,17 @@ void folded_heads(const Tensor* head, int64_t n_heads, bool whitened, double eps
   std::copy(now.begin(), now.end(), key.data_ptr<int64_t>());
 }
 
-// Per layer, decode_layers' `weights` are: the attention norm, wq [H, d, D], wk and wv [H_kv, d, D],
-// wo [D, H, d], the page tables, the FFN norm; the controller's input norm, fc1's weight and bias,
-// fc2's weight and bias, its trunk norm (these kLayerWeights); per head (attention, experts, bits)
-// its projection and bias, whitened its gain, mean and var; then every expert's w1, every w3, every w2.
-constexpr int64_t kLayerWeights = 13;
-// The state tensors per layer in decode_layers' `state` before its 7 pool lists: counts, executed,
-// and the folded heads' cache (weight, bias, key: folded_heads).
-constexpr int64_t kLayerState = 5;
+// Per layer, decode_layers' `weights` (the model's) are: the attention norm, wq [H, d, D], wk and wv
+// [H_kv, d, D], wo [D, H, d], the FFN norm; the controller's input norm, fc1's weight and bias, fc2's
+// weight and bias, its trunk norm (these kLayerWeights); per head (attention, experts, bits) its
+// projection and bias, whitened its gain, mean and var; then every expert's w1, every w3, every w2.
+constexpr int64_t kLayerWeights = 12;
+// Per layer, `folds` (the model's, written here) holds the folded heads' cache: weight, bias, key
+// (folded_heads).
+constexpr int64_t kLayerFolds = 3;
+// The cache's tensors per layer in decode_layers' `state` before its 7 pool lists: counts, executed,
+// the page tables.
+constexpr int64_t kLayerState = 3;
 
 // A decode step's layers (one token per request, every token valid, routed experts) in one call, as
 // InferenceModel.forward_step runs them (megatron_triroute/inference/model.py, the definition): per
@@ -524,7 +527,8 @@ std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const
                                       const c10::optional<Tensor>& attn_shift,
                                       const c10::optional<Tensor>& expert_shift,
                                       const c10::optional<Tensor>& bits_shift, at::TensorList weights,
-                                      at::TensorList state, at::TensorList given, int64_t n_layers, int64_t n_experts,
+                                      at::TensorList folds, at::TensorList state, at::TensorList given,
+                                      int64_t n_layers, int64_t n_experts,
                                       int64_t n_pools, at::IntArrayRef sizes, bool whitened, at::ArrayRef<double> eps,
                                       at::IntArrayRef reach, at::IntArrayRef bits, int64_t group_size,
                                       int64_t page_size, double sm_scale, int64_t top_k, bool null_expert) {
@@ -537,11 +541,13 @@ std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const
   const int64_t per_layer = kLayerWeights + n_head_tensors + 3 * n_experts, per_state = kLayerState + 7 * n_pools;
   TORCH_CHECK(N == B && n_layers > 0 && static_cast<int64_t>(weights.size()) == n_layers * per_layer &&
                   static_cast<int64_t>(state.size()) == n_layers * per_state &&
+                  static_cast<int64_t>(folds.size()) == n_layers * kLayerFolds &&
                   static_cast<int64_t>(eps.size()) == 5 * n_layers &&
                   (given.empty() || static_cast<int64_t>(given.size()) == 5 * n_layers),
-              "decode_layers: ", n_layers, " layers of ", per_layer, " weights, ", per_state,
+              "decode_layers: ", n_layers, " layers of ", per_layer, " weights, ", kLayerFolds, " folds, ", per_state,
               " state tensors, 5 eps (and 5 given decisions) each, one row per request; got ", weights.size(),
-              " weights, ", state.size(), " state tensors, ", eps.size(), " eps, ", given.size(), " given, ", N,
+              " weights, ", folds.size(), " folds, ", state.size(), " state tensors, ", eps.size(), " eps, ",
+              given.size(), " given, ", N,
               " rows for ", B, " requests");
   const int64_t Ha = sizes[0] / static_cast<int64_t>(reach.size()), M = static_cast<int64_t>(reach.size());
   TORCH_CHECK(Ha * M == sizes[0], "decode_layers: attention logits ", sizes[0], " are not heads x ", M, " modes");
@@ -556,10 +562,10 @@ std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const
     Tensor z;
     {
       RECORD_FUNCTION("triroute::controller_logits", std::vector<c10::IValue>());
-      Tensor wh = st[2], bh = st[3], fold_key = st[4];
+      Tensor wh = folds[kLayerFolds * l], bh = folds[kLayerFolds * l + 1], fold_key = folds[kLayerFolds * l + 2];
       folded_heads(w + kLayerWeights, 3, whitened, e[4], wh, bh, fold_key);
-      z = controller_logits_cpu(h, at::cat({side2, block.reshape({B, -1})}, 1), w[7], e[2], w[8], w[9], w[10], w[11],
-                                w[12], e[3], wh, bh);
+      z = controller_logits_cpu(h, at::cat({side2, block.reshape({B, -1})}, 1), w[6], e[2], w[7], w[8], w[9], w[10],
+                                w[11], e[3], wh, bh);
       TORCH_CHECK(z.size(1) == sizes[0] + sizes[1] + sizes[2], "decode_layers: layer ", l, "'s heads give ",
                   z.size(1), " logits, not ", sizes[0], " + ", sizes[1], " + ", sizes[2]);
     }
@@ -589,8 +595,8 @@ std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const
     const int64_t D = w[1].size(-1);  // the projections as the layer loop takes them (attention.projection_views)
     h = decode_layer_cpu(h, w[0], e[0], w[1].reshape({-1, D}), w[2].reshape({-1, D}), w[3].reshape({-1, D}),
                          w[4].reshape({D, -1}), cos, sin, mode, reach, option, rows, positions, st[0],
-                         w[5], page_size, list(0), list(1), list(2), list(3), list(4), list(5), list(6), bits,
-                         group_size, sm_scale, st[1], w[6], e[1], index, gate,
+                         st[2], page_size, list(0), list(1), list(2), list(3), list(4), list(5), list(6), bits,
+                         group_size, sm_scale, st[1], w[5], e[1], index, gate,
                          at::TensorList(w + per_layer - 3 * n_experts, n_experts),
                          at::TensorList(w + per_layer - 2 * n_experts, n_experts),
                          at::TensorList(w + per_layer - n_experts, n_experts));
@@ -625,10 +631,10 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
       "Tensor expert_index, Tensor expert_weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
   m.def(
       "decode_layers(Tensor x, Tensor side, Tensor cos, Tensor sin, Tensor rows, Tensor positions, "
-      "Tensor? attn_shift, Tensor? expert_shift, Tensor? bits_shift, Tensor[] weights, Tensor(a!)[] state, "
-      "Tensor[] given, int n_layers, int n_experts, int n_pools, int[] sizes, bool whitened, float[] eps, "
-      "int[] reach, int[] bits, int group_size, int page_size, float sm_scale, int top_k, bool null_expert) "
-      "-> Tensor[]");
+      "Tensor? attn_shift, Tensor? expert_shift, Tensor? bits_shift, Tensor[] weights, Tensor(a!)[] folds, "
+      "Tensor(b!)[] state, Tensor[] given, int n_layers, int n_experts, int n_pools, int[] sizes, bool whitened, "
+      "float[] eps, int[] reach, int[] bits, int group_size, int page_size, float sm_scale, int top_k, "
+      "bool null_expert) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {

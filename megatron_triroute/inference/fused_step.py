@@ -14,9 +14,9 @@ controller deciding all three axes and routed experts, no layer groups, no layer
 
 What the call reads from the modules (each layer's weights, norm epsilons, folded heads' cache) is
 read once into a plan and kept while no module, parameter or buffer is assigned anywhere and each
-whitening buffer is still its module's own; the cache's tensors are kept while the cache reallocates
-none (`PagedKVCache.layout`). A plain attribute set afterwards (a norm's `eps`) is not seen: assign
-its module again, or build the model with it.
+whitening buffer is still its module's own; the cache's are kept by the cache while it reallocates
+none (`PagedKVCache.decode_state`). A plain attribute set afterwards (a norm's `eps`) is not seen:
+assign its module again, or build the model with it.
 
 A controller that replays decisions drawn elsewhere (it has `real`, the `TriRouteController` that
 still runs, and `next_decisions()`, e.g. the decode benchmark's forced schedule) is run the same
@@ -38,7 +38,6 @@ from ..routing.modes import reach_by_mode
 from ..routing.state import has_leader
 
 _FLOAT32_EPS = torch.finfo(torch.float32).eps
-_TABLE = 5  # a layer's page table's place among its weights in `decode_layers`
 _AXES = list(AXES)
 
 
@@ -96,10 +95,10 @@ torch.nn.modules.module.register_module_buffer_registration_hook(_Registrations.
 
 class _Plan:
     """What `decode_layers` reads from a model's modules, read once and kept while it stays the
-    modules' own (`current`): whether every layer's controller can take the call, and each layer's
-    weights (before and after its page table, which is the cache's), norm epsilons and folded heads'
-    cache in the call's order. Reading them from the modules' tables every step, with the checks of
-    `fusable`, took about a twentieth of a batch-1 step on a CPU."""
+    modules' own (`current`): whether every layer's controller can take the call, and every layer's
+    weights, norm epsilons and folded heads' cache, each in one list in the call's order. Reading them
+    from the modules' tables every step, with the checks of `fusable`, took about a twentieth of a
+    batch-1 step on a CPU."""
 
     def __init__(self, model):
         self.registrations = _Registrations.count
@@ -115,24 +114,11 @@ class _Plan:
         if self.fusable:
             for layer in self.layers:
                 weights, eps, fold, buffers = _layer_args(layer)
-                self.weights.append((weights[:_TABLE], weights[_TABLE + 1:]))
+                self.weights += weights
                 self.eps += eps
-                self.folds.append(fold)
+                self.folds += fold
                 self.buffers += buffers
             self.sizes = list(reals[0].sizes.values())
-
-    def arguments(self, cache) -> tuple[list, list]:
-        """(weights, state): every layer's, in the call's order, with `cache`'s tensors as it is laid out
-        now (`PagedKVCache.per_layout` keeps them until it reallocates one)."""
-        weights, state = [], []
-        for i, ((before, after), fold) in enumerate(zip(self.weights, self.folds)):
-            weights += before
-            weights.append(cache.layer_tables[i])
-            weights += after
-            state += [cache.layer_counts[i], cache.layer_executed[i], *fold]
-            for group in cache.layers[i].lists().tensors:
-                state += group
-        return weights, state
 
     def current(self) -> bool:
         """Whether this plan still holds its model's own modules and tensors."""
@@ -173,7 +159,6 @@ def _layer_args(layer) -> tuple[list, list, tuple, list]:
     heads = m["heads"]._modules
     fc1, fc2 = trunk["fc1"]._parameters, trunk["fc2"]._parameters
     weights = [mods["attn_norm"]._parameters["weight"], params["wq"], params["wk"], params["wv"], params["wo"],
-               None,  # the page table's place (_TABLE): the cache's, given by each step
                mods["ffn_norm"]._parameters["weight"], m["input_norm"]._parameters["weight"],
                fc1["weight"], fc1["bias"], fc2["weight"], fc2["bias"], trunk["norm"]._parameters["weight"]]
     whiten_eps, buffers = 0.0, []
@@ -214,7 +199,6 @@ def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, S
     cfg = model.config
     m, r = cfg.model, cfg.router
     plan = _plan(model)
-    weights, state = cache.per_layout(plan, lambda: plan.arguments(cache))
     given, replayed = [], []
     if plan.replayed[0]:
         for controller in plan.controllers:
@@ -225,8 +209,8 @@ def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, S
     shifts = batch.prices if r.kind == "triroute" else None
     shift = (None, None, None) if shifts is None else (shifts.attn, shifts.expert, shifts.bits)
     out = torch.ops.triroute.decode_layers(
-        x.view(B, D), batch.side, batch.cos, batch.sin, batch.rows, batch.t, *shift, weights, state, given,
-        len(plan.layers), r.num_experts, len(pools.bits), sizes, r.whitening, plan.eps, reach_by_mode(r.window),
-        pools.bits, pools.group_size, cache.page_size, 1.0 / math.sqrt(m.d_head), r.top_k, r.null_expert)
+        x.view(B, D), batch.side, batch.cos, batch.sin, batch.rows, batch.t, *shift, plan.weights, plan.folds,
+        cache.decode_state(), given, len(plan.layers), r.num_experts, len(pools.bits), sizes, r.whitening, plan.eps,
+        reach_by_mode(r.window), pools.bits, pools.group_size, cache.page_size, 1.0 / math.sqrt(m.d_head), r.top_k, r.null_expert)
     outs = replayed if replayed else LayerDecisions(out[1:], B, sizes, m.n_heads)
     return out[0].view(B, 1, D), outs

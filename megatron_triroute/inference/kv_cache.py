@@ -172,14 +172,20 @@ class PagedKVCache:
         self.layout = 0
         """Counts the reallocations of `tables`, `counts` and any pool: the tensors a step gives its
         kernels are the same objects while it is unchanged."""
-        self._per_layout: tuple | None = None
+        self._decode_state: tuple[int, list[torch.Tensor]] | None = None
 
-    def per_layout(self, key, build):
-        """`build()`, called again only when `key` (compared by identity) or `layout` changed: what a
-        step gives its kernels, built once per layout and held by the cache whose tensors it holds."""
-        if self._per_layout is None or self._per_layout[0] is not key or self._per_layout[1] != self.layout:
-            self._per_layout = (key, self.layout, build())
-        return self._per_layout[2]
+    def decode_state(self) -> list[torch.Tensor]:
+        """Per layer its counts, executed counters and page tables, then its pools' tensors (the seven
+        lists of `PoolLists.tensors`), in one list: what a decode step gives `triroute.decode_layers`,
+        built again only after a reallocation (`layout`)."""
+        if self._decode_state is None or self._decode_state[0] != self.layout:
+            state = []
+            for i, layer in enumerate(self.layers):
+                state += [self.layer_counts[i], self.layer_executed[i], self.layer_tables[i]]
+                for group in layer.lists().tensors:
+                    state += group
+            self._decode_state = (self.layout, state)
+        return self._decode_state[1]
 
     def slot_bytes(self, layer: int) -> torch.Tensor:
         """(pools,) int64 on the host: one token's K and V bytes in each pool of `layer` (the layout's, fixed)."""
