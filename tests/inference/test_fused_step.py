@@ -216,6 +216,31 @@ def test_the_one_call_reads_again_what_was_replaced_between_steps():
     _assert_same(runs["layer"], runs["step"])
 
 
+def test_the_cache_holds_nothing_of_the_models():
+    """The cache keeps its own tensors' list for the call (`PagedKVCache.decode_state`), not the
+    model's: what it holds is its own bytes (the decode benchmark's resident KV bytes walk it)."""
+    model = _mode(_model(), "step")
+    for _, _, _, cache in _decoded(model, 3):
+        pass
+    held, seen, stack = set(), set(), [cache]
+    while stack:  # every tensor reachable from the cache's attributes
+        o = stack.pop()
+        if id(o) in seen:
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            held.add(o.untyped_storage().data_ptr())
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set)):
+            stack.extend(o)
+        elif hasattr(o, "__dict__") and not isinstance(o, type):
+            stack.extend(vars(o).values())
+    assert cache.decode_state() and all(t.untyped_storage().data_ptr() in held for t in cache.decode_state())
+    model_storages = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    assert not held & model_storages
+
+
 def test_the_one_call_schema_names_what_it_writes():
     """`torch.library.opcheck` on a decode step's real arguments: the call writes only what its schema
     marks as written (the counts, pools, executed counters and the folded heads' cache), and its fake
