@@ -128,7 +128,16 @@ class ForcedController(nn.Module):
         super().__init__()
         self.real, self.config = real, config
         self.schedule: list[RouterOutput] = []
-        self.calls = 0
+        self._calls = [0]  # advanced in place: a module attribute written each call costs a decode step's time
+
+    @property
+    def calls(self) -> int:
+        """Scheduled decisions returned so far."""
+        return self._calls[0]
+
+    @calls.setter
+    def calls(self, n: int) -> None:
+        self._calls[0] = n
 
     def forward(self, hidden, side, noise_key=None, tau=1.0, prev=None, decide=True) -> RouterOutput:
         self.real(hidden, side, noise_key, tau, prev, **({} if decide else {"decide": False}))  # TriRoute's only
@@ -142,10 +151,11 @@ class ForcedController(nn.Module):
         """The next scheduled decisions: what `forward` returns after running the real controller, and
         what a decode step with its layers in one call (`inference.fused_step`) gives the layer while
         it runs the real controller itself."""
-        if self.calls >= len(self.schedule):
-            raise RuntimeError(f"forced schedule exhausted after {self.calls} calls; draw one for every step")
-        out = self.schedule[self.calls]
-        self.calls += 1
+        calls = self._calls
+        if calls[0] >= len(self.schedule):
+            raise RuntimeError(f"forced schedule exhausted after {calls[0]} calls; draw one for every step")
+        out = self.schedule[calls[0]]
+        calls[0] += 1
         return out
 
 

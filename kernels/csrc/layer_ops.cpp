@@ -518,8 +518,9 @@ constexpr int64_t kLayerState = 3;
 // layer, the controller's logits of [x; side, the previous layer's decision block] with its heads
 // folded (controller_logits), the (priced) decisions (decode_decisions with the step's shifts), then
 // the layer after them (decode_layer); the same kernels on the same values, so the same bits. With
-// `given` (five tensors per layer: modes [N, H], widths [N], expert index and gates [N, k], decision
-// block [B, 1, F]), the layer runs those decisions instead of its controller's (which still runs):
+// `given` (five tensors per layer: modes [N, H] or one per token [N], widths [N], expert index and
+// gates [N, k] (each in any integer or float dtype, any shape of those elements), decision block
+// [B, 1, F]), the layer runs those decisions instead of its controller's (which still runs):
 // decisions drawn elsewhere, replayed. Returns x after the last layer, then per layer its
 // controller's logits [N, sum of sizes] and decode_decisions' nine outputs of them.
 std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const Tensor& cos, const Tensor& sin,
@@ -586,9 +587,11 @@ std::vector<Tensor> decode_layers_cpu(const Tensor& x, const Tensor& side, const
       gate = decided[7].reshape({N, top_k});
       block = decided[8];
     } else {
-      const Tensor* g = given.data() + 5 * l;
-      mode = g[0].reshape({N, H}).contiguous(), option = g[1].reshape({N}).contiguous();
-      index = g[2].reshape({N, -1}).contiguous(), gate = g[3].reshape({N, -1}).contiguous(), block = g[4];
+      const Tensor* g = given.data() + 5 * l;  // in the layouts and dtypes the layer takes (one mode: every head's)
+      mode = g[0].reshape({N, -1}).expand({N, H}).to(at::kLong).contiguous();
+      option = g[1].reshape({N}).to(at::kLong).contiguous();
+      index = g[2].reshape({N, -1}).to(at::kLong).contiguous();
+      gate = g[3].reshape({N, -1}).to(x.scalar_type()).contiguous(), block = g[4];
     }
     const Tensor* pools = st + kLayerState;
     const auto list = [&](int64_t j) { return at::TensorList(pools + j * n_pools, n_pools); };

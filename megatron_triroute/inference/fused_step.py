@@ -182,14 +182,11 @@ def _layer_args(layer) -> tuple[list, list, tuple, list]:
     return weights, eps, fold, buffers
 
 
-def _given(out: RouterOutput, n_heads: int, n_bits: int, top_k: int) -> list[torch.Tensor]:
-    """The five tensors of a replayed decision: modes (N, H), widths (N), expert index and gates
-    (N, k), psi's decision block (B, 1, F)."""
-    B = out.attn.hard.shape[0]
-    N = out.attn.hard.shape[:2].numel()
-    block = decision_features(out, B, 1, n_bits, top_k)
-    return [out.attn.hard.reshape(N, -1).expand(N, n_heads).long(), out.bits.hard.reshape(N).long(),
-            out.experts.index.reshape(N, -1).long(), out.experts.weight.reshape(N, -1).float(), block]
+def _given(out: RouterOutput, n_bits: int, top_k: int) -> list[torch.Tensor]:
+    """The five tensors of a replayed decision as the call takes them: modes (B, 1, H or 1), widths,
+    expert index and gates (B, 1, k) (the call reshapes and casts them), psi's decision block (B, 1, F)."""
+    block = decision_features(out, out.attn.hard.shape[0], 1, n_bits, top_k)
+    return [out.attn.hard, out.bits.hard, out.experts.index, out.experts.weight, block]
 
 
 def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, Sequence[RouterOutput]]:
@@ -203,7 +200,7 @@ def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, S
     if plan.replayed[0]:
         for controller in plan.controllers:
             replayed.append(controller.next_decisions())
-            given += _given(replayed[-1], m.n_heads, len(r.bits), r.top_k)
+            given += _given(replayed[-1], len(r.bits), r.top_k)
     sizes = plan.sizes
     pools = cache.layers[0].lists()
     shifts = batch.prices if r.kind == "triroute" else None

@@ -118,14 +118,15 @@ class Replaying(torch.nn.Module):
         return self.next_decisions()
 
 
-def test_replayed_decisions_run_in_one_call_as_in_the_loop():
+@pytest.mark.parametrize("router", [{}, {"attn_granularity": "token"}], ids=["per head", "one mode per token"])
+def test_replayed_decisions_run_in_one_call_as_in_the_loop(router):
     """Another model's decisions (seed 5), replayed into this one's decode steps (seed 3): the one call
-    runs them as the layer loop does, and runs the real controller too."""
+    runs them as the layer loop does (one mode per token: every head's), and runs the real controller too."""
     steps = 5
-    recorded = [outs for _, _, outs, _ in _decoded(_mode(_model(seed=5), "layer"), steps)]
+    recorded = [outs for _, _, outs, _ in _decoded(_mode(_model(seed=5, **router), "layer"), steps)]
     runs = {}
     for mode in ("step", "layer"):
-        model = _mode(_model(seed=3), mode)
+        model = _mode(_model(seed=3, **router), mode)
         cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
         for i, layer in enumerate(model.layers):
             layer.controller = Replaying(layer.controller, [step[i] for step in recorded])
@@ -156,7 +157,7 @@ def test_replayed_decisions_run_in_one_call_as_in_the_loop():
         assert torch.equal(a, b)
     for a, b in zip(runs["layer"][1], runs["step"][1]):
         assert torch.equal(a, b)
-    own = [o for o in _run(_mode(_model(seed=3), "step"), steps)[0]]
+    own = [o for o in _run(_mode(_model(seed=3, **router), "step"), steps)[0]]
     assert any(not torch.equal(a, b) for a, b in zip(own, runs["step"][0]))  # the replayed decisions mattered
 
 
