@@ -220,6 +220,11 @@ def fill_cache(model, context: int, batch: int, bit_probs, seed: int):
 
 def resident_bytes(obj) -> int:
     """Bytes of every tensor storage reachable from `obj`'s attributes (each storage once)."""
+    return sum(reachable_storages(obj).values())
+
+
+def reachable_storages(obj) -> dict[int, int]:
+    """{address: bytes} of every tensor storage reachable from `obj`'s attributes."""
     storages, seen, stack = {}, set(), [obj]
     while stack:
         o = stack.pop()
@@ -235,7 +240,7 @@ def resident_bytes(obj) -> int:
             stack.extend(o)
         elif hasattr(o, "__dict__") and not isinstance(o, type):
             stack.extend(vars(o).values())
-    return sum(storages.values())
+    return storages
 
 
 class RoutedRunner:

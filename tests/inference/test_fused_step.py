@@ -9,6 +9,7 @@ import torch
 
 from megatron_triroute.inference.fused_step import LayerDecisions, fusable
 from megatron_triroute.routing.controller import TriRouteController
+from tests.benchmarks import load_benchmark
 from tests.inference.test_decode_step import PRICE_IDS, PRICES, _decoded, _prefilled, _priced, captured_calls
 from tests.inference.test_engine import tiny_model
 
@@ -223,20 +224,7 @@ def test_the_cache_holds_nothing_of_the_models():
     model = _mode(_model(), "step")
     for _, _, _, cache in _decoded(model, 3):
         pass
-    held, seen, stack = set(), set(), [cache]
-    while stack:  # every tensor reachable from the cache's attributes
-        o = stack.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
-        if isinstance(o, torch.Tensor):
-            held.add(o.untyped_storage().data_ptr())
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple, set)):
-            stack.extend(o)
-        elif hasattr(o, "__dict__") and not isinstance(o, type):
-            stack.extend(vars(o).values())
+    held = set(load_benchmark("bench_decode").reachable_storages(cache))  # what its resident bytes count
     assert cache.decode_state() and all(t.untyped_storage().data_ptr() in held for t in cache.decode_state())
     model_storages = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     assert not held & model_storages
