@@ -1233,6 +1233,12 @@ namespace {
 // Other shapes, dtypes and builds: at::linear.
 constexpr int64_t kDecodeLinearRows = 16;
 #if defined(TRIROUTE_AVX2)
+// How the kernels ask for the next block of w while a block streams: non-temporal, into the
+// first-level cache without a place in the outer ones (the weights stream once a step). On an AMD
+// EPYC (Zen 5) eight rows of x took 0.93-0.95x the time they took with the second-level hint, and a
+// decode step at batch 8 0.97x (docs/kernels.md); on an AMX Xeon, with an older kernel, a
+// non-temporal prefetch measured slower.
+constexpr auto kNextBlockHint = _MM_HINT_NTA;
 // Rows n0..n0+7 of y for one x row: eight row streams of w, one accumulator each.
 inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y, const float* next = nullptr) {
   __m256 a[8];
@@ -1242,8 +1248,8 @@ inline void gemv_rows8(const float* w, const float* x, int64_t K, float* y, cons
     __m512 b[8];
     for (int r = 0; r < 8; ++r) b[r] = _mm512_setzero_ps();
     for (; k + 16 <= K; k += 16) {
-      if (next != nullptr)  // the next block's line at this k, into the second-level cache
-        for (int r = 0; r < 8; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+      if (next != nullptr)  // the next block's line at this k, non-temporal (kNextBlockHint)
+        for (int r = 0; r < 8; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), kNextBlockHint);
       const __m512 xv = _mm512_loadu_ps(x + k);
       for (int r = 0; r < 8; ++r) b[r] = _mm512_fmadd_ps(_mm512_loadu_ps(w + r * K + k), xv, b[r]);
     }
@@ -1278,8 +1284,9 @@ inline void gemm_rows8(const float* w, const float* x, int64_t K, int64_t ldy, f
   for (int m = 0; m < T; ++m)
     for (int r = 0; r < 8; ++r) b[m][r] = _mm512_setzero_ps();
   for (int64_t k = 0; k < K; k += 16) {
-    if (next != nullptr)  // rows next_r0..next_r1 of the next block: their line at this k, into the second-level cache
-      for (int r = next_r0; r < next_r1; ++r) _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+    if (next != nullptr)  // rows next_r0..next_r1 of the next block: their line at this k (kNextBlockHint)
+      for (int r = next_r0; r < next_r1; ++r)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), kNextBlockHint);
     __m512 xv[T];
     for (int m = 0; m < T; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
     for (int r = 0; r < 8; ++r) {
@@ -1333,8 +1340,8 @@ inline void stream_rows8(const float* w, const float* x, int64_t K, float* y, in
     __m512 b[T];
     for (int m = 0; m < T; ++m) b[m] = _mm512_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
-      if (next != nullptr)  // the next block's line at this k: one block ahead in the stream
-        _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), _MM_HINT_T1);
+      if (next != nullptr)  // the next block's line at this k: one block ahead in the stream (kNextBlockHint)
+        _mm_prefetch(reinterpret_cast<const char*>(next + r * K + k), kNextBlockHint);
       const __m512 wv = _mm512_loadu_ps(wr + k);
       for (int m = 0; m < T; ++m) b[m] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + m * K + k), b[m]);
     }
