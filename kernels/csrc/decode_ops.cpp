@@ -1493,8 +1493,8 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
   // streamed it from memory), every x row: w is read from memory once whatever M. The threads take
   // equal runs of at least 8 blocks (64 rows of w), so a 768-row projection still spreads over them.
   // While a block streams from memory (its first x row or rows), the next block of the run is asked
-  // into the second-level cache, line by line: the memory keeps streaming while the block serves its
-  // other x rows (at eight rows, the 160m LM head in a decode step: 14 -> 11.5 ms). With AVX-512, up
+  // for line by line (kNextBlockHint): the memory keeps streaming while the block serves its other x
+  // rows (at eight rows, the 160m LM head in a decode step: 14 -> 11.5 ms). With AVX-512, up
   // to kStreamRows rows of x read the block row after row (stream_rows8: one sequential stream), more
   // rows go through it three at a time (gemm_block8); every path gives a row of y the same bits.
   at::parallel_for(0, blocks, 8, [&](int64_t b0, int64_t b1) {
