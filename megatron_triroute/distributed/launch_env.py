@@ -31,10 +31,11 @@ from typing import Literal, Mapping, MutableMapping
 Launcher = Literal["torchrun", "slurm", "mpi", "single"]
 
 PORT_BASE = 20000
-"""Derived ports live in [PORT_BASE, PORT_BASE + PORT_SPAN): above the well-known and registered
-services most clusters run, below Linux's default ephemeral range (32768-60999) only partly, so a
-collision with a client socket is possible but rare; set MASTER_PORT to rule it out."""
-PORT_SPAN = 20000
+"""Derived ports live in [PORT_BASE, PORT_BASE + PORT_SPAN) = [20000, 32768): above the well-known
+and registered services most clusters run and below Linux's default ephemeral range (32768-60999),
+from which the kernel picks client sockets' local ports, so none of those can hold a derived port (a
+span reaching 40000 once met one: EADDRINUSE); set MASTER_PORT to rule out any other program."""
+PORT_SPAN = 12768
 
 DEFAULT_SINGLE_PORT = 29500
 """torchrun's default port, exported as MASTER_PORT for a process without a launcher; its group of

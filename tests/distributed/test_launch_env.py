@@ -97,8 +97,8 @@ def test_rank_out_of_range():
 
 
 def test_slurm_step():
-    # Port: 20000 + 123457 % 20000 = 20000 + 3457.
-    assert resolve_launch_env(SLURM_STEP) == LaunchEnv(3, 6, 1, 2, "gpu07", 23457, "slurm")
+    # Port: 20000 + 123457 % 12768 = 20000 + 8545 (below the ephemeral range, 32768 on).
+    assert resolve_launch_env(SLURM_STEP) == LaunchEnv(3, 6, 1, 2, "gpu07", 28545, "slurm")
 
 
 def test_slurm_master_overrides():
@@ -203,14 +203,14 @@ def test_expand_tasks_per_node(spec, counts):
 
 
 def test_open_mpi_single_node():
-    # All ranks on one node -> loopback; port 20000 + 2130640897 % 20000 = 20000 + 897.
-    assert resolve_launch_env(OPEN_MPI) == LaunchEnv(1, 2, 1, 2, "127.0.0.1", 20897, "mpi")
+    # All ranks on one node -> loopback; port 20000 + 2130640897 % 12768 = 20000 + 6433.
+    assert resolve_launch_env(OPEN_MPI) == LaunchEnv(1, 2, 1, 2, "127.0.0.1", 26433, "mpi")
 
 
 def test_open_mpi_pmix_namespace_string_is_hashed_identically():
     env = {k: v for k, v in OPEN_MPI.items() if k != "OMPI_MCA_ess_base_jobid"} | {"PMIX_NAMESPACE": "prterun-vm-41@1"}
     ports = {resolve_launch_env(env | {"OMPI_COMM_WORLD_RANK": str(r)}).master_port for r in (0, 1)}
-    assert len(ports) == 1 and 20000 <= ports.pop() < 40000
+    assert len(ports) == 1 and 20000 <= ports.pop() < 32768
 
 
 def test_open_mpi_multi_node_uses_master_addr():
@@ -253,9 +253,9 @@ def test_export_round_trips():
         "LOCAL_RANK": "1",
         "LOCAL_WORLD_SIZE": "2",
         "MASTER_ADDR": "gpu07",
-        "MASTER_PORT": "23457",
+        "MASTER_PORT": "28545",
     }
-    assert resolve_launch_env(environ) == LaunchEnv(3, 6, 1, 2, "gpu07", 23457, "torchrun")
+    assert resolve_launch_env(environ) == LaunchEnv(3, 6, 1, 2, "gpu07", 28545, "torchrun")
 
 
 # ------------------------------------------------------------------------------------- real mpirun
