@@ -104,12 +104,13 @@ class _Plan:
         self.registrations = _Registrations.count
         self.layers = list(model.layers)
         self.controllers = [layer._modules["controller"] for layer in self.layers]
-        self.replayed = [hasattr(c, "next_decisions") for c in self.controllers]
+        replayed = [hasattr(c, "next_decisions") for c in self.controllers]
+        self.replayed = all(replayed)
         cfg = model.config
         heads = (1, cfg.model.n_heads)
         reals = [_real(c) for c in self.controllers]
         self.fusable = all(real is not None and real.attn_heads in heads and list(real.sizes) == _AXES
-                           for real in reals) and (all(self.replayed) or not any(self.replayed))
+                           for real in reals) and (self.replayed or not any(replayed))
         self.weights, self.eps, self.folds, self.buffers = [], [], [], []
         if self.fusable:
             for layer in self.layers:
@@ -137,16 +138,21 @@ def _plan(model) -> _Plan:
     return plan
 
 
-def fusable(model, batch, x: torch.Tensor) -> bool:
-    """Whether `decode_layers` can run this step of `model` (module doc)."""
+def fused_plan(model, batch, x: torch.Tensor) -> _Plan | None:
+    """The plan `decode_layers` runs this step of `model` with, or None where it cannot (module doc)."""
     B, n, D = x.shape
     cfg = model.config
     if n != 1 or batch.valid is not None or not few_rows(x.view(B, D)) or has_leader(cfg):
-        return False
+        return None
     if cfg.router.sharing != "shared_trunk" or not cfg.router.expert_routing:
-        return False
+        return None
     plan = _plan(model)
-    return plan.fusable and all(layer.fused and layer.as_defined for layer in plan.layers)
+    return plan if plan.fusable and all(layer.fused and layer.as_defined for layer in plan.layers) else None
+
+
+def fusable(model, batch, x: torch.Tensor) -> bool:
+    """Whether `decode_layers` can run this step of `model` (module doc)."""
+    return fused_plan(model, batch, x) is not None
 
 
 def _layer_args(layer) -> tuple[list, list, tuple, list]:
@@ -189,15 +195,16 @@ def _given(out: RouterOutput, n_bits: int, top_k: int) -> list[torch.Tensor]:
     return [out.attn.hard, out.bits.hard, out.experts.index, out.experts.weight, block]
 
 
-def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, Sequence[RouterOutput]]:
+def decode_layers(model, x: torch.Tensor, batch, cache,
+                  plan: _Plan | None = None) -> tuple[torch.Tensor, Sequence[RouterOutput]]:
     """x (B, 1, D) through every layer of `model` in one call (`fusable` must hold): x after the
-    last layer and each layer's decisions."""
+    last layer and each layer's decisions. `plan`: this step's `fused_plan` where the caller has it."""
     B, _, D = x.shape
     cfg = model.config
     m, r = cfg.model, cfg.router
-    plan = _plan(model)
+    plan = plan or _plan(model)
     given, replayed = [], []
-    if plan.replayed[0]:
+    if plan.replayed:
         for controller in plan.controllers:
             replayed.append(controller.next_decisions())
             given += _given(replayed[-1], len(r.bits), r.top_k)
@@ -208,6 +215,7 @@ def decode_layers(model, x: torch.Tensor, batch, cache) -> tuple[torch.Tensor, S
     out = torch.ops.triroute.decode_layers(
         x.view(B, D), batch.side, batch.cos, batch.sin, batch.rows, batch.t, *shift, plan.weights, plan.folds,
         cache.decode_state(), given, len(plan.layers), r.num_experts, len(pools.bits), sizes, r.whitening, plan.eps,
-        reach_by_mode(r.window), pools.bits, pools.group_size, cache.page_size, 1.0 / math.sqrt(m.d_head), r.top_k, r.null_expert)
+        reach_by_mode(r.window), pools.bits, pools.group_size, cache.page_size, 1.0 / math.sqrt(m.d_head), r.top_k,
+        r.null_expert)
     outs = replayed if replayed else LayerDecisions(out[1:], B, sizes, m.n_heads)
     return out[0].view(B, 1, D), outs

@@ -34,7 +34,7 @@ from ..routing.state import RoutingState
 from ..routing.versions import version_key
 from .attention import attend, projection_views, rope_tables
 from .audit import CostAudit, count_attention
-from .fused_step import decode_layers, fusable
+from .fused_step import decode_layers, fused_plan
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
 
@@ -285,8 +285,9 @@ class InferenceModel(nn.Module):
         token, or (B, n, V) with `all_logits`, and the per-layer decisions."""
         B, n = batch.tokens.shape
         x = self.embed(batch.tokens)
-        if self.fused_step and fusable(self, batch, x):  # a decode step's layers in one call (inference/fused_step.py)
-            x, outs = decode_layers(self, x, batch, cache)
+        plan = fused_plan(self, batch, x) if self.fused_step else None
+        if plan is not None:  # a decode step's layers in one call (inference/fused_step.py)
+            x, outs = decode_layers(self, x, batch, cache, plan)
         else:
             x, outs = self._layers(x, batch, cache)
         x = rms_norm(x, self.final_norm.weight, self.final_norm.eps)
