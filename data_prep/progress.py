@@ -14,17 +14,14 @@ import threading
 import time
 from typing import Optional
 
+from megatron_triroute.progress import clock, eta
+
 
 def _human(value: float) -> str:
     for unit, scale in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(value) >= scale:
             return f"{value / scale:.1f}{unit}"
     return f"{value:.0f}"
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(max(0, seconds))
-    return f"{seconds // 3600}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
 
 
 class Counters:
@@ -94,8 +91,7 @@ class ProgressLine:
         now = self.counters.read()
         elapsed = max(1e-6, time.monotonic() - self.started_at)
         fraction = min(1.0, now["units"] / self.total_units)
-        eta = elapsed * (1 - fraction) / fraction if fraction > 0 else float("nan")
-        eta_text = _clock(eta) if eta == eta else "?"
+        eta_text = clock(eta(fraction, 1.0, elapsed))
         return (f"[data_prep] {self.stage}: {now['shards']}/{self.total_shards} shards | "
                 f"{_human(now['docs'])} docs ({_human(now['docs'] / elapsed)}/s) | "
                 f"{_human(now['tokens'])} tokens ({_human(now['tokens'] / elapsed)}/s) | "

@@ -61,7 +61,7 @@ def _main(argv=None) -> int:
     from .evaluation.calibration import score_at_targets, serve_curve, serve_prices
     from .evaluation.loading import load_for_evaluation
     from .evaluation.perplexity import evaluate_sets, evaluation_sets, flat_metrics, total_tokens
-    from .evaluation.progress import Progress
+    from .progress import Progress
     from .inference.prices import is_priced
 
     loaded = load_for_evaluation(args.checkpoint, args.data)

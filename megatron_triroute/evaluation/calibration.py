@@ -114,7 +114,7 @@ def curve_loaded(loaded: Loaded, page_size: int = 16):
     the record and the cache."""
     from ..inference.serve_budget import PRICE_GRID, PriceCurve
     from ..training import data as data_mod
-    from .progress import Progress
+    from ..progress import Progress
 
     if (loaded.prices or {}).get("curve") is not None:
         return PriceCurve.from_dict(loaded.prices["curve"])

@@ -22,7 +22,7 @@ import torch
 
 from ..inference.audit import CostAudit
 from .loading import Loaded
-from .progress import Progress
+from ..progress import Progress
 from .scoring import score_batch
 
 

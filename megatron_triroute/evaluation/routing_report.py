@@ -45,7 +45,7 @@ def analyse_checkpoint(loaded, batches: list, out: Path, runs: dict[str, str], c
     and expert-load curves of `runs` ({label: run directory}; none given: the checkpoint's own run,
     when it logged to TensorBoard). Returns the files written."""
     from .collapse import entropy_curves, expert_load_curves
-    from .progress import Progress
+    from ..progress import Progress
     from .routing_analysis import collect
 
     sp = loaded.processor

@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 from ..config import ConfigError
 from ..durability import write_text_atomic
+from ..progress import Progress
 
 TARGET_OFFSETS = (-0.1, 0.0, 0.1)
 """TriRoute's default grid: the target pair and the pairs this far below and above it."""
@@ -193,7 +194,7 @@ def train_points(sweep: Sweep, planned: list[PlannedPoint], jobs: int) -> int:
     """Train every planned run not finished earlier, `jobs` at a time (each its own process, its log
     next to its run directory); stops starting new runs after a failure. Returns the first failed
     run's exit status, else 0."""
-    start, done, failed = time.time(), 0, []
+    failed = []
     running: list[tuple[subprocess.Popen, str, Path, object]] = []
     todo = []
     for i, point in enumerate(planned):
@@ -202,7 +203,7 @@ def train_points(sweep: Sweep, planned: list[PlannedPoint], jobs: int) -> int:
             print(f"[sweep] {name}: finished earlier, {run_dir}")
         else:
             todo.append((name, run_dir, sweep.train_command(point)))
-    total = len(todo)
+    progress = Progress(len(todo), "runs", "sweep", stream=sys.stdout)
     while todo or running:
         while todo and len(running) < jobs and not failed:
             name, run_dir, cmd = todo.pop(0)
@@ -221,11 +222,7 @@ def train_points(sweep: Sweep, planned: list[PlannedPoint], jobs: int) -> int:
                 continue
             running.remove(item)
             log.close()
-            done += 1
-            elapsed = time.time() - start
-            eta = elapsed / done * (total - done)
-            print(f"[sweep] {name}: exit {proc.returncode} ({done}/{total} trained, {elapsed / 60:.1f} min elapsed, "
-                  f"ETA {eta / 60:.1f} min)", flush=True)
+            progress.update(1, f"{name}: exit {proc.returncode}", force=True)
             if proc.returncode != 0:
                 failed.append(proc.returncode)
                 print(f"[sweep] training failed: see {run_dir.parent / f'{run_dir.name}.log'}", file=sys.stderr)

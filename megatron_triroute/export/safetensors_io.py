@@ -5,15 +5,13 @@ shard at a time, so an export holds the model once plus at most one shard's copi
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 
 import torch
 
+from ..progress import Progress
 from .completeness import ExportError
-
-log = logging.getLogger("megatron_triroute.export")
 
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -61,11 +59,13 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_b
     files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     weight_map = {}
+    megabytes = lambda names: sum(sizes[n] for n in names) / 1e6  # noqa: E731
+    progress, written = Progress(round(megabytes(names)), "MB", "export", interval=0), 0.0
     for i, (file, shard) in enumerate(zip(files, shards)):
         save_file({n: _own(cast(n, tensors[n])) for n in shard}, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-        log.info("wrote %s (%d/%d, %d tensors, %.1f MB)", file, i + 1, len(files), len(shard),
-                 sum(sizes[n] for n in shard) / 1e6)
+        written += megabytes(shard)
+        progress.update(round(written) - progress.done, f"wrote {file} ({i + 1}/{len(files)} files, {len(shard)} tensors)")
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")

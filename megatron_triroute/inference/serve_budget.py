@@ -115,7 +115,7 @@ def sample_curve(realised_at: Callable[[list[float]], list[float]], grid: tuple[
                  progress=None) -> PriceCurve:
     """The price curve from `realised_at(prices) -> [flops, mem]` (calibrate.calibrate_prices'
     callback: the noise-free policy on calibration batches) at `grid`, both prices in lock-step.
-    `progress`: an evaluation.progress.Progress over the grid's points (rate and ETA)."""
+    `progress`: a `megatron_triroute.progress.Progress` over the grid's points (rate and ETA)."""
     seen = []
     for p in grid:
         seen.append(realised_at([p, p]))

@@ -20,6 +20,7 @@ import torch
 from ..config import TriRouteConfig
 from ..routing.modes import ATTN_MODES
 from ..model.routing_step import RouterStatistics
+from ..progress import clock, eta
 
 log = logging.getLogger("megatron_triroute.train")
 
@@ -78,7 +79,7 @@ def collapse_warnings(entropies: dict[str, list[float]], threshold: float) -> li
             for axis, values in entropies.items() for layer, value in enumerate(values) if value < threshold]
 
 
-class Progress:
+class StepProgress:
     """Console progress line: step, loss, rate, ETA."""
 
     def __init__(self, total_steps: int, start_step: int, tokens_per_step: int):
@@ -91,17 +92,12 @@ class Progress:
         now = time.time()
         done = step + 1 - self.start
         rate = done / max(now - self.t0, 1e-9)
-        eta = (self.total - step - 1) / max(rate, 1e-9)
+        left = eta(done, self.total - self.start, now - self.t0)
         tokens_per_s = rate * self.tokens_per_step
         text = (f"step {step + 1}/{self.total} | loss {loss:.4f} | lr {lr:.2e} | "
                 f"cost flops {realised[0]:.3f} mem {realised[1]:.3f} | lambda {' '.join(f'{x:.3f}' for x in lambdas)} | "
-                f"{tokens_per_s:,.0f} tok/s | {rate:.2f} it/s | ETA {_hms(eta)}")
+                f"{tokens_per_s:,.0f} tok/s | {rate:.2f} it/s | ETA {clock(left)}")
         return text, tokens_per_s
-
-
-def _hms(seconds: float) -> str:
-    seconds = int(seconds)
-    return f"{seconds // 3600:d}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
 
 
 class TensorBoard:
@@ -138,7 +134,7 @@ class StepLogger:
     def __init__(self, run, out_dir, rank0: bool, world_size: int, start_step: int, tb: "TensorBoard"):
         self.run, self.out_dir, self.rank0, self.world_size, self.tb = run, out_dir, rank0, world_size, tb
         t = run.train
-        self.progress = Progress(t.steps, start_step, t.global_batch_size * run.triroute.model.seq_len)
+        self.progress = StepProgress(t.steps, start_step, t.global_batch_size * run.triroute.model.seq_len)
 
     def step(self, step: int, report, lr: float) -> None:
         run, t = self.run, self.run.train
