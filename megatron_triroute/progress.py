@@ -35,11 +35,17 @@ def rate_text(per_second: float) -> str:
     return f"{per_second:.1f}" if per_second >= 1 else f"{per_second:.3f}"
 
 
+def amount_text(amount: float) -> str:
+    """A count as a whole number (12,345), a measure (a float: megabytes) to one decimal (12.3)."""
+    return f"{amount:,.1f}" if isinstance(amount, float) else f"{amount:,}"
+
+
 class Progress:
     """`[label] what | done/total unit (percent) | rate unit/s | ETA h:mm:ss` on `stream` (stderr),
-    printed by `update` at most once per `interval` seconds, and always at the last unit or when forced."""
+    printed by `update` at most once per `interval` seconds, and always at the last unit or when forced.
+    `total` and the amounts: counts (int), or a measure such as megabytes (float)."""
 
-    def __init__(self, total: int, unit: str = "tokens", label: str = "evaluate", interval: float = 2.0,
+    def __init__(self, total: float, unit: str = "tokens", label: str = "evaluate", interval: float = 2.0,
                  stream=None):
         self.total, self.unit, self.label, self.interval = total, unit, label, interval
         self.stream = stream if stream is not None else sys.stderr
@@ -47,7 +53,7 @@ class Progress:
         self.start = time.perf_counter()
         self._last = -float("inf")
 
-    def update(self, amount: int, what: str, force: bool = False) -> None:
+    def update(self, amount: float, what: str, force: bool = False) -> None:
         self.done += amount
         now = time.perf_counter()
         if not force and now - self._last < self.interval and self.done < self.total:
@@ -57,6 +63,6 @@ class Progress:
 
     def line(self, what: str, elapsed: float) -> str:
         rate = self.done / elapsed if elapsed > 0 else 0.0
-        return (f"[{self.label}] {what} | {self.done:,}/{self.total:,} {self.unit} "
-                f"({100 * self.done / max(self.total, 1):.0f}%) | {rate_text(rate)} {self.unit}/s | "
-                f"ETA {clock(eta(self.done, self.total, elapsed))}")
+        percent = 100 * self.done / self.total if self.total else 100.0
+        return (f"[{self.label}] {what} | {amount_text(self.done)}/{amount_text(self.total)} {self.unit} "
+                f"({percent:.0f}%) | {rate_text(rate)} {self.unit}/s | ETA {clock(eta(self.done, self.total, elapsed))}")

@@ -48,3 +48,11 @@ def test_update_prints_at_most_once_per_interval_unless_forced_or_done():
     lines = out.getvalue().splitlines()
     assert [line.split(" | ")[0] for line in lines] == ["[sweep] first", "[sweep] forced", "[sweep] last"]
     assert "3/3 runs (100%)" in lines[-1] and lines[-1].endswith("ETA 0:00:00")
+
+
+def test_a_measure_prints_to_one_decimal_and_an_empty_total_is_done():
+    out = io.StringIO()
+    p = Progress(0.3, "MB", "export", interval=0, stream=out)
+    p.update(0.3, "wrote model.safetensors")
+    assert " | 0.3/0.3 MB (100%) | " in out.getvalue() and out.getvalue().rstrip().endswith("ETA 0:00:00")
+    assert Progress(0, "MB", stream=io.StringIO()).line("nothing", 1.0).startswith("[evaluate] nothing | 0/0 MB (100%)")

@@ -59,13 +59,12 @@ def write_weights(directory: Path, tensors: dict[str, torch.Tensor], max_shard_b
     files = [SINGLE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                for i in range(len(shards))]
     weight_map = {}
-    megabytes = lambda names: sum(sizes[n] for n in names) / 1e6  # noqa: E731
-    progress, written = Progress(round(megabytes(names)), "MB", "export", interval=0), 0.0
+    progress = Progress(sum(sizes.values()) / 1e6, "MB", "export", interval=0)
     for i, (file, shard) in enumerate(zip(files, shards)):
         save_file({n: _own(cast(n, tensors[n])) for n in shard}, str(directory / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(shard, file))
-        written += megabytes(shard)
-        progress.update(round(written) - progress.done, f"wrote {file} ({i + 1}/{len(files)} files, {len(shard)} tensors)")
+        progress.update(sum(sizes[n] for n in shard) / 1e6, f"wrote {file} ({i + 1}/{len(files)} files, "
+                        f"{len(shard)} tensors)")
     if len(files) > 1:
         index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
         (directory / INDEX).write_text(json.dumps(index, indent=2) + "\n")
