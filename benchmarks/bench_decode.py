@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--checkpoint runs/tiny/checkpoints] [--data DIR] [--shape 160m]
         [--contexts 512 2048 8192] [--batches 1 8] [--systems kvquant mod independent triroute]
-        [--steps 20] [--repeats 5] [--threads 1] [--json] [--quick]
+        [--steps 20] [--repeats 5] [--threads 1] [--budgets 0.35,0.25 1,1] [--json] [--quick]
 
 Systems (float32 compute, one fixed thread count, decode only):
 - **Dense**: the best plain PyTorch decoder, not our engine forced dense: per layer a contiguous
@@ -47,6 +47,12 @@ reference); `kv_used_bytes` / `kv_resident_bytes` after the run (resident: every
 holds, free pages and index included); `cost_audit_rel_err` = max over layers of |audited attention
 + expert MACs - hard_cost| / hard_cost on the audited step.
 
+The serve-time dial (`--budgets F,M ...`, synthetic shape only): beside the budget's TriRoute, one
+more TriRoute per (FLOPs, KV memory) target, named `triroute@F,M` (the same random weights; its
+controllers forced to `budget_mix` at that target), timed in the same interleaved rounds as Dense
+and every other system of the cell; `budget_dial` in the JSON gives per target and cell the
+tokens/s over Dense's, the step-time ratio's median and IQR, and the realised fractions.
+
 `--json` prints one object; its top-level figures are the synthetic shape's TriRoute at 2,048 context
 (or the largest context below it), batch `min(--batches)` and (`_b8`) `max(--batches)`. `--quick`
 runs tiny shapes in seconds.
@@ -55,6 +61,7 @@ runs tiny shapes in seconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import inspect
 import json
 import os
@@ -533,17 +540,32 @@ def describe(label: str, key: str, name: str, r: dict) -> str:
     return line
 
 
+def budget_name(flops: float, mem: float) -> str:
+    """The dial's system name for a (FLOPs, KV memory) target: `triroute@0.35,0.25`."""
+    return f"triroute@{flops:g},{mem:g}"
+
+
+def at_budget(base: TriRouteConfig, flops: float, mem: float) -> TriRouteConfig:
+    """TriRoute on `base`'s backbone with the budget's targets set to (flops, mem)."""
+    cfg = system_config("triroute", base)
+    cfg.budget = dataclasses.replace(cfg.budget, flops_target=flops, mem_target=mem)
+    return cfg.validate()
+
+
 def bench(label: str, base: TriRouteConfig, systems, contexts, batches, steps, repeats, machine, trained=None,
-          log=print):
-    """Rows `ctx{C}_b{B}` -> {system: figures} for every context and batch size."""
+          log=print, budgets=()):
+    """Rows `ctx{C}_b{B}` -> {system: figures} for every context and batch size; `budgets`: (FLOPs,
+    memory) targets, each one more TriRoute (`budget_name`) in every cell."""
     models = {name: build_routed(system_config(name, base)) for name in systems}
     if trained is not None:
         models["triroute"] = trained
+    models |= {budget_name(f, m): build_routed(at_budget(base, f, m)) for f, m in budgets}
     rows = {}
     for context in contexts:
         mixes = {name: budget_mix(model.config, context) for name, model in models.items()}
-        if "triroute" in mixes:
-            log(f"[{label}] context {context}: TriRoute's forced mix {json.dumps(mixes['triroute'])}")
+        for name in mixes:
+            if name.startswith("triroute"):
+                log(f"[{label}] context {context}: {name}'s forced mix {json.dumps(mixes[name])}")
         for batch in batches:
             key = f"ctx{context}_b{batch}"
             rows[key] = run_cell(base, models, mixes, context, batch, steps, repeats, machine)
@@ -576,6 +598,21 @@ def checkpoint_mix(model, processor, length: int) -> dict:
     cache.add_request(0)
     _, outs = model.step(torch.tensor([ids]), torch.tensor([len(ids)]), [SideState()], cache, [0])
     return measure_mix([outs], len(model.config.router.bits))
+
+
+def budget_dial(rows: dict, budgets) -> list[dict]:
+    """Per (FLOPs, memory) target: per cell TriRoute's tokens/s over Dense's, the step-time ratio
+    (median of the per-round ratios, and their IQR) and the realised fractions."""
+    dial = []
+    for flops, mem in budgets:
+        name, cells = budget_name(flops, mem), {}
+        for key, row in rows.items():
+            r = row[name]
+            cells[key] = {"speedup_vs_dense": r["speedup_vs_dense"], "step_time_ratio": r["step_time_ratio_runs"],
+                          "tokens_per_s": r["tokens_per_s"], "realised": r["realised"],
+                          "kv_bytes_ratio": r["kv_bytes_ratio"], "roofline_efficiency": r["roofline_efficiency"]}
+        dial.append({"flops_target": flops, "mem_target": mem, "system": name, "cells": cells})
+    return dial
 
 
 def headline(rows: dict, contexts, batches) -> dict:
@@ -611,9 +648,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="decode steps per timed run")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per system, interleaved; median and IQR")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--budgets", nargs="+", default=[], metavar="FLOPS,MEM",
+                   help="the serve-time dial: one more TriRoute per (FLOPs, KV memory) target, synthetic shape only")
     p.add_argument("--quick", action="store_true", help="tiny shapes and contexts: seconds, for tests")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     a = p.parse_args(argv)
+    try:
+        a.budgets = [tuple(float(x) for x in b.split(",")) for b in a.budgets]
+    except ValueError:
+        p.error(f"--budgets {' '.join(a.budgets)}: each is FLOPS,MEM, e.g. 0.35,0.25")
+    for b in a.budgets:
+        if len(b) != 2 or not all(0 < x <= 1 for x in b):
+            p.error(f"--budgets: {','.join(f'{x:g}' for x in b)} is not a pair of fractions in (0, 1], e.g. 0.35,0.25")
+    if a.budgets and not a.shape:
+        p.error("--budgets runs on the synthetic shape (--shape), whose controllers are forced to each target")
     if a.quick:
         a.shape, a.contexts, a.batches, a.steps, a.repeats = "tiny", [64], [1, 8], 1, 2
     if a.steps < 1 or a.repeats < 2:
@@ -659,9 +707,17 @@ def _main(argv=None) -> dict:
         result["synthetic_mix"] = {c: budget_mix(system_config("triroute", base), c) for c in a.contexts}
         log(f"{a.shape} shape is SYNTHETIC: random weights, real controllers with forced decisions")
         rows = bench(f"{a.shape} SYNTHETIC", base, a.systems, a.contexts, a.batches, a.steps, a.repeats,
-                     machine, None, log)
+                     machine, None, log, a.budgets)
         result["synthetic"] = rows
         result |= headline(rows, a.contexts, a.batches)
+        if a.budgets:
+            result["budget_dial"] = budget_dial(rows, a.budgets)
+            for entry in result["budget_dial"]:
+                log(f"dial ({entry['flops_target']:g}, {entry['mem_target']:g}): " + "; ".join(
+                    f"{key} {c['speedup_vs_dense']:.2f}x Dense's tokens/s (step ratio "
+                    f"{c['step_time_ratio']['median']:.2f} [{c['step_time_ratio']['q1']:.2f}-"
+                    f"{c['step_time_ratio']['q3']:.2f}]), realised FLOPs {c['realised']['flops']:.3f} mem "
+                    f"{c['realised']['mem']:.3f}" for key, c in entry["cells"].items()))
         t = TARGETS
         log(f"headline ({a.shape} SYNTHETIC, TriRoute, context {result['headline_context']}; target in brackets): "
             f"step time / Dense b1 {result['step_time_ratio_b1']:.2f} [<= {t['step_time_ratio_b1']}], "

@@ -170,3 +170,40 @@ def test_dense_decoder_equals_a_full_causal_forward(bench):
             x = x + (F.silu(gate) * up) @ dec.fc2[i].T
         want = F.rms_norm(x, (m.d_model,), eps=1e-5) @ dec.head.T
     assert (steps - want).abs().max() < 1e-4
+
+
+def test_budget_dial_times_one_triroute_per_target_beside_dense(bench):
+    """`--budgets`: one more TriRoute per (FLOPs, memory) target in every interleaved cell; the dial's
+    figures are that system's row's, and the forced mixes realise their targets in order."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        result = bench.main(["--quick", "--json", "--systems", "triroute", "--budgets", "0.5,0.3", "1,1"])
+    dial = result["budget_dial"]
+    assert [(d["flops_target"], d["mem_target"], d["system"]) for d in dial] == [
+        (0.5, 0.3, "triroute@0.5,0.3"), (1.0, 1.0, "triroute@1,1")]
+    for d in dial:
+        assert set(d["cells"]) == set(result["synthetic"])
+        for key, cell in d["cells"].items():
+            row = result["synthetic"][key]
+            r = row[d["system"]]
+            assert len(r["step_s_runs"]) == len(row["dense"]["step_s_runs"]) == result["repeats"]  # same rounds
+            assert cell["speedup_vs_dense"] == pytest.approx(r["tokens_per_s"] / row["dense"]["tokens_per_s"])
+            assert cell["step_time_ratio"] == bench.spread([a / b for a, b in zip(r["step_s_runs"],
+                                                                                   row["dense"]["step_s_runs"])])
+            assert cell["realised"] == r["realised"]
+    for key in result["synthetic"]:  # full attention, no null route, every token at 16 bits: the dense costs
+        full = dial[1]["cells"][key]
+        assert full["realised"] == {"flops": pytest.approx(1.0), "mem": pytest.approx(1.0)}
+        assert full["kv_bytes_ratio"] == pytest.approx(1.0)
+        low = dial[0]["cells"][key]["realised"]
+        assert low["flops"] < 0.75 and low["mem"] < 0.5  # a cheaper target is cheaper
+    b8 = f"ctx{result['contexts'][0]}_b{max(result['batches'])}"
+    assert dial[0]["cells"][b8]["realised"]["mem"] == pytest.approx(0.3, abs=0.03)
+    assert "dial (0.5, 0.3):" in err.getvalue()
+
+
+@pytest.mark.parametrize("budgets", [["0.5"], ["0,0.3"], ["1.5,0.3"], ["a,b"]])
+def test_budget_dial_refuses_what_is_not_a_pair_of_fractions(bench, budgets, capsys):
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--budgets", *budgets])
+    assert "--budgets" in capsys.readouterr().err
