@@ -545,6 +545,20 @@ def budget_name(flops: float, mem: float) -> str:
     return f"triroute@{flops:g},{mem:g}"
 
 
+def parse_budgets(parser: argparse.ArgumentParser, values: list[str]) -> list[tuple[float, float]]:
+    """`--budgets`' FLOPS,MEM strings as (flops, mem) pairs of fractions in (0, 1], else the parser's
+    error naming the form."""
+    try:
+        budgets = [tuple(float(x) for x in b.split(",")) for b in values]
+    except ValueError:
+        parser.error(f"--budgets {' '.join(values)}: each is FLOPS,MEM, e.g. 0.35,0.25")
+    for b in budgets:
+        if len(b) != 2 or not all(0 < x <= 1 for x in b):
+            parser.error(f"--budgets: {','.join(f'{x:g}' for x in b)} is not a pair of fractions in (0, 1], "
+                         "e.g. 0.35,0.25")
+    return budgets
+
+
 def at_budget(base: TriRouteConfig, flops: float, mem: float) -> TriRouteConfig:
     """TriRoute on `base`'s backbone with the budget's targets set to (flops, mem)."""
     cfg = system_config("triroute", base)
@@ -653,13 +667,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny shapes and contexts: seconds, for tests")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     a = p.parse_args(argv)
-    try:
-        a.budgets = [tuple(float(x) for x in b.split(",")) for b in a.budgets]
-    except ValueError:
-        p.error(f"--budgets {' '.join(a.budgets)}: each is FLOPS,MEM, e.g. 0.35,0.25")
-    for b in a.budgets:
-        if len(b) != 2 or not all(0 < x <= 1 for x in b):
-            p.error(f"--budgets: {','.join(f'{x:g}' for x in b)} is not a pair of fractions in (0, 1], e.g. 0.35,0.25")
+    a.budgets = parse_budgets(p, a.budgets)
     if a.budgets and not a.shape:
         p.error("--budgets runs on the synthetic shape (--shape), whose controllers are forced to each target")
     if a.quick:

@@ -2,7 +2,7 @@
 against the Dense model exported to Hugging Face and run by transformers' own `generate`.
 
     python benchmarks/bench_generate.py [--shape 160m] [--prompt-tokens 512] [--new-tokens 32]
-        [--repeats 5] [--threads 1] [--json] [--quick]
+        [--repeats 5] [--threads 1] [--budgets 0.35,0.25 1,1] [--json] [--quick]
 
 Models (float32, one fixed thread count, one request):
 - **Dense on transformers**: `transformers.LlamaForCausalLM` built from the config the Dense exporter
@@ -24,6 +24,11 @@ time per token = (whole - prompt alone) / (new tokens - 1).
 
 Random weights make the text meaningless and do not change the work: both models run every
 token's full computation (TriRoute the forced decisions' share of it).
+
+The serve-time dial (`--budgets F,M ...`): the same TriRoute model generates once more per (FLOPs,
+KV memory) target, its decisions forced to `budget_mix` at that target, in the same interleaved
+rounds; `budget_dial` gives per target its whole, prompt-alone and per-token ratios against
+transformers and its realised fractions.
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ if str(REPO) not in sys.path:
 
 import torch  # noqa: E402
 
-from benchmarks.bench_decode import build_routed, spread  # noqa: E402
+from benchmarks.bench_decode import at_budget, budget_name, build_routed, parse_budgets, spread  # noqa: E402
 from benchmarks.forced_decisions import budget_mix, force  # noqa: E402
 from megatron_triroute.config import TriRouteConfig  # noqa: E402
 from megatron_triroute.systems import system_config  # noqa: E402
@@ -63,23 +68,31 @@ def build_llama(config: TriRouteConfig):
 
 
 class Runs:
-    """One generation of each model: `triroute(prompt, n)` and `hf(prompt, n)` return (seconds, tokens)."""
+    """One generation of each model: `triroute(prompt, n)` and `hf(prompt, n)` return (seconds, tokens);
+    `run(name, prompt, n)` also takes a dial's TriRoute (`dial`: name -> forced mix, the same model)."""
 
-    def __init__(self, config: TriRouteConfig, mix: dict):
+    def __init__(self, config: TriRouteConfig, mix: dict, dial: dict | None = None):
         self.config, self.mix = config, mix
+        self.mixes = {"triroute": mix} | (dial or {})
         self.model = build_routed(config)
         self.llama = build_llama(config)
         self.realised: dict | None = None
+        self.realised_by: dict[str, dict] = {}
 
-    def triroute(self, prompt: list[int], new: int) -> tuple[float, list[int]]:
+    def run(self, name: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
+        return self.hf(prompt, new) if name == "hf" else self.triroute(prompt, new, name)
+
+    def triroute(self, prompt: list[int], new: int, name: str = "triroute") -> tuple[float, list[int]]:
         from megatron_triroute.inference.engine import InferenceEngine
 
-        force(self.model, self.mix, new, 1, [len(prompt)] + [1] * (new - 1))
+        force(self.model, self.mixes[name], new, 1, [len(prompt)] + [1] * (new - 1))
         start = time.perf_counter()
         engine = InferenceEngine(self.model)
         (request,) = engine.run([prompt], new)
         seconds = time.perf_counter() - start
-        self.realised = {"flops": engine.audit.realised_flops(), "mem": engine.audit.realised_mem()}
+        self.realised_by[name] = {"flops": engine.audit.realised_flops(), "mem": engine.audit.realised_mem()}
+        if name == "triroute":
+            self.realised = self.realised_by[name]
         return seconds, request.generated
 
     @torch.no_grad()
@@ -94,14 +107,15 @@ class Runs:
 
 def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
     """The interleaved rounds (module doc); every figure is computed from the returned lists."""
-    for name in ("triroute", "hf"):  # warm-up
-        getattr(runs, name)(prompt, new)
-    times = {k: [] for k in ("triroute_whole", "hf_whole", "triroute_prompt", "hf_prompt")}
+    names = ["triroute", "hf", *(n for n in runs.mixes if n != "triroute")]
+    for name in names:  # warm-up
+        runs.run(name, prompt, new)
+    times = {f"{name}_{label}": [] for label in ("whole", "prompt") for name in names}
     counts = set()
     for r in range(repeats):
         for label, n in (("whole", new), ("prompt", 1)):
-            for name in ("triroute", "hf"):
-                seconds, tokens = getattr(runs, name)(prompt, n)
+            for name in names:
+                seconds, tokens = runs.run(name, prompt, n)
                 times[f"{name}_{label}"].append(seconds)
                 counts.add((name, n, len(tokens)))
         log(f"round {r + 1}/{repeats}: whole TriRoute {times['triroute_whole'][-1]:.3f} s, transformers "
@@ -118,7 +132,23 @@ def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
     ratios = [a / b for a, b in zip(decode["triroute"], decode["hf"])]
     out["decode_ratio"] = spread(ratios)
     out["realised_fractions"] = runs.realised
+    dial = [n for n in names if n not in ("triroute", "hf")]
+    if dial:
+        out["budget_dial"] = [dial_entry(name, times, new, runs.realised_by[name]) for name in dial]
     return out
+
+
+def dial_entry(name: str, times: dict, new: int, realised: dict) -> dict:
+    """A dial's TriRoute against transformers: the whole generation's, the prompt's and a decoded
+    token's time ratios (medians of the per-round ratios, and IQR), and its realised fractions."""
+    flops, mem = (float(x) for x in name.split("@")[1].split(","))
+    entry = {"system": name, "flops_target": flops, "mem_target": mem, "realised_fractions": realised}
+    for label in ("whole", "prompt"):
+        entry[f"{label}_ratio"] = spread([a / b for a, b in zip(times[f"{name}_{label}"], times[f"hf_{label}"])])
+    decode = {k: [(w - p) / max(new - 1, 1) for w, p in zip(times[f"{k}_whole"], times[f"{k}_prompt"])]
+              for k in (name, "hf")}
+    entry["decode_ratio"] = spread([a / b for a, b in zip(decode[name], decode["hf"])])
+    return entry
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -130,7 +160,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--json", action="store_true", help="print one JSON object (progress to stderr)")
     p.add_argument("--quick", action="store_true", help="the tiny shape, a short prompt: seconds, for tests")
+    p.add_argument("--budgets", nargs="+", default=[], metavar="FLOPS,MEM",
+                   help="the serve-time dial: TriRoute once more per (FLOPs, KV memory) target")
     a = p.parse_args(argv)
+    a.budgets = parse_budgets(p, a.budgets)
     if a.quick:
         a.shape, a.prompt_tokens, a.new_tokens, a.repeats = "tiny", 24, 4, 2
     if a.new_tokens < 2:
@@ -158,7 +191,9 @@ def main(argv=None) -> dict:
               "threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
               "transformers": transformers.__version__, "mix": mix,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    result |= measure(Runs(config, mix), prompt.tolist(), a.new_tokens, a.repeats, log)
+    dial = {budget_name(f, m): budget_mix(at_budget(get_recipe(a.shape).triroute.validate(), f, m),
+                                           a.prompt_tokens + a.new_tokens) for f, m in a.budgets}
+    result |= measure(Runs(config, mix, dial), prompt.tolist(), a.new_tokens, a.repeats, log)
     s, r = result["seconds"], result
     log(f"whole generation: TriRoute {s['triroute_whole']['median']:.3f} s, transformers Dense "
         f"{s['hf_whole']['median']:.3f} s, ratio {r['whole_ratio']['median']:.2f} "
@@ -166,6 +201,12 @@ def main(argv=None) -> dict:
         f"{r['prompt_ratio']['median']:.2f}; decode per token ratio {r['decode_ratio']['median']:.2f} "
         f"(below 1: TriRoute faster); realised FLOPs {r['realised_fractions']['flops']:.3f}, KV memory "
         f"{r['realised_fractions']['mem']:.3f}")
+    for entry in result.get("budget_dial", []):
+        log(f"dial ({entry['flops_target']:g}, {entry['mem_target']:g}): whole generation "
+            f"{entry['whole_ratio']['median']:.2f} [{entry['whole_ratio']['q1']:.2f}-{entry['whole_ratio']['q3']:.2f}] "
+            f"of transformers' time, prompt alone {entry['prompt_ratio']['median']:.2f}, decoded token "
+            f"{entry['decode_ratio']['median']:.2f}; realised FLOPs {entry['realised_fractions']['flops']:.3f}, "
+            f"KV memory {entry['realised_fractions']['mem']:.3f}")
     if a.json:
         print(json.dumps(result, indent=1))
     return result

@@ -54,3 +54,26 @@ def test_the_transformers_model_is_the_dense_export_of_the_shape(quick):
     from megatron_triroute.training.recipes import dense_parameter_count
 
     assert dense_params == dense_parameter_count(get_recipe("tiny-dense").triroute)
+
+
+def test_budget_dial_generates_at_each_target_in_the_same_rounds():
+    """`--budgets`: the same model generates once more per target, interleaved with transformers; the
+    dial's ratios come from those rounds, and each target's forced mix realises it."""
+    bench = load_benchmark("bench_generate")
+    r = bench.main(["--quick", "--json", "--budgets", "0.5,0.3", "1,1"])
+    new, runs = r["new_tokens"], r["seconds_runs"]
+    assert [(d["system"], d["flops_target"], d["mem_target"]) for d in r["budget_dial"]] == [
+        ("triroute@0.5,0.3", 0.5, 0.3), ("triroute@1,1", 1.0, 1.0)]
+    for d in r["budget_dial"]:
+        name = d["system"]
+        assert [name, new, new] in r["tokens_generated"] and [name, 1, 1] in r["tokens_generated"]
+        for label in ("whole", "prompt"):
+            assert len(runs[f"{name}_{label}"]) == r["repeats"]
+            ratios = [a / b for a, b in zip(runs[f"{name}_{label}"], runs[f"hf_{label}"])]
+            assert d[f"{label}_ratio"]["median"] == pytest.approx(statistics.median(ratios))
+        per_token = [((w - p) / (new - 1)) / ((hw - hp) / (new - 1)) for w, p, hw, hp in zip(
+            runs[f"{name}_whole"], runs[f"{name}_prompt"], runs["hf_whole"], runs["hf_prompt"])]
+        assert d["decode_ratio"]["median"] == pytest.approx(statistics.median(per_token))
+    low, full = (d["realised_fractions"] for d in r["budget_dial"])
+    assert full == {"flops": pytest.approx(1.0), "mem": pytest.approx(1.0)}  # every decision the dense one
+    assert low["flops"] == pytest.approx(0.5, abs=0.03) and low["mem"] == pytest.approx(0.3, abs=0.02)
