@@ -117,26 +117,32 @@ def count_attention(audit: CostAudit, layers: list[int], cache, rows: torch.Tens
                     d_model: int) -> None:
     """Add the audited attention counters of `layers` for N token rows, after the step that ran
     them, in one pass over all of them: rows (N,) cache rows, per layer mode (N, H) and option (N,)
-    bit option, t (N,) positions, valid (N,). Reads the cache as the step left it (a step writes
-    each layer's tokens before reading them). Host reads: the valid rows, the options, two maxima,
-    and one list of every layer's figures."""
+    bit option, t (N,) positions, valid (N,) (None: every row). Reads the cache as the step left it
+    (a step writes each layer's tokens before reading them). Host reads: the valid rows, the
+    options, the counts' check (`newest_rows_read`) and, where it fails, two maxima, and one list
+    of every layer's figures."""
     pools = cache.layers[layers[0]].pools
     n_kv, d = pools[0].n_kv, pools[0].d_head
-    keep = valid.nonzero().flatten()
-    rows, t = rows[keep], t[keep]
-    mode = torch.stack(modes)[:, keep]  # (layers, N, H)
-    option = torch.stack(options)[:, keep].cpu()  # (layers, N)
-    tokens = keep.numel()
+    mode, option = torch.stack(modes), torch.stack(options)  # (layers, N, H), (layers, N)
+    if valid is not None:
+        keep = valid.nonzero().flatten()
+        rows, t, mode, option = rows[keep], t[keep], mode[:, keep], option[:, keep]
+    option = option.cpu()
+    tokens = t.numel()
     slot_bytes = torch.stack([cache.slot_bytes(layer) for layer in layers])  # (layers, pools), host
     written = slot_bytes.gather(1, option).sum(1)
     pairs = (mode != SKIP).sum((1, 2)).cpu()
     read, keys = torch.zeros_like(written), torch.zeros_like(written)
     if tokens:
         lo = read_start(t.view(1, -1, 1), mode, window)  # (layers, N, H); skip: t + 1
-        requests, request = torch.unique(rows, return_inverse=True)
-        slots, keys = slots_and_keys_read([[pool.token_pos for pool in cache.layers[layer].pools] for layer in layers],
-                                          torch.stack([cache.layer_tables[layer][:, requests] for layer in layers]),
-                                          request, lo, t)
+        newest = newest_rows_read(cache, layers, rows, t, lo)
+        if newest is not None:  # a decode step's rows: the cache's counts say it all
+            slots, keys = newest
+        else:
+            requests, request = torch.unique(rows, return_inverse=True)
+            slots, keys = slots_and_keys_read(
+                [[pool.token_pos for pool in cache.layers[layer].pools] for layer in layers],
+                torch.stack([cache.layer_tables[layer][:, requests] for layer in layers]), request, lo, t)
         read, keys = (slots.cpu() * slot_bytes).sum(1), keys.cpu()
     for layer, (q, w, r, k) in zip(layers, torch.stack([pairs, written, read, keys], 1).tolist()):
         audit.add(layer, "k_proj", tokens * n_kv * d * d_model)
@@ -146,6 +152,22 @@ def count_attention(audit: CostAudit, layers: list[int], cache, rows: torch.Tens
         audit.add(layer, "bytes_written", w)
         audit.add(layer, "bytes_read", r)
         audit.add(layer, "attn", 2 * d * k)
+
+
+def newest_rows_read(cache, layers: list[int], rows: torch.Tensor, t: torch.Tensor,
+                     lo: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`slots_and_keys_read`'s two figures from the cache's counts alone, where every row is its
+    request's newest token: the request's filled slots over its pools (after the step) number
+    exactly t + 1 at every layer, so its positions 0..t each hold one slot. Then row i's context in
+    pool o is all of its request's slots there, and its (row, head) range [lo, t] meets t - lo + 1
+    keys. Returns None otherwise (a prefill's earlier rows, a request seen twice): the caller takes
+    `slots_and_keys_read`. One host read."""
+    counts = cache.counts if layers == list(range(cache.counts.shape[0])) else \
+        cache.counts[torch.as_tensor(layers, device=rows.device)]
+    counts = counts.index_select(2, rows)  # (layers, pools, N)
+    if not bool((counts.sum(1) == (t + 1).view(1, -1)).all()):
+        return None
+    return counts.sum(2), (t.view(1, -1, 1) - lo + 1).clamp(min=0).sum((1, 2))
 
 
 def slots_and_keys_read(token_pos: list[list[torch.Tensor]], pages: torch.Tensor, request: torch.Tensor,

@@ -318,13 +318,17 @@ class InferenceModel(nn.Module):
         m = self.config.model
         valid = batch.valid_mask()
         N = batch.t.numel()
-        rows = batch.rows.repeat_interleave(N // batch.rows.numel())
+        rows = batch.rows.repeat_interleave(N // batch.rows.numel()) if N > batch.rows.numel() else batch.rows
         count_attention(audit, [layer.layer_number for layer in self.layers], cache, rows,
                         [out.attn.hard.reshape(N, -1) for out in outs], [out.bits.hard.reshape(N) for out in outs],
-                        batch.t, valid, self.config.router.window, m.d_model)
-        count = int(valid.sum())
-        routes = torch.stack([valid.sum() if out.experts is None else
-                              ((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum() for out in outs])
+                        batch.t, batch.valid, self.config.router.window, m.d_model)
+        count = N if batch.valid is None else int(valid.sum())
+        if all(out.experts is not None for out in outs):  # every layer's real routes in one count
+            index = torch.stack([out.experts.index.reshape(N, -1) for out in outs])  # (layers, N, k)
+            routes = ((index >= 0) if batch.valid is None else (index >= 0) & valid.view(1, N, 1)).sum((1, 2))
+        else:
+            routes = torch.stack([valid.sum() if out.experts is None else
+                                  ((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum() for out in outs])
         for layer, r in zip(self.layers, routes.tolist()):  # the controller on every valid token; each real route
             audit.add(layer.layer_number, "controller", count * layer.controller_macs)
             audit.add(layer.layer_number, "experts", r * layer.expert_macs)
