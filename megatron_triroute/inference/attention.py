@@ -104,7 +104,7 @@ def routed_attention(h: torch.Tensor, wq: torch.Tensor, wk: torch.Tensor, wv: to
                  bit_option.reshape(-1), t, cos, sin, valid.reshape(-1), cache, layer, rows, n, window)
     cache.after_step(rids, n)
     if audit is not None:
-        count_attention(audit, [layer], cache, rows.repeat_interleave(n), [mode.reshape(B * n, -1)],
-                        [bit_option.reshape(-1)], t, valid.reshape(-1), window, D)
+        count_attention(audit, [layer], cache, rows.repeat_interleave(n), mode.reshape(1, B * n, -1),
+                        bit_option.reshape(1, -1), t, valid.reshape(-1), window, D)
         audit.take_executed(cache)
     return out.view(B, n, D)

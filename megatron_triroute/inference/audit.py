@@ -112,18 +112,17 @@ class CostAudit:
         } | {f"executed_{name}": self.total_executed(name) for name in EXECUTED}
 
 
-def count_attention(audit: CostAudit, layers: list[int], cache, rows: torch.Tensor, modes: list[torch.Tensor],
-                    options: list[torch.Tensor], t: torch.Tensor, valid: torch.Tensor, window: int,
+def count_attention(audit: CostAudit, layers: list[int], cache, rows: torch.Tensor, mode: torch.Tensor,
+                    option: torch.Tensor, t: torch.Tensor, valid: torch.Tensor | None, window: int,
                     d_model: int) -> None:
     """Add the audited attention counters of `layers` for N token rows, after the step that ran
-    them, in one pass over all of them: rows (N,) cache rows, per layer mode (N, H) and option (N,)
-    bit option, t (N,) positions, valid (N,) (None: every row). Reads the cache as the step left it
+    them, in one pass over all of them: rows (N,) cache rows, mode (layers, N, H) and option
+    (layers, N) bit option, t (N,) positions, valid (N,) (None: every row). Reads the cache as the step left it
     (a step writes each layer's tokens before reading them). Host reads: the valid rows, the
     options, the counts' check (`newest_rows_read`) and, where it fails, two maxima, and one list
     of every layer's figures."""
     pools = cache.layers[layers[0]].pools
     n_kv, d = pools[0].n_kv, pools[0].d_head
-    mode, option = torch.stack(modes), torch.stack(options)  # (layers, N, H), (layers, N)
     if valid is not None:
         keep = valid.nonzero().flatten()
         rows, t, mode, option = rows[keep], t[keep], mode[:, keep], option[:, keep]

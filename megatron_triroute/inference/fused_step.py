@@ -52,6 +52,13 @@ class LayerDecisions(Sequence):
     def __len__(self) -> int:
         return len(self._outs)
 
+    def hard_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every layer's hard decisions stacked, read from the call's tensors (no `RouterOutput`
+        made): modes (layers, B, 1, H), bit options (layers, B, 1), expert ids (layers, B, 1, k)."""
+        t = self._tensors
+        modes = torch.stack(t[1::10])  # (layers, B, 1, H_a)
+        return (modes.expand(*modes.shape[:3], self._n_heads), torch.stack(t[3::10]), torch.stack(t[7::10]))
+
     def __getitem__(self, i):
         if isinstance(i, slice):
             return [self[j] for j in range(*i.indices(len(self)))]

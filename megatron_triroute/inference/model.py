@@ -34,7 +34,7 @@ from ..routing.state import RoutingState
 from ..routing.versions import version_key
 from .attention import attend, projection_views, rope_tables
 from .audit import CostAudit, count_attention
-from .fused_step import decode_layers, fused_plan
+from .fused_step import LayerDecisions, decode_layers, fused_plan
 from .kv_cache import PagedKVCache
 from .side_state import SideState, advance
 
@@ -195,6 +195,19 @@ class StepBatch:
         return self.valid if self.valid is not None else torch.ones_like(self.t, dtype=torch.bool)
 
 
+def hard_stacks(outs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A step's hard decisions, every layer stacked: modes (layers, B, n, H), bit options (layers,
+    B, n), expert ids (layers, B, n, k) or None where no layer routes its FFN. A fused step's
+    `LayerDecisions` give them from the call's tensors."""
+    if isinstance(outs, LayerDecisions):
+        return outs.hard_stacks()
+    dense_ffn = [out.experts is None for out in outs]
+    if any(dense_ffn) and not all(dense_ffn):
+        raise ValueError("every layer must route its FFN, or none")
+    index = None if dense_ffn[0] else torch.stack([out.experts.index for out in outs])
+    return torch.stack([out.attn.hard for out in outs]), torch.stack([out.bits.hard for out in outs]), index
+
+
 class InferenceModel(nn.Module):
     """Embedding, L routed layers, final norm, LM head; token tables for psi."""
 
@@ -317,18 +330,17 @@ class InferenceModel(nn.Module):
             return
         m = self.config.model
         valid = batch.valid_mask()
-        N = batch.t.numel()
+        N, L = batch.t.numel(), len(outs)
         rows = batch.rows.repeat_interleave(N // batch.rows.numel()) if N > batch.rows.numel() else batch.rows
-        count_attention(audit, [layer.layer_number for layer in self.layers], cache, rows,
-                        [out.attn.hard.reshape(N, -1) for out in outs], [out.bits.hard.reshape(N) for out in outs],
-                        batch.t, batch.valid, self.config.router.window, m.d_model)
+        modes, options, index = hard_stacks(outs)
+        count_attention(audit, [layer.layer_number for layer in self.layers], cache, rows, modes.view(L, N, -1),
+                        options.view(L, N), batch.t, batch.valid, self.config.router.window, m.d_model)
         count = N if batch.valid is None else int(valid.sum())
-        if all(out.experts is not None for out in outs):  # every layer's real routes in one count
-            index = torch.stack([out.experts.index.reshape(N, -1) for out in outs])  # (layers, N, k)
-            routes = ((index >= 0) if batch.valid is None else (index >= 0) & valid.view(1, N, 1)).sum((1, 2))
+        if index is not None:  # every layer's real routes in one count
+            real = index.view(L, N, -1) >= 0
+            routes = (real if batch.valid is None else real & valid.view(1, N, 1)).sum((1, 2))
         else:
-            routes = torch.stack([valid.sum() if out.experts is None else
-                                  ((out.experts.index.reshape(N, -1) >= 0) & valid.view(N, 1)).sum() for out in outs])
+            routes = valid.sum().expand(L)
         for layer, r in zip(self.layers, routes.tolist()):  # the controller on every valid token; each real route
             audit.add(layer.layer_number, "controller", count * layer.controller_macs)
             audit.add(layer.layer_number, "experts", r * layer.expert_macs)
@@ -337,22 +349,20 @@ class InferenceModel(nn.Module):
         audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
         audit.dense_macs += float(dense_cost(batch.t[valid], m).flops.sum()) * m.n_layers
         audit.dense_kv_bytes += count * m.n_layers * 2 * m.d_kv * 2
-        audit.add_requests(rids, self._row_costs(batch, outs))
+        audit.add_requests(rids, self._row_costs(batch, modes, options, index))
 
-    def _row_costs(self, batch: StepBatch, outs: list[RouterOutput]) -> list[list[float]]:
+    def _row_costs(self, batch: StepBatch, modes: torch.Tensor, options: torch.Tensor,
+                   index: torch.Tensor | None) -> list[list[float]]:
         """Per request of a finished step, over its valid tokens and all layers: [budgeted MACs,
-        dense MACs, KV bits written, dense KV bits] (routing.cost's hard accounting)."""
+        dense MACs, KV bits written, dense KV bits] (routing.cost's hard accounting), from every
+        layer's stacked decisions (`hard_stacks`)."""
         m, r = self.config.model, self.config.router
         B, n = batch.tokens.shape
         valid = batch.valid_mask().view(B, n).double()
-        L = len(outs)
+        L = modes.shape[0]
         # every layer at once: the layers stacked along hard_cost's batch axis
-        dense_ffn = [out.experts is None for out in outs]
-        if any(dense_ffn) and not all(dense_ffn):
-            raise ValueError("every layer must route its FFN, or none")
-        index = None if dense_ffn[0] else torch.cat([out.experts.index for out in outs])
-        cost = hard_cost(torch.cat([out.attn.hard for out in outs]), index, torch.cat([out.bits.hard for out in outs]),
-                         batch.positions.repeat(L, 1), m, r)
+        cost = hard_cost(modes.reshape(L * B, n, -1), None if index is None else index.reshape(L * B, n, -1),
+                         options.reshape(L * B, n), batch.positions.repeat(L, 1), m, r)
         valid_l = valid.repeat(L, 1)
         total = torch.stack([((cost.attn_key_macs + cost.expert_macs) * valid_l).view(L, B, n).sum((0, 2)),
                              (cost.kv_bits * valid_l).view(L, B, n).sum((0, 2))], -1)

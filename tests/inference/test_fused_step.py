@@ -255,3 +255,31 @@ def test_the_folded_heads_made_under_inference_mode_are_folded_again_outside_it(
         runs[mode] = first + [step_logits for step_logits, *_ in _decoded(model, 2)]
     for a, b in zip(runs["layer"], runs["step"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("router", [{}, {"attn_granularity": "token"}], ids=["per-head attention", "token-granular attention"])
+def test_the_audit_reads_the_calls_decisions_as_the_layer_loops(router):
+    """`LayerDecisions.hard_stacks` (the call's tensors, no `RouterOutput` made) equals stacking each
+    layer's `RouterOutput`, and a step's audit counts the same either way."""
+    from megatron_triroute.inference.audit import CostAudit
+    from megatron_triroute.inference.model import hard_stacks
+    from tests.inference.test_decode_step import _prefilled
+
+    audits = {}
+    for mode in ("step", "layer"):
+        model = _mode(_model(**router), mode)
+        cache, states, rids, last = _prefilled(model, [[3, 9, 4, 1, 7], [5, 2]])
+        audit = CostAudit(model.config.model.n_layers)
+        for _ in range(4):
+            batch = model.prepare(last.view(2, 1), torch.ones(2, dtype=torch.long), states, cache, rids, audit)
+            with torch.no_grad():
+                logits, outs = model.forward_step(batch, cache)
+            if mode == "step":
+                assert isinstance(outs, LayerDecisions)
+                for fused, loop in zip(outs.hard_stacks(), hard_stacks(list(outs))):
+                    assert torch.equal(fused, loop)
+            model.finish(batch, outs, cache, rids, audit)
+            last = logits.argmax(-1)
+        audits[mode] = audit
+    assert audits["step"].layers == audits["layer"].layers and audits["step"].requests == audits["layer"].requests
+    assert audits["step"].total("attn") > 0 and audits["step"].total("experts") > 0
