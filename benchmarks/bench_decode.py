@@ -2,7 +2,7 @@
 
     python benchmarks/bench_decode.py [--checkpoint runs/tiny/checkpoints] [--data DIR] [--shape 160m]
         [--contexts 512 2048 8192] [--batches 1 8] [--systems kvquant mod independent triroute]
-        [--steps 20] [--repeats 5] [--threads 1] [--budgets 0.35,0.25 1,1] [--json] [--quick]
+        [--steps 20] [--repeats 5] [--threads 1] [--budgets 0.35,0.25 1,1] [--device cpu|cuda] [--json] [--quick]
 
 Systems (float32 compute, one fixed thread count, decode only):
 - **Dense**: the best plain PyTorch decoder, not our engine forced dense: per layer a contiguous
@@ -52,6 +52,10 @@ more TriRoute per (FLOPs, KV memory) target, named `triroute@F,M` (the same rand
 controllers forced to `budget_mix` at that target), timed in the same interleaved rounds as Dense
 and every other system of the cell; `budget_dial` in the JSON gives per target and cell the
 tokens/s over Dense's, the step-time ratio's median and IQR, and the realised fractions.
+
+`--device cuda` puts every model, cache, forced decision and probe on the GPU (the engine takes its
+Triton kernels there; the probes are a device copy and a float32 matmul; each timed run ends with a
+device synchronise). Not yet run on a GPU. `--checkpoint` runs on the CPU only.
 
 `--json` prints one object; its top-level figures are the synthetic shape's TriRoute at 2,048 context
 (or the largest context below it), batch `min(--batches)` and (`_b8`) `max(--batches)`. `--quick`
@@ -114,7 +118,8 @@ class DenseDecoder(nn.Module):
     RMS norms by the engine's `decode_linear` and `rms_norm` (as the routed systems'), the rotary
     table computed once per step. Random weights."""
 
-    def __init__(self, m: ModelConfig, batch: int, max_len: int, seed: int = 0, kv_dtype=torch.float32):
+    def __init__(self, m: ModelConfig, batch: int, max_len: int, seed: int = 0, kv_dtype=torch.float32,
+                 device: torch.device | str = "cpu"):
         super().__init__()
         g = torch.Generator().manual_seed(seed)
 
@@ -130,8 +135,9 @@ class DenseDecoder(nn.Module):
         self.fc1 = nn.ParameterList(w(2 * m.d_ff, D) for _ in range(L))
         self.fc2 = nn.ParameterList(w(D, m.d_ff) for _ in range(L))
         self.head = w(m.vocab_size, D)
-        self.ones = torch.ones(D)  # the norms' gains
-        self.k = torch.zeros(L, batch, Hk, max_len, d, dtype=kv_dtype)
+        self.to(device)
+        self.ones = torch.ones(D, device=device)  # the norms' gains
+        self.k = torch.zeros(L, batch, Hk, max_len, d, dtype=kv_dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.t = 0
 
@@ -139,8 +145,8 @@ class DenseDecoder(nn.Module):
         """Write `length` prompt tokens of random K/V (the synthetic prefill)."""
         g = torch.Generator().manual_seed(seed)
         shape = self.k[:, :, :, :length].shape
-        self.k[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.dtype)
-        self.v[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.dtype)
+        self.k[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.device, self.k.dtype)
+        self.v[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.device, self.k.dtype)
         self.t = length
 
     def attn_macs(self, t: int) -> int:
@@ -159,7 +165,7 @@ class DenseDecoder(nn.Module):
         m, t = self.m, self.t
         B = tokens.shape[0]
         x = self.emb[tokens]  # (B, D)
-        cos, sin = rope_tables(torch.tensor([t]), m.d_head)  # once per step, every layer's (as `prepare`'s)
+        cos, sin = rope_tables(torch.tensor([t], device=x.device), m.d_head)  # once per step (as `prepare`'s)
         for i in range(m.n_layers):
             h = rms_norm(x, self.ones, 1e-5)
             q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
@@ -179,10 +185,10 @@ class DenseDecoder(nn.Module):
 
 
 # --- routed systems through the engine ----------------------------------------------------------
-def build_routed(config: TriRouteConfig, seed: int = 0, huge_pages: bool = True):
-    """Random-weight `InferenceModel`, each layer's real controller wrapped in a `ForcedController`;
-    its weights on huge pages as the engine's checkpoint loader places them (`huge_pages` False: left
-    where they were made, for a comparison)."""
+def build_routed(config: TriRouteConfig, seed: int = 0, huge_pages: bool = True, device: torch.device | str = "cpu"):
+    """Random-weight `InferenceModel` on `device`, each layer's real controller wrapped in a
+    `ForcedController`; on a CPU its weights on huge pages as the engine's checkpoint loader places
+    them (`huge_pages` False: left where they were made, for a comparison)."""
     from megatron_triroute.inference.model import InferenceModel
 
     model = InferenceModel(config)
@@ -190,6 +196,7 @@ def build_routed(config: TriRouteConfig, seed: int = 0, huge_pages: bool = True)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.02 if p.dim() >= 2 else torch.ones(p.shape))
+    model.to(device)
     if huge_pages:
         place_on_huge_pages(model)
     for layer in model.layers:
@@ -216,8 +223,8 @@ def fill_cache(model, context: int, batch: int, bit_probs, seed: int):
     widths = []
     for layer in range(m.n_layers):
         option = exact_draw(probs, row.numel(), g)
-        k = torch.randn(row.numel(), m.n_kv_heads, m.d_head, generator=g)
-        v = torch.randn(row.numel(), m.n_kv_heads, m.d_head, generator=g)
+        k = torch.randn(row.numel(), m.n_kv_heads, m.d_head, generator=g).to(model.device)
+        v = torch.randn(row.numel(), m.n_kv_heads, m.d_head, generator=g).to(model.device)
         cache.write(layer, rids, row, option, positions, k, v)
         widths.append(option.view(batch, context))
     last = torch.randint(0, m.vocab_size, (batch,), generator=g)
@@ -282,19 +289,29 @@ class RoutedRunner:
 
 
 class DenseRunner:
-    def __init__(self, m: ModelConfig, context: int, batch: int, steps: int, repeats: int):
-        self.dec = DenseDecoder(m, batch, context + WARMUP + steps * repeats + 4)
+    def __init__(self, m: ModelConfig, context: int, batch: int, steps: int, repeats: int,
+                 device: torch.device | str = "cpu"):
+        self.dec = DenseDecoder(m, batch, context + WARMUP + steps * repeats + 4, device=device)
         self.dec.fill(context)
-        # on huge pages as the routed systems' weights, and its contiguous K/V cache as well
+        # on a CPU on huge pages as the routed systems' weights, and its contiguous K/V cache as well
         place_on_huge_pages(self.dec)
-        self.dec.k, self.dec.v = huge_page_copies([self.dec.k, self.dec.v])
-        self.batch, self.tokens = batch, torch.zeros(batch, dtype=torch.long)
+        if self.dec.k.device.type == "cpu":
+            self.dec.k, self.dec.v = huge_page_copies([self.dec.k, self.dec.v])
+        self.batch, self.tokens = batch, torch.zeros(batch, dtype=torch.long, device=device)
 
     def step(self, audit=None) -> None:
         self.tokens = self.dec.step(self.tokens).argmax(-1)
 
 
 # --- roofline -----------------------------------------------------------------------------------
+def synchronized_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device's queued work is done (a CUDA synchronise; a CPU runs
+    its ops as they are called)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 class MachinePeaks:
     """Memory bandwidth (a large copy: bytes read + written) and float32 matmul peak, best of 3, on
     the current thread count; `probe()` measures once more (run in every timed round, so that the
@@ -303,21 +320,23 @@ class MachinePeaks:
     REPEATS = 3
     """Probes per measurement (the best is kept)."""
 
-    def __init__(self, quick: bool = False):
-        n = (16 if quick else 256) * 2**20 // 4
-        self.src, self.dst = torch.randn(n), torch.empty(n)
-        size = 256 if quick else 1024
-        self.a, self.b = torch.randn(size, size), torch.randn(size, size)
+    def __init__(self, quick: bool = False, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        gpu = self.device.type == "cuda"
+        n = (16 if quick else 1024 if gpu else 256) * 2**20 // 4
+        self.src, self.dst = torch.randn(n, device=device), torch.empty(n, device=device)
+        size = 256 if quick else 8192 if gpu else 1024
+        self.a, self.b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
 
     def probe(self) -> dict:
         copy, mm = [], []
         for _ in range(self.REPEATS):
-            start = time.perf_counter()
+            start = synchronized_clock(self.device)
             self.dst.copy_(self.src)
-            copy.append(time.perf_counter() - start)
-            start = time.perf_counter()
+            copy.append(synchronized_clock(self.device) - start)
+            start = synchronized_clock(self.device)
             torch.mm(self.a, self.b)
-            mm.append(time.perf_counter() - start)
+            mm.append(synchronized_clock(self.device) - start)
         return {"bandwidth_gb_s": 2 * self.src.nbytes / min(copy) / 1e9,
                 "peak_gflops": 2 * self.a.shape[0] ** 3 / min(mm) / 1e9}
 
@@ -345,8 +364,8 @@ def routed_roofline_parts(run: RoutedRunner, audit, t: int) -> list[tuple[float,
     model, cfg = run.model, run.model.config
     m, r = cfg.model, cfg.router
     elt = model.lm_head.weight.element_size()
-    widths = torch.cat([run.widths] + [torch.stack([o.bits.y.argmax(-1).view(-1) for o in outs]).unsqueeze(-1)
-                                      for _, outs in run.record], -1)  # (L, B, positions 0..t)
+    widths = torch.cat([run.widths] + [torch.stack([o.bits.y.argmax(-1).view(-1) for o in outs]).cpu().unsqueeze(-1)
+                                      for _, outs in run.record], -1)  # (L, B, positions 0..t), on the host
     head_bytes = bit_costs(r, m) / 8 / m.n_kv_heads  # per width: one token's K+V of one KV head
     per_pos = head_bytes[widths[..., : t + 1]]  # (L, B, t+1)
     before = F.pad(per_pos.cumsum(-1), (1, 0))  # before[..., p]: bytes at positions < p
@@ -354,7 +373,7 @@ def routed_roofline_parts(run: RoutedRunner, audit, t: int) -> list[tuple[float,
     parts = []
     G = m.n_heads // m.n_kv_heads
     for layer, o in enumerate(outs):
-        mode = o.attn.y.argmax(-1).view(run.batch, m.n_heads)  # (B, H)
+        mode = o.attn.y.argmax(-1).view(run.batch, m.n_heads).cpu()  # (B, H)
         lo = read_start(torch.full_like(mode, t), mode, r.window).view(run.batch, m.n_kv_heads, G).amin(-1)  # (B, Hk)
         kv = (before[layer, :, t + 1].view(-1, 1) - before[layer].gather(1, lo.clamp(max=t + 1))).clamp_min(0).sum()
         heads = int((mode != SKIP).any(0).sum())
@@ -388,7 +407,7 @@ def cost_audit_error(audit, steps: list[tuple[torch.Tensor, list[RouterOutput]]]
         for positions, outs in steps:
             o = outs[layer]
             index = None if o.experts is None else o.experts.index
-            hc = hard_cost(o.attn.y.argmax(-1), index, o.bits.y.argmax(-1), positions, m, r)
+            hc = hard_cost(o.attn.y.argmax(-1), index, o.bits.y.argmax(-1), positions.to(o.attn.y.device), m, r)
             model_macs += float(hc.flops.sum())
         counted = audit.layers[layer]["attn"] + audit.layers[layer]["experts"]
         worst = max(worst, abs(counted - model_macs) / max(model_macs, 1.0))
@@ -446,10 +465,10 @@ def timed(runners: dict, steps: int, repeats: int, machine: MachinePeaks) -> tup
     times, probes = {name: [] for name in runners}, []
     for _ in range(repeats):
         for name, runner in runners.items():
-            start = time.perf_counter()
+            start = synchronized_clock(machine.device)
             for _ in range(steps):
                 runner.step()
-            times[name].append((time.perf_counter() - start) / steps)
+            times[name].append((synchronized_clock(machine.device) - start) / steps)
         probes.append(machine.probe())
     return times, {k: statistics.median(p[k] for p in probes) for k in probes[0]}
 
@@ -461,7 +480,7 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
     from megatron_triroute.inference.audit import CostAudit
 
     m = base.model
-    runners = {"dense": DenseRunner(m, context, batch, steps, repeats)}
+    runners = {"dense": DenseRunner(m, context, batch, steps, repeats, machine.device)}
     runners |= {name: RoutedRunner(model, context, batch, mixes[name], steps, repeats) for name, model in models.items()}
     times, peaks = timed(runners, steps, repeats, machine)
     dense_run = runners["dense"]
@@ -570,10 +589,11 @@ def bench(label: str, base: TriRouteConfig, systems, contexts, batches, steps, r
           log=print, budgets=()):
     """Rows `ctx{C}_b{B}` -> {system: figures} for every context and batch size; `budgets`: (FLOPs,
     memory) targets, each one more TriRoute (`budget_name`) in every cell."""
-    models = {name: build_routed(system_config(name, base)) for name in systems}
+    device = machine.device
+    models = {name: build_routed(system_config(name, base), device=device) for name in systems}
     if trained is not None:
         models["triroute"] = trained
-    models |= {budget_name(f, m): build_routed(at_budget(base, f, m)) for f, m in budgets}
+    models |= {budget_name(f, m): build_routed(at_budget(base, f, m), device=device) for f, m in budgets}
     rows = {}
     for context in contexts:
         mixes = {name: budget_mix(model.config, context) for name, model in models.items()}
@@ -664,9 +684,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
     p.add_argument("--budgets", nargs="+", default=[], metavar="FLOPS,MEM",
                    help="the serve-time dial: one more TriRoute per (FLOPs, KV memory) target, synthetic shape only")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
+                   help="where the models, caches and probes run (cuda: the engine's Triton kernels)")
     p.add_argument("--quick", action="store_true", help="tiny shapes and contexts: seconds, for tests")
     p.add_argument("--json", action="store_true", help="print one JSON object (progress goes to stderr)")
     a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device is visible here")
+    if a.device != "cpu" and a.checkpoint:
+        p.error("--checkpoint runs on the CPU only; drop --device")
     a.budgets = parse_budgets(p, a.budgets)
     if a.budgets and not a.shape:
         p.error("--budgets runs on the synthetic shape (--shape), whose controllers are forced to each target")
@@ -693,9 +719,9 @@ def _main(argv=None) -> dict:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else (lambda s: print(s, flush=True))
-    machine = MachinePeaks(a.quick)
+    machine = MachinePeaks(a.quick, a.device)
     peaks = machine.probe()
-    result = {"threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
+    result = {"threads": a.threads, "device": a.device, "machine": platform.machine(), "torch": torch.__version__,
               "contexts": a.contexts, "batches": a.batches, "systems": a.systems, "steps": a.steps,
               "repeats": a.repeats, "targets": TARGETS, "peaks": peaks,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}

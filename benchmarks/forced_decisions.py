@@ -68,10 +68,10 @@ def exact_draw(probs, n: int, g: torch.Generator) -> torch.Tensor:
 
 
 def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, batch: int,
-                    tokens: list[int] | None = None) -> list[RouterOutput]:
+                    tokens: list[int] | None = None, device: torch.device | str = "cpu") -> list[RouterOutput]:
     """The decisions of `calls` steps of `batch` requests in one layer, in exact proportions over all
     of them; `tokens[c]`: the tokens per request of call c (default 1: decode steps; a prefill takes
-    the prompt's length)."""
+    the prompt's length). Drawn on the host, returned on `device` (the model's)."""
     r, m = config.router, config.model
     tokens = [1] * calls if tokens is None else list(tokens)
     if len(tokens) != calls:
@@ -98,6 +98,8 @@ def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, b
                                       NULL_EXPERT, index[:, 0])
         if block:
             index = torch.where(processed.view(N, 1), index, NULL_EXPERT)
+    attn, bits = attn.to(device), bits.to(device)
+    index = None if index is None else index.to(device)
     outs, start = [], 0
     for n in tokens:
         rows = slice(start, start + batch * n)
@@ -107,13 +109,13 @@ def forced_schedule(config: TriRouteConfig, mix: dict, layer: int, calls: int, b
         experts = None
         if index is not None:
             i = index[rows].view(batch, n, -1)
-            experts = ExpertRoutes(probs=torch.zeros(batch, n, r.num_experts + int(r.null_expert)), index=i,
-                                   weight=torch.full(i.shape, 1.0 / i.shape[-1]),
+            experts = ExpertRoutes(probs=torch.zeros(batch, n, r.num_experts + int(r.null_expert), device=device),
+                                   index=i, weight=torch.full(i.shape, 1.0 / i.shape[-1], device=device),
                                    option=i + 1 if r.null_expert else i)
         out = RouterOutput(attn=AxisDecision(ya, ya, ya.argmax(-1)), bits=AxisDecision(yb, yb, yb.argmax(-1)),
                            experts=experts)
         # psi's block of the forced decisions, drawn with them, as the engine's fused decisions carry theirs
-        features = decision_features(out, batch, n, len(r.bits), r.top_k)
+        features = decision_features(out, batch, n, len(r.bits), r.top_k, device)
         out.decision_block = DecisionBlock(features, DecisionBlock.sources_of(out))
         outs.append(out)
     return outs
@@ -175,6 +177,7 @@ def realised_fractions(steps: list[tuple[torch.Tensor, list[RouterOutput]]], con
     m, r = config.model, config.router
     flops = mem = dflops = dmem = 0.0
     for positions, outs in steps:
+        positions = positions.to(outs[0].attn.y.device)
         dense = dense_cost(positions, m)
         for o in outs:
             index = None if o.experts is None else o.experts.index
@@ -190,5 +193,5 @@ def force(model, mix: dict, calls: int, batch: int, tokens: list[int] | None = N
     (`tokens`: per call, as `forced_schedule`)."""
     for i, layer in enumerate(model.layers):
         if isinstance(layer.controller, ForcedController):
-            layer.controller.schedule = forced_schedule(model.config, mix, i, calls, batch, tokens)
+            layer.controller.schedule = forced_schedule(model.config, mix, i, calls, batch, tokens, model.device)
             layer.controller.calls = 0

@@ -13,14 +13,17 @@
 #      8,192 context; then the kernel's knobs not yet measured on a GPU (`--variants`: payload loads
 #      beside the positions, the codes' domain, a register cap, two pages per block) at 8,192;
 #   4. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
-#      for the 160m recipe, TriRoute and Dense, on an already-built dataset.
+#      for the 160m recipe, TriRoute and Dense, on an already-built dataset;
+#   5. benchmarks/bench_decode.py --device cuda: the engine's whole decode step against the plain
+#      decoder on the GPU, batch 1 and 64 at 8,192 context (the decode issue's GPU targets; the
+#      plain decoder is not CUDA-graphed).
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
 # MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,sources,host}.txt of the last,
 # bench-mb16-deepspeed-experts.json, bench-mb16-blocks-local.json, paged-attention.json,
-# paged-attention-variants.json, and per training run train-NAME.log (its last line holds the run's
+# paged-attention-variants.json, decode-cuda.json, and per training run train-NAME.log (its last line holds the run's
 # summary); OUTDIR/all.tgz packs them all (for a runner that returns few files). Runs write their checkpoints under
 # ${GPU_RUNS:-/tmp/gpu-runs}. Each stage has its own time limit; a failing stage does not stop the
 # next, and the exit status is the number of stages that failed.
@@ -49,7 +52,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
   "$PY" -c 'import torch, triton, megatron.core, deepspeed; print("torch", torch.__version__, "cuda", torch.version.cuda, "triton", triton.__version__, "megatron-core", megatron.core.__version__, "deepspeed", deepspeed.__version__)' 2>&1 | tail -1
   stage gpu-tests 300 "$PY" -m pytest -m gpu -q -p no:cacheprovider tests/kernels/test_gpu.py tests/model/test_te_spec.py \
     tests/experts/test_grouped.py tests/model/test_mode_attention.py tests/routing/test_device_values.py \
-    tests/inference/test_gpu.py tests/gpu
+    tests/inference/test_gpu.py tests/gpu \
+    tests/benchmarks/test_bench_decode.py::test_quick_cells_on_cuda_time_synchronised_steps_that_read_nothing_back
   for mb in ${MICRO_BATCHES:-4 16}; do  # the last one is profiled
     stage "bench-train-step-mb$mb" 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch "$mb" \
       --bf16 --warmup 3 --repeats 10 --profile "$OUT/profile" --host-profile "$OUT/profile" --out "$OUT/bench-mb$mb.json"
@@ -72,6 +76,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
       train.eval_interval="$STEPS" train.eval_batches=8 train.log_interval=5 train.peak_tflops=989 > "$OUT/train-$recipe.log" 2>&1
     grep -E "INFO (step|eval|budget|finished)" "$OUT/train-$recipe.log" | tail -4
   done
+  stage bench-decode-cuda 300 bash -c "\"$PY\" benchmarks/bench_decode.py --device cuda --contexts 8192 \
+    --batches 1 64 --systems triroute --json > \"$OUT/decode-cuda.json\""
 } 2>&1 | tee "$OUT/checks.log"
 echo "stages failed: $(wc -l < "$FAILS") $(tr '\n' ' ' < "$FAILS")"
 tar czf "$OUT/all.tgz" --exclude=all.tgz -C "$OUT" .

@@ -374,8 +374,10 @@ class PagedKVCache:
               k: torch.Tensor, v: torch.Tensor) -> None:
         """Host-side write of one layer (tests, benchmarks filling a cache): row (N,) index into
         `rids` (a request's tokens in increasing position), option (N,), positions (N,); k, v
-        (N, H_kv, d_h). Writes (taking exactly the pages needed), then syncs the host counts."""
+        (N, H_kv, d_h), on the host or the cache's device. Writes (taking exactly the pages needed), then
+        syncs the host counts."""
         B = len(rids)
+        row, option, positions = row.cpu(), option.cpu(), positions.cpu()
         new = torch.bincount(row, minlength=B)
         n = int(new.max()) if row.numel() else 0
         if n == 0:
@@ -383,11 +385,11 @@ class PagedKVCache:
         order = torch.argsort(row, stable=True)  # request by request, each in position order
         col = torch.arange(row.numel()) - torch.repeat_interleave(new.cumsum(0) - new, new)
         scatter = row[order] * n + col  # padded (B, n) flat index of each token
-        padded = lambda x, fill=0: torch.full((B * n, *x.shape[1:]), fill, dtype=x.dtype).index_copy_(  # noqa: E731
-            0, scatter, x[order])
+        padded = lambda x, fill=0: torch.full((B * n, *x.shape[1:]), fill, dtype=x.dtype,  # noqa: E731
+                                              device=x.device).index_copy_(0, scatter.to(x.device), x[order.to(x.device)])
         valid = padded(torch.ones_like(row, dtype=torch.bool), False)
         self.write_step(layer, self.rows(rids), padded(option).to(self.device), padded(positions).to(self.device),
-                        padded(k), padded(v), valid.to(self.device), n)
+                        padded(k.to(self.device)), padded(v.to(self.device)), valid.to(self.device), n)
         self.trim(rids)
 
     def page_table(self, layer: int, option: int, rids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -207,3 +207,29 @@ def test_budget_dial_refuses_what_is_not_a_pair_of_fractions(bench, budgets, cap
     with pytest.raises(SystemExit):
         bench.parse_args(["--quick", "--budgets", *budgets])
     assert "--budgets" in capsys.readouterr().err
+
+
+def test_device_cuda_is_refused_where_no_gpu_is_visible(bench, capsys):
+    if torch.cuda.is_available():
+        assert bench.parse_args(["--quick", "--device", "cuda"]).device == "cuda"
+        return
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--quick", "--device", "cuda"])
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_quick_cells_on_cuda_time_synchronised_steps_that_read_nothing_back(bench):
+    """`--device cuda`: Dense and TriRoute on the GPU, the engine's decode step with no host read,
+    the forced mix realising the budget there as on the CPU."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(io.StringIO()):
+        result = bench.main(["--quick", "--json", "--device", "cuda", "--systems", "triroute"])
+    assert result["device"] == "cuda"
+    for key, row in result["synthetic"].items():
+        r = row["triroute"]
+        assert r["host_syncs_per_step"] == 0 and r["tokens_per_s"] > 0 and row["dense"]["tokens_per_s"] > 0
+        assert r["executed_attn_macs"] >= r["audited_attn_macs"] > 0
+        assert row["peaks"]["bandwidth_gb_s"] > 0 and row["peaks"]["peak_gflops"] > 0
+        if key.endswith(f"_b{max(result['batches'])}"):
+            assert r["realised"]["flops"] == pytest.approx(0.55, abs=0.03)
