@@ -69,11 +69,13 @@ def build_llama(config: TriRouteConfig):
 
 class Runs:
     """One generation of each model: `triroute(prompt, n)` and `hf(prompt, n)` return (seconds, tokens);
-    `run(name, prompt, n)` also takes a dial's TriRoute (`dial`: name -> forced mix, the same model)."""
+    `run(name, prompt, n)` also takes a dial's TriRoute (`dial`: (FLOPs, memory) target -> forced mix,
+    the same model, named `budget_name(target)`)."""
 
     def __init__(self, config: TriRouteConfig, mix: dict, dial: dict | None = None):
         self.config, self.mix = config, mix
-        self.mixes = {"triroute": mix} | (dial or {})
+        self.targets = {budget_name(*target): target for target in dial or {}}
+        self.mixes = {"triroute": mix} | {budget_name(*target): m for target, m in (dial or {}).items()}
         self.model = build_routed(config)
         self.llama = build_llama(config)
         self.realised: dict | None = None
@@ -107,7 +109,7 @@ class Runs:
 
 def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
     """The interleaved rounds (module doc); every figure is computed from the returned lists."""
-    names = ["triroute", "hf", *(n for n in runs.mixes if n != "triroute")]
+    names = ["triroute", "hf", *runs.targets]
     for name in names:  # warm-up
         runs.run(name, prompt, new)
     times = {f"{name}_{label}": [] for label in ("whole", "prompt") for name in names}
@@ -121,34 +123,30 @@ def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
         log(f"round {r + 1}/{repeats}: whole TriRoute {times['triroute_whole'][-1]:.3f} s, transformers "
             f"{times['hf_whole'][-1]:.3f} s; prompt alone {times['triroute_prompt'][-1]:.3f} s, "
             f"{times['hf_prompt'][-1]:.3f} s")
-    decode = {name: [(w - p) / max(new - 1, 1) for w, p in zip(times[f"{name}_whole"], times[f"{name}_prompt"])]
-              for name in ("triroute", "hf")}
     out = {"seconds": {k: spread(v) for k, v in times.items()}, "seconds_runs": times,
-           "decode_seconds_per_token": {k: spread(v) for k, v in decode.items()},
+           "decode_seconds_per_token": {k: spread(per_token(times, k, new)) for k in ("triroute", "hf")},
            "tokens_generated": [list(c) for c in sorted(counts)]}
-    for label in ("whole", "prompt"):
-        ratios = [a / b for a, b in zip(times[f"triroute_{label}"], times[f"hf_{label}"])]
-        out[f"{label}_ratio"] = spread(ratios)
-    ratios = [a / b for a, b in zip(decode["triroute"], decode["hf"])]
-    out["decode_ratio"] = spread(ratios)
+    out |= ratios_to_hf(times, "triroute", new)
     out["realised_fractions"] = runs.realised
-    dial = [n for n in names if n not in ("triroute", "hf")]
-    if dial:
-        out["budget_dial"] = [dial_entry(name, times, new, runs.realised_by[name]) for name in dial]
+    if runs.targets:  # the dial: each target's TriRoute against transformers in the same rounds
+        out["budget_dial"] = [{"system": name, "flops_target": flops, "mem_target": mem,
+                               "realised_fractions": runs.realised_by[name]} | ratios_to_hf(times, name, new)
+                              for name, (flops, mem) in runs.targets.items()]
     return out
 
 
-def dial_entry(name: str, times: dict, new: int, realised: dict) -> dict:
-    """A dial's TriRoute against transformers: the whole generation's, the prompt's and a decoded
-    token's time ratios (medians of the per-round ratios, and IQR), and its realised fractions."""
-    flops, mem = (float(x) for x in name.split("@")[1].split(","))
-    entry = {"system": name, "flops_target": flops, "mem_target": mem, "realised_fractions": realised}
-    for label in ("whole", "prompt"):
-        entry[f"{label}_ratio"] = spread([a / b for a, b in zip(times[f"{name}_{label}"], times[f"hf_{label}"])])
-    decode = {k: [(w - p) / max(new - 1, 1) for w, p in zip(times[f"{k}_whole"], times[f"{k}_prompt"])]
-              for k in (name, "hf")}
-    entry["decode_ratio"] = spread([a / b for a, b in zip(decode[name], decode["hf"])])
-    return entry
+def per_token(times: dict, name: str, new: int) -> list[float]:
+    """Per round, `name`'s seconds per decoded token: (whole - prompt alone) / (new tokens - 1)."""
+    return [(w - p) / max(new - 1, 1) for w, p in zip(times[f"{name}_whole"], times[f"{name}_prompt"])]
+
+
+def ratios_to_hf(times: dict, name: str, new: int) -> dict:
+    """`name`'s whole generation, prompt alone and decoded token against transformers': the spread of
+    the per-round ratios."""
+    out = {f"{label}_ratio": spread([a / b for a, b in zip(times[f"{name}_{label}"], times[f"hf_{label}"])])
+           for label in ("whole", "prompt")}
+    out["decode_ratio"] = spread([a / b for a, b in zip(per_token(times, name, new), per_token(times, "hf", new))])
+    return out
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -177,7 +175,8 @@ def main(argv=None) -> dict:
     a = parse_args(argv)
     torch.set_num_threads(a.threads)
     log = (lambda s: print(s, file=sys.stderr, flush=True)) if a.json else (lambda s: print(s, flush=True))
-    config = system_config("triroute", get_recipe(a.shape).triroute.validate())
+    base = get_recipe(a.shape).triroute.validate()
+    config = system_config("triroute", base)
     if a.prompt_tokens + a.new_tokens > config.model.seq_len:
         raise SystemExit(f"--prompt-tokens + --new-tokens = {a.prompt_tokens + a.new_tokens} exceeds the shape's "
                          f"sequence length {config.model.seq_len}")
@@ -191,8 +190,7 @@ def main(argv=None) -> dict:
               "threads": a.threads, "machine": platform.machine(), "torch": torch.__version__,
               "transformers": transformers.__version__, "mix": mix,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    dial = {budget_name(f, m): budget_mix(at_budget(get_recipe(a.shape).triroute.validate(), f, m),
-                                           a.prompt_tokens + a.new_tokens) for f, m in a.budgets}
+    dial = {(f, m): budget_mix(at_budget(base, f, m), a.prompt_tokens + a.new_tokens) for f, m in a.budgets}
     result |= measure(Runs(config, mix, dial), prompt.tolist(), a.new_tokens, a.repeats, log)
     s, r = result["seconds"], result
     log(f"whole generation: TriRoute {s['triroute_whole']['median']:.3f} s, transformers Dense "
