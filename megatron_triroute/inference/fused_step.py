@@ -39,6 +39,10 @@ from ..routing.state import has_leader
 
 _FLOAT32_EPS = torch.finfo(torch.float32).eps
 _AXES = list(AXES)
+_PER_LAYER = 10
+"""`decode_layers`' outputs per layer: the controller's logits, then `decode_decisions`' nine, in
+`decided_output`'s order; of those, the hard modes, the modes' one-hots, the widths and the expert ids:"""
+_ATTN_HARD, _ATTN_Y, _BITS_HARD, _EXPERT_INDEX = 1, 2, 3, 7
 
 
 class LayerDecisions(Sequence):
@@ -47,7 +51,7 @@ class LayerDecisions(Sequence):
 
     def __init__(self, tensors: list[torch.Tensor], batch: int, sizes: list[int], n_heads: int):
         self._tensors, self._batch, self._sizes, self._n_heads = tensors, batch, sizes, n_heads
-        self._outs: list[RouterOutput | None] = [None] * (len(tensors) // 10)
+        self._outs: list[RouterOutput | None] = [None] * (len(tensors) // _PER_LAYER)
 
     def __len__(self) -> int:
         return len(self._outs)
@@ -55,9 +59,10 @@ class LayerDecisions(Sequence):
     def hard_stacks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Every layer's hard decisions stacked, read from the call's tensors (no `RouterOutput`
         made): modes (layers, B, 1, H), bit options (layers, B, 1), expert ids (layers, B, 1, k)."""
-        t = self._tensors
-        modes = torch.stack(t[1::10])  # (layers, B, 1, H_a)
-        return (modes.expand(*modes.shape[:3], self._n_heads), torch.stack(t[3::10]), torch.stack(t[7::10]))
+        t, n = self._tensors, _PER_LAYER
+        modes = torch.stack(t[_ATTN_HARD::n])  # (layers, B, 1, H_a)
+        return (modes.expand(*modes.shape[:3], self._n_heads), torch.stack(t[_BITS_HARD::n]),
+                torch.stack(t[_EXPERT_INDEX::n]))
 
     def __getitem__(self, i):
         if isinstance(i, slice):
@@ -66,11 +71,10 @@ class LayerDecisions(Sequence):
             raise IndexError(f"layer {i} of {len(self)}")
         i %= len(self)
         if self._outs[i] is None:
-            z = self._tensors[10 * i].view(self._batch, 1, -1)
-            attn_z, expert_z, bits_z = z.split(self._sizes, -1)
-            attn_z = attn_z.view(self._batch, 1, -1, self._tensors[10 * i + 2].shape[-1])
-            self._outs[i] = decided_output(attn_z, expert_z, bits_z, self._tensors[10 * i + 1: 10 * i + 10],
-                                           self._n_heads)
+            layer = self._tensors[_PER_LAYER * i: _PER_LAYER * (i + 1)]
+            attn_z, expert_z, bits_z = layer[0].view(self._batch, 1, -1).split(self._sizes, -1)
+            attn_z = attn_z.view(self._batch, 1, -1, layer[_ATTN_Y].shape[-1])
+            self._outs[i] = decided_output(attn_z, expert_z, bits_z, layer[1:], self._n_heads)
         return self._outs[i]
 
 
