@@ -38,6 +38,14 @@ decisions in one call (`triroute.decode_layer`), the controller called from Pyth
 live: on huge pages (`inference/huge_pages.py`, what the engine's checkpoint loader does) and where
 PyTorch allocated them, on alternate steps, A B then B A; prints the median step of each and the
 quartiles of the per-round ratio huge / base pages.
+
+    OMP_NUM_THREADS=1 python benchmarks/profile_decode.py --against-no-audit [--rounds 20]
+
+`--against-no-audit` times whole decode steps of one runner (the scheduler's preparation, the step
+and its finish) with the engine's cost audit on and off on alternate steps, A B then B A: what
+`generate` and serving pay for it, since the engine audits every step (its per-request budget
+control reads each step's costs) and `bench_decode.py` times its steps without it. Prints the median
+step of each and the quartiles of the per-round ratio audited / not.
 """
 
 from __future__ import annotations
@@ -208,6 +216,22 @@ def huge_against_base_pages(shape: str, context: int, batch: int, rounds: int, w
                    interleaved(lambda _counters: huge.step(), lambda _counters: base.step(), rounds))
 
 
+def audit_against_none(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
+    """Whole decode steps of one runner with the cost audit (`InferenceModel.finish` counting the
+    step) and without it on alternate steps (A B, B A, ...): the median step of each and the per-round
+    ratio audited / not."""
+    from benchmarks.bench_cpu_ops import interleaved
+    from megatron_triroute.inference.audit import CostAudit
+
+    runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
+    audit = CostAudit(runner.model.config.model.n_layers)
+    for _ in range(warmup):
+        runner.step(audit)
+        runner.step()
+    return _result(shape, context, batch, rounds,
+                   interleaved(lambda _counters: runner.step(audit), lambda _counters: runner.step(), rounds))
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--shape", default="160m", help="recipe whose backbone is profiled (synthetic weights)")
@@ -225,16 +249,17 @@ def main(argv=None) -> dict:
     p.add_argument("--against-base-pages", action="store_true",
                    help="time whole steps with the weights on huge pages against the same model's weights on the "
                         "pages PyTorch allocated, interleaved (two models in memory)")
+    p.add_argument("--against-no-audit", action="store_true",
+                   help="time whole steps with the engine's cost audit against the same steps without it, interleaved")
     p.add_argument("--rounds", type=int, default=20,
-                   help="--baseline, --against-op-by-op, --against-layer-calls, --against-base-pages: A B rounds "
-                        "timed (after 3 of each untimed)")
+                   help="--baseline and the --against comparisons: A B rounds timed (after 3 of each untimed)")
     a = p.parse_args(argv)
     if a.rounds < 1:
         p.error(f"--rounds {a.rounds}: give at least 1")
-    comparisons = (a.baseline, a.against_op_by_op, a.against_layer_calls, a.against_base_pages)
+    comparisons = (a.baseline, a.against_op_by_op, a.against_layer_calls, a.against_base_pages, a.against_no_audit)
     if sum(map(bool, comparisons)) > 1:
-        p.error("--baseline, --against-op-by-op, --against-layer-calls and --against-base-pages are four "
-                "comparisons: give one")
+        p.error("--baseline, --against-op-by-op, --against-layer-calls, --against-base-pages and --against-no-audit "
+                "are five comparisons: give one")
     if any(comparisons):
         with torch.no_grad():
             if a.baseline:
@@ -243,6 +268,9 @@ def main(argv=None) -> dict:
                 baseline_ops(a.baseline)
                 result = step_against("triroute_baseline", a.shape, a.context, a.batch, a.rounds) | {"baseline": a.baseline}
                 ours, theirs, ratio = "this tree", f"{a.baseline}'s decode ops", "this tree / baseline"
+            elif a.against_no_audit:
+                result = audit_against_none(a.shape, a.context, a.batch, a.rounds)
+                ours, theirs, ratio = "with the cost audit", "without", "audited / not"
             elif a.against_base_pages:
                 result = huge_against_base_pages(a.shape, a.context, a.batch, a.rounds)
                 ours, theirs, ratio = "weights on huge pages", "on the pages PyTorch allocated", "huge / base pages"

@@ -43,9 +43,27 @@ def test_the_layers_in_one_call_against_their_other_forms_alternate_steps(theirs
     assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
 
 
+def test_the_audit_against_none_alternates_audited_and_plain_steps(monkeypatch):
+    """Every other step audited: as many audited steps as plain ones, warm-up and timed rounds alike."""
+    bench = load_benchmark("profile_decode")
+    audits = []
+    real = bench.bench_decode.RoutedRunner.step
+
+    def step(runner, audit=None, *args, **kwargs):
+        audits.append(audit is not None)
+        return real(runner, audit, *args, **kwargs)
+
+    monkeypatch.setattr(bench.bench_decode.RoutedRunner, "step", step)
+    with torch.no_grad():
+        result = bench.audit_against_none("tiny", context=32, batch=2, rounds=2, warmup=1)
+    assert sum(audits) == len(audits) - sum(audits) == 1 + 2  # each side: the warm-up and the timed rounds
+    assert result["this_tree_ms"] > 0 and result["baseline_ms"] > 0
+    assert result["ratio_q1"] <= result["ratio_median"] <= result["ratio_q3"]
+
+
 def test_the_cli_refuses_two_comparisons(capsys):
     for two in (["--baseline", "HEAD", "--against-op-by-op"], ["--against-op-by-op", "--against-base-pages"],
-                ["--against-layer-calls", "--against-op-by-op"]):
+                ["--against-layer-calls", "--against-op-by-op"], ["--against-no-audit", "--against-base-pages"]):
         with pytest.raises(SystemExit) as stop:
             load_benchmark("profile_decode").main(two)
         assert stop.value.code == 2 and "give one" in capsys.readouterr().err
