@@ -41,6 +41,7 @@
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <numeric>
 #include <type_traits>
 #include <vector>
@@ -129,7 +130,9 @@ inline __m256 codes8(const uint8_t* codes, int64_t i) {
 
 #if defined(TRIROUTE_AVX512)
 // The codes of channels i..i+15 of a packed row, one per 32-bit lane (codes8's layout, 16 lanes):
-// the codes' 16 * BITS bits as one or two 32-bit words, each lane shifted to its code.
+// the codes' 16 * BITS bits as one or two 32-bit words, each lane shifted to its code. At 2 and 4
+// bits a lane's code is its lowest BITS bits and the bits above it are the next codes' (not masked
+// off: GroupValues16's lookup reads a lane's lowest four bits only, and its 2-bit table repeats).
 template <int BITS>
 inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
   if constexpr (BITS == 8) {
@@ -140,27 +143,30 @@ inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
     const __m512i words = _mm512_permutexvar_epi32(  // lanes 0-7: the low 32 bits, 8-15: the high
         _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1), _mm512_set1_epi64(static_cast<int64_t>(word)));
     const __m512i shifts = _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20, 24, 28);
-    return _mm512_and_si512(_mm512_srlv_epi32(words, shifts), _mm512_set1_epi32(15));
+    return _mm512_srlv_epi32(words, shifts);
   } else {
     uint32_t word = 0;
     std::memcpy(&word, codes + i / 4, 4);
     const __m512i shifts = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    return _mm512_and_si512(_mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts), _mm512_set1_epi32(3));
+    return _mm512_srlv_epi32(_mm512_set1_epi32(static_cast<int32_t>(word)), shifts);
   }
 }
 #endif
 
 #if defined(TRIROUTE_AVX512)
 // One quantisation group's values 16 channels at a time: code * scale, then + zero (two roundings in
-// float32); at 2 and 4 bits the group's 2^BITS values computed once into one register, then each
-// channel's looked up by its code. The one 16-lane dequantisation of dequant_row and row_vectors.
+// float32); at 2 and 4 bits the group's 2^BITS values computed once into one register (at 2 bits
+// four times over: entry e holds code e % 4's value), then each channel's looked up by the lowest
+// four bits of its lane (code_lanes16). The one 16-lane dequantisation of dequant_row and row_vectors.
 template <int BITS>
 struct GroupValues16 {
   __m512 sc, z, table;
   GroupValues16(Half scale, Half zero)
       : sc(_mm512_set1_ps(static_cast<float>(scale))), z(_mm512_set1_ps(static_cast<float>(zero))) {
-    if constexpr (BITS <= 4)
+    if constexpr (BITS == 4)
       table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc), z);
+    if constexpr (BITS == 2)
+      table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), sc), z);
   }
   // Channels i..i+15 of the packed row `codes` (all in this group).
   __m512 operator()(const uint8_t* codes, int64_t i) const {
@@ -564,19 +570,20 @@ inline void accumulate_rows(float* const* acc, const float* const* p, int nh, co
   }
 }
 
-// n floats whose first one starts a 64-byte cache line.
+// n floats whose first one starts a 64-byte cache line, not initialised (every user writes before
+// it reads).
 class CacheLineFloats {
  public:
-  explicit CacheLineFloats(int64_t n) : storage_(n + 16) {
-    const auto address = reinterpret_cast<uintptr_t>(storage_.data());
-    data_ = storage_.data() + ((64 - address % 64) % 64) / sizeof(float);
+  explicit CacheLineFloats(int64_t n) : storage_(new float[n + 16]) {
+    const auto address = reinterpret_cast<uintptr_t>(storage_.get());
+    data_ = storage_.get() + ((64 - address % 64) % 64) / sizeof(float);
   }
   CacheLineFloats(const CacheLineFloats&) = delete;  // data_ points into storage_
   CacheLineFloats& operator=(const CacheLineFloats&) = delete;
   float* data() { return data_; }
 
  private:
-  std::vector<float> storage_;
+  std::unique_ptr<float[]> storage_;
   float* data_;
 };
 
@@ -854,6 +861,8 @@ Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, 
     if (n == 0 || reqp[n] != reqp[n - 1] || n - chunk_start.back() == kChunkRows) chunk_start.push_back(n);
   chunk_start.push_back(N);
   const int64_t n_chunks = static_cast<int64_t>(chunk_start.size()) - 1;
+  int64_t chunk_rows = 1;  // the longest chunk's rows: a decode step's are one, so are its buffers' rows
+  for (int64_t c = 0; c < n_chunks; ++c) chunk_rows = std::max(chunk_rows, chunk_start[c + 1] - chunk_start[c]);
 
   // Split-K: with few items for the threads (a decode step of few requests), each item's page list
   // is cut into S parts, one unit each, S the smallest count that gives every thread as many units
@@ -865,7 +874,7 @@ Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, 
   int64_t S = 1;
   if (threads > 1 && n_items < 4 * threads && !at::in_parallel_region())
     S = std::max<int64_t>(1, std::min(threads / std::gcd(n_items, threads), table_end / kSplitPages));
-  const int64_t RG_max = kChunkRows * G, part_stride = d + 2;
+  const int64_t RG_max = chunk_rows * G, part_stride = d + 2;
   std::vector<float> part(S > 1 ? n_items * S * RG_max * part_stride : 0);  // zero (sum 0) where no head reads
 
   at::parallel_for(0, n_items * S, 1, [&](int64_t begin, int64_t end) {
@@ -874,7 +883,7 @@ Tensor triroute_decode::paged_attention(const Tensor& q, at::TensorList k_data, 
     // lo[r, head]..hi[r], a contiguous run of the block's rows since positions increase along it),
     // one rescale per (row, head) and block, then their V rows dequantised into vbuf once and
     // accumulated.
-    const int64_t RG = kChunkRows * G;
+    const int64_t RG = RG_max;
     // The dequantised K and V and the weighted sums start on a cache line: with d a multiple of 16,
     // every 64-byte vector load and store of them then stays inside one line (a line-crossing one
     // costs two accesses: 3-13 % of the op's time at the 160m shape with every buffer 16 bytes off).
