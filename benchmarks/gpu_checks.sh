@@ -16,9 +16,17 @@
 #      for the 160m recipe, TriRoute and Dense, on an already-built dataset;
 #   5. benchmarks/bench_decode.py --device cuda: the engine's whole decode step against the plain
 #      decoder on the GPU, batch 1 and 64 at 8,192 context (the decode issue's GPU targets; the
-#      plain decoder is not CUDA-graphed).
+#      plain decoder is not CUDA-graphed); it runs second, after the tests.
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
+#   STAGES="bench-decode-cuda bench-train-step-mb16" bash benchmarks/gpu_checks.sh OUTDIR   # only these
+#
+# STAGES (default: all) names the stages to run, each by its name or a prefix of it (the names are the
+# "=== NAME" lines of checks.log: gpu-tests, bench-decode-cuda, bench-train-step-mbN,
+# bench-train-step-deepspeed-experts, bench-train-step-blocks-local, bench-paged-attention,
+# bench-paged-attention-variants, train-160m, train-160m-dense). Their time limits add up to about 31
+# minutes, more than one lease of a GPU may hold: STAGES="bench-decode-cuda bench-train-step-mb16" (8
+# minutes of limits) gives the decode and training issues' headline GPU figures first.
 #
 # OUTDIR gets checks.log (everything printed), bench-mbN.json per micro-batch size N in
 # MICRO_BATCHES (default "4 16"), profile/{triroute,dense}_{ops,sources,host}.txt of the last,
@@ -37,9 +45,22 @@ export TRIROUTE_PYTHON=${TRIROUTE_PYTHON:-$(command -v python3)} PYTHONUNBUFFERE
 PY=$TRIROUTE_PYTHON
 RUNS=${GPU_RUNS:-/tmp/gpu-runs}
 FAILS=$(mktemp)
+STAGES=${STAGES:-all}
+wanted() {  # wanted NAME: whether STAGES selects the stage NAME (all, or a name or prefix of it)
+  [ "$STAGES" = all ] && return 0
+  local s
+  for s in $STAGES; do
+    case "$1" in "$s"*) return 0 ;; esac
+  done
+  return 1
+}
 stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count failures
   local name=$1 limit=$2
   shift 2
+  if ! wanted "$name"; then
+    echo "=== $name: not in STAGES ($STAGES)"
+    return 0
+  fi
   echo "=== $name ($(date +%T), limit ${limit}s)"
   local t0=$SECONDS
   timeout "$limit" "$@"
@@ -54,6 +75,8 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
     tests/experts/test_grouped.py tests/model/test_mode_attention.py tests/routing/test_device_values.py \
     tests/inference/test_gpu.py tests/gpu \
     tests/benchmarks/test_bench_decode.py::test_quick_cells_on_cuda_time_synchronised_steps_that_read_nothing_back
+  stage bench-decode-cuda 300 bash -c "\"$PY\" benchmarks/bench_decode.py --device cuda --contexts 8192 \
+    --batches 1 64 --systems triroute --json > \"$OUT/decode-cuda.json\""
   for mb in ${MICRO_BATCHES:-4 16}; do  # the last one is profiled
     stage "bench-train-step-mb$mb" 180 "$PY" benchmarks/bench_train_step.py --recipe 160m --micro-batch "$mb" \
       --bf16 --warmup 3 --repeats 10 --profile "$OUT/profile" --host-profile "$OUT/profile" --out "$OUT/bench-mb$mb.json"
@@ -71,13 +94,13 @@ stage() {  # stage NAME SECONDS COMMAND...: run with a time limit, log, count fa
     > \"$OUT/paged-attention-variants.json\""
   for recipe in 160m 160m-dense; do
     rm -rf "$RUNS/$recipe"
-    stage "train-$recipe" 100 bash launchers/local.sh --recipe "$recipe" data.path="$DATA" output_dir="$RUNS/$recipe" \
+    # the run's output to its own log (bash -c's $0), the stage's lines to checks.log
+    stage "train-$recipe" 100 bash -c 'bash launchers/local.sh "$@" > "$0" 2>&1' "$OUT/train-$recipe.log" \
+      --recipe "$recipe" data.path="$DATA" output_dir="$RUNS/$recipe" \
       train.steps="$STEPS" train.global_batch_size=16 train.micro_batch_size=4 optim.warmup_steps=5 \
-      train.eval_interval="$STEPS" train.eval_batches=8 train.log_interval=5 train.peak_tflops=989 > "$OUT/train-$recipe.log" 2>&1
-    grep -E "INFO (step|eval|budget|finished)" "$OUT/train-$recipe.log" | tail -4
+      train.eval_interval="$STEPS" train.eval_batches=8 train.log_interval=5 train.peak_tflops=989
+    [ -f "$OUT/train-$recipe.log" ] && grep -E "INFO (step|eval|budget|finished)" "$OUT/train-$recipe.log" | tail -4
   done
-  stage bench-decode-cuda 300 bash -c "\"$PY\" benchmarks/bench_decode.py --device cuda --contexts 8192 \
-    --batches 1 64 --systems triroute --json > \"$OUT/decode-cuda.json\""
 } 2>&1 | tee "$OUT/checks.log"
 echo "stages failed: $(wc -l < "$FAILS") $(tr '\n' ' ' < "$FAILS")"
 tar czf "$OUT/all.tgz" --exclude=all.tgz -C "$OUT" .
