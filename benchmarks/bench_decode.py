@@ -9,7 +9,9 @@ Systems (float32 compute, one fixed thread count, decode only):
   K/V cache [B, H_kv, T_max, d_h] in its compute dtype (float32: no cast in the step) and
   `scaled_dot_product_attention` (GQA) over it, a dense SwiGLU FFN of width d_ff; its weight matmuls
   are `triroute_kernels.decode_linear`, the engine's own (faster than BLAS at a few rows on this
-  CPU), so a ratio compares the routing, not two matmul libraries.
+  CPU), so a ratio compares the routing, not two matmul libraries. On a GPU (`--device cuda`) each of
+  its steps is one replay of a CUDA graph (a static cache read whole with the keys past the position
+  masked, as gpt-fast decodes; `DenseRunner`), `"cuda_graph": true` in its figures.
 - **KV-quant-only, MoD, Independent combo, TriRoute**: `megatron_triroute.inference` (`InferenceModel`
   with its paged cache) on `systems.system_config(name, backbone)`, through its public `step` only.
 
@@ -116,7 +118,8 @@ def spread(values: list[float]) -> dict:
 class DenseDecoder(nn.Module):
     """Plain decoder: contiguous K/V cache in the compute dtype, SDPA, dense SwiGLU, its matmuls and
     RMS norms by the engine's `decode_linear` and `rms_norm` (as the routed systems'), the rotary
-    table computed once per step. Random weights."""
+    table computed once per step. Random weights. `step` reads the cache up to the step's position;
+    `static_step` keeps every shape fixed, for a CUDA graph (`DenseRunner` on a GPU)."""
 
     def __init__(self, m: ModelConfig, batch: int, max_len: int, seed: int = 0, kv_dtype=torch.float32,
                  device: torch.device | str = "cpu"):
@@ -140,6 +143,8 @@ class DenseDecoder(nn.Module):
         self.k = torch.zeros(L, batch, Hk, max_len, d, dtype=kv_dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.t = 0
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # static_step's position, on the device
+        self.key_positions = torch.arange(max_len, device=device)
 
     def fill(self, length: int, seed: int = 1) -> None:
         """Write `length` prompt tokens of random K/V (the synthetic prefill)."""
@@ -148,6 +153,7 @@ class DenseDecoder(nn.Module):
         self.k[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.device, self.k.dtype)
         self.v[:, :, :, :length] = torch.randn(shape, generator=g).to(self.k.device, self.k.dtype)
         self.t = length
+        self.pos.fill_(length)
 
     def attn_macs(self, t: int) -> int:
         """Attention MACs of one token at position t, all layers (2 d_h per (head, key))."""
@@ -181,6 +187,37 @@ class DenseDecoder(nn.Module):
             gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
             x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
         self.t = t + 1
+        self.pos.fill_(self.t)
+        return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
+
+    @torch.no_grad()
+    def static_step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """`step` with every shape and address fixed, as a CUDA graph needs it (gpt-fast's decode): the
+        position is the device tensor `pos` (advanced in place), the new K and V are written there by
+        `index_copy_`, and attention reads the whole cache with the keys past the position masked.
+        The same logits as `step` up to rounding; the host's `t` is the caller's to advance."""
+        m = self.m
+        B = tokens.shape[0]
+        x = self.emb[tokens]
+        cos, sin = rope_tables(self.pos, m.d_head)
+        mask = (self.key_positions <= self.pos).view(1, 1, 1, -1)
+        for i in range(m.n_layers):
+            h = rms_norm(x, self.ones, 1e-5)
+            q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
+            k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
+            self.k[i].index_copy_(2, self.pos, apply_rope(k, cos, sin).to(self.k.dtype))
+            self.v[i].index_copy_(2, self.pos, v.to(self.k.dtype))
+            kk, vv = self.k[i], self.v[i]
+            if kk.dtype != q.dtype:
+                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+            # a KV head's G query heads as its G query rows (B, H_kv, G, d): GQA without repeating K and V,
+            # which SDPA's backends that take a mask would do for enable_gqa
+            o = F.scaled_dot_product_attention(q.view(B, m.n_kv_heads, -1, m.d_head), kk, vv, attn_mask=mask)
+            x = x + decode_linear(o.reshape(B, -1), self.wo[i])
+            h = rms_norm(x, self.ones, 1e-5)
+            gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
+            x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
+        self.pos += 1
         return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
 
 
@@ -289,8 +326,12 @@ class RoutedRunner:
 
 
 class DenseRunner:
+    """The Dense decoder's steps for a cell. On a GPU each step is one replay of a CUDA graph of
+    `DenseDecoder.static_step` (the sampling's argmax inside it), the field's way to decode a small
+    batch without its launches' cost (`graphed`); on a CPU, `DenseDecoder.step`."""
+
     def __init__(self, m: ModelConfig, context: int, batch: int, steps: int, repeats: int,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", graphed: bool | None = None):
         self.dec = DenseDecoder(m, batch, context + WARMUP + steps * repeats + 4, device=device)
         self.dec.fill(context)
         # on a CPU on huge pages as the routed systems' weights, and its contiguous K/V cache as well
@@ -298,9 +339,36 @@ class DenseRunner:
         if self.dec.k.device.type == "cpu":
             self.dec.k, self.dec.v = huge_page_copies([self.dec.k, self.dec.v])
         self.batch, self.tokens = batch, torch.zeros(batch, dtype=torch.long, device=device)
+        self.graphed = self.dec.k.device.type == "cuda" if graphed is None else graphed
+        self.graph = self._capture() if self.graphed else None
 
-    def step(self, audit=None) -> None:
-        self.tokens = self.dec.step(self.tokens).argmax(-1)
+    def _capture(self):
+        """A CUDA graph of one static step that leaves the next tokens in `self.tokens`: two warm-up
+        steps on a side stream (which CUDA graphs need before a capture), the position put back, the
+        capture (which runs nothing)."""
+        dec, start = self.dec, self.dec.t
+        side = torch.cuda.Stream(self.tokens.device)
+        side.wait_stream(torch.cuda.current_stream(self.tokens.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                dec.static_step(self.tokens)
+        torch.cuda.current_stream(self.tokens.device).wait_stream(side)
+        dec.pos.fill_(start)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.tokens.copy_(dec.static_step(self.tokens).argmax(-1))
+        return graph
+
+    def step(self, audit=None, eager: bool = False) -> None:
+        """One decode step; `eager`: the graph's ops dispatched one by one (what the op counter sees)."""
+        if self.graph is None:
+            self.tokens = self.dec.step(self.tokens).argmax(-1)
+            return
+        if eager:
+            self.tokens.copy_(self.dec.static_step(self.tokens).argmax(-1))
+        else:
+            self.graph.replay()
+        self.dec.t += 1
 
 
 # --- roofline -----------------------------------------------------------------------------------
@@ -440,10 +508,10 @@ def count_steps(runner, weights, audit=None) -> tuple[StepCounter, StepCounter]:
         runner.step(counter=plain, scheduler_counter=runner.scheduler)
         runner.step(audit, counter=audited)
         return plain, audited
-    with plain:
-        runner.step()
+    with plain:  # a graphed Dense's step op by op: a replay dispatches nothing the counter sees
+        runner.step(eager=True)
     with audited:
-        runner.step(audit)
+        runner.step(audit, eager=True)
     return plain, audited
 
 
@@ -486,7 +554,7 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
     dense_run = runners["dense"]
     plain, audited = count_steps(dense_run, model_weights(dense_run.dec))
     t = dense_run.dec.t - 1  # the audited step's query position
-    dense = {"step_s": spread(times["dense"]), "step_s_runs": times["dense"]}
+    dense = {"step_s": spread(times["dense"]), "step_s_runs": times["dense"], "cuda_graph": dense_run.graphed}
     dense["tokens_per_s"] = batch / dense["step_s"]["median"]
     dense["tokens_per_s_runs"] = [batch / s for s in times["dense"]]
     dense |= counter_figures(plain, audited, m.n_layers)

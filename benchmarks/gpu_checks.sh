@@ -15,8 +15,8 @@
 #   4. short end-to-end runs of the trainer (launchers/local.sh, one GPU, bf16 by default on CUDA)
 #      for the 160m recipe, TriRoute and Dense, on an already-built dataset;
 #   5. benchmarks/bench_decode.py --device cuda: the engine's whole decode step against the plain
-#      decoder on the GPU, batch 1 and 64 at 8,192 context (the decode issue's GPU targets; the
-#      plain decoder is not CUDA-graphed); it runs second, after the tests.
+#      decoder on the GPU, CUDA-graphed, batch 1 and 64 at 8,192 context (the decode issue's GPU
+#      targets); it runs second, after the tests.
 #
 #   bash benchmarks/gpu_checks.sh OUTDIR [DATA=data/tiny] [STEPS=20]
 #   STAGES="bench-decode-cuda bench-train-step-mb16" bash benchmarks/gpu_checks.sh OUTDIR   # only these

@@ -233,3 +233,36 @@ def test_quick_cells_on_cuda_time_synchronised_steps_that_read_nothing_back(benc
         assert row["peaks"]["bandwidth_gb_s"] > 0 and row["peaks"]["peak_gflops"] > 0
         if key.endswith(f"_b{max(result['batches'])}"):
             assert r["realised"]["flops"] == pytest.approx(0.55, abs=0.03)
+
+
+def test_dense_static_step_equals_the_step_that_reads_the_cache_up_to_its_position(bench):
+    """`DenseDecoder.static_step` (what a CUDA graph of Dense captures: fixed shapes, the position on the
+    device, the keys past it masked) gives `step`'s logits and cache, step after step."""
+    m = get_recipe("tiny").triroute.validate().model
+    a, b = bench.DenseDecoder(m, batch=2, max_len=12), bench.DenseDecoder(m, batch=2, max_len=12)
+    a.fill(5)
+    b.fill(5)
+    tokens = torch.tensor([[3, 8], [40, 2], [9, 9], [1, 77]])
+    for step, row in enumerate(tokens):
+        want = a.step(row)
+        got = b.static_step(row)
+        assert (got - want).abs().max() < 1e-5, step
+        assert int(b.pos) == a.t == 6 + step
+    assert (a.k - b.k).abs().max() < 1e-6 and (a.v - b.v).abs().max() < 1e-6
+    assert b.k[:, :, :, a.t:].abs().max() == 0  # nothing written past the position
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_dense_runner_on_cuda_replays_a_graph_equal_to_the_eager_steps(bench):
+    m = get_recipe("tiny").triroute.validate().model
+    graphed = bench.DenseRunner(m, context=6, batch=2, steps=2, repeats=1, device="cuda")
+    eager = bench.DenseRunner(m, context=6, batch=2, steps=2, repeats=1, device="cuda", graphed=False)
+    assert graphed.graph is not None and eager.graph is None
+    for _ in range(3):
+        graphed.step()
+        eager.step()
+        torch.cuda.synchronize()
+        assert torch.equal(graphed.tokens, eager.tokens)
+        assert graphed.dec.t == eager.dec.t
+    assert (graphed.dec.k - eager.dec.k).abs().max() < 1e-4
