@@ -19,7 +19,8 @@
 // The number format is the one of triroute_kernels/quant.py: per group of g channels of one
 // (token, kv head), scale = half((max - min) / levels), zero = half(min), a value dequantised as
 // float(code) * float(scale) + float(zero) in float32; code i of a byte at bit i * bits.
-// Build with -ffp-contract=off: a fused multiply-add would round differently from those two ops.
+// Build with -ffp-contract=off: a fused multiply-add rounds differently from two operations in
+// general; the vector dequantisations take one by name where it rounds the same (GroupValues16).
 // With AVX2 and FMA (-march=native on x86-64) the attention's inner loops are vectorised by hand:
 // eight codes unpacked by one variable shift, dequantised by the same multiply, then add; the scores
 // and the P.V accumulation by fused multiply-adds (attention is compared within a tolerance, the
@@ -154,24 +155,27 @@ inline __m512i code_lanes16(const uint8_t* codes, int64_t i) {
 #endif
 
 #if defined(TRIROUTE_AVX512)
-// One quantisation group's values 16 channels at a time: code * scale, then + zero (two roundings in
-// float32); at 2 and 4 bits the group's 2^BITS values computed once into one register (at 2 bits
-// four times over: entry e holds code e % 4's value), then each channel's looked up by the lowest
-// four bits of its lane (code_lanes16). The one 16-lane dequantisation of dequant_row and row_vectors.
+// One quantisation group's values 16 channels at a time: code * scale + zero in float32 by one fused
+// multiply-add, which rounds as the format's two operations do: a code (at most 8 bits) times a
+// float16 scale (11 significant bits) is exact in float32, so the product's rounding is no rounding
+// and the add's is the only one. At 2 and 4 bits the group's 2^BITS values are computed once into
+// one register (at 2 bits four times over: entry e holds code e % 4's value), then each channel's
+// looked up by the lowest four bits of its lane (code_lanes16). The one 16-lane dequantisation of
+// dequant_row and row_vectors.
 template <int BITS>
 struct GroupValues16 {
   __m512 sc, z, table;
   GroupValues16(Half scale, Half zero)
       : sc(_mm512_set1_ps(static_cast<float>(scale))), z(_mm512_set1_ps(static_cast<float>(zero))) {
     if constexpr (BITS == 4)
-      table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc), z);
+      table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc, z);
     if constexpr (BITS == 2)
-      table = _mm512_add_ps(_mm512_mul_ps(_mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), sc), z);
+      table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3), sc, z);
   }
   // Channels i..i+15 of the packed row `codes` (all in this group).
   __m512 operator()(const uint8_t* codes, int64_t i) const {
     if constexpr (BITS <= 4) return _mm512_permutexvar_ps(code_lanes16<BITS>(codes, i), table);
-    return _mm512_add_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i)), sc), z);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(code_lanes16<BITS>(codes, i)), sc, z);
   }
 };
 #endif
@@ -186,7 +190,7 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
   constexpr int per_byte = 8 / BITS;
   constexpr int mask = (1 << BITS) - 1;
 #if defined(TRIROUTE_AVX512)
-  if (gs % 16 == 0) {  // the same two roundings, 16 channels at a time
+  if (gs % 16 == 0) {  // the values below, 16 channels at a time
     for (int64_t g0 = 0, k = 0; g0 < d; g0 += gs, ++k) {  // k = g0 / gs, without a division
       const GroupValues16<BITS> values(scale[k], zero[k]);
       for (int64_t i = g0; i < g0 + gs; i += 16) _mm512_storeu_ps(out + i, values(codes, i));
@@ -195,12 +199,12 @@ inline void dequant_row(const uint8_t* codes, const Half* scale, const Half* zer
   }
 #endif
 #if defined(TRIROUTE_AVX2)
-  if (gs % 8 == 0) {  // the same two roundings as below: code * scale, then + zero
+  if (gs % 8 == 0) {  // the values below, by one fused multiply-add (exact product: GroupValues16)
     for (int64_t g0 = 0, k = 0; g0 < d; g0 += gs, ++k) {
       const __m256 sc = _mm256_set1_ps(static_cast<float>(scale[k]));
       const __m256 z = _mm256_set1_ps(static_cast<float>(zero[k]));
       for (int64_t i = g0; i < g0 + gs; i += 8)
-        _mm256_storeu_ps(out + i, _mm256_add_ps(_mm256_mul_ps(codes8<BITS>(codes, i), sc), z));
+        _mm256_storeu_ps(out + i, _mm256_fmadd_ps(codes8<BITS>(codes, i), sc, z));
     }
     return;
   }
