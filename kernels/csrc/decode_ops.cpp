@@ -166,7 +166,9 @@ template <int BITS>
 struct GroupValues16 {
   __m512 sc, z, table;
   GroupValues16(Half scale, Half zero)
-      : sc(_mm512_set1_ps(static_cast<float>(scale))), z(_mm512_set1_ps(static_cast<float>(zero))) {
+      : GroupValues16(_mm512_set1_ps(static_cast<float>(scale)), _mm512_set1_ps(static_cast<float>(zero))) {}
+  // From the scale and zero already in every lane.
+  GroupValues16(__m512 scale, __m512 zero) : sc(scale), z(zero) {
     if constexpr (BITS == 4)
       table = _mm512_fmadd_ps(_mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), sc, z);
     if constexpr (BITS == 2)
@@ -623,21 +625,47 @@ inline void load_rows(const PoolView& pv, bool v, const int64_t* rows, int64_t c
 
 // Channels [c0, c0 + 16 NV) of the (slot, kv head) row `row` of pool pv (K, or V with v), GS
 // channels a quantisation group (c0 and 16 NV multiples of GS).
-template <int BITS, int64_t GS, int NV>
+// The float32 values of n <= 4 consecutive float16s (a row's scales or zeros of a slice), lane e the
+// e-th (one load and one conversion for all of them).
+template <int N>
+inline __m128 halves(const Half* h) {
+  static_assert(N >= 1 && N <= 4, "at most four halves");
+  uint64_t bits = 0;
+  std::memcpy(&bits, h, 2 * N);
+  return _mm_cvtph_ps(_mm_cvtsi64_si128(static_cast<int64_t>(bits)));
+}
+
+// Lane e of x in every lane.
+inline __m512 lane_everywhere(__m128 x, int e) {
+  return _mm512_permutexvar_ps(_mm512_set1_epi32(e), _mm512_castps128_ps512(x));
+}
+
+template <int BITS, int64_t D, int64_t GS, int NV>
 inline void row_vectors(const PoolView& pv, bool v, int64_t row, int64_t c0, __m512* out) {
-  static_assert(GS % 16 == 0 && (16 * NV) % GS == 0, "whole groups of whole vectors");
+  static_assert(GS % 16 == 0 && (16 * NV) % GS == 0 && D % GS == 0, "whole groups of whole vectors");
   if constexpr (BITS == 16) {
-    const Half* src = (v ? pv.v_values : pv.k_values) + row * (pv.row_bytes / 2) + c0;
+    const Half* src = (v ? pv.v_values : pv.k_values) + row * D + c0;
     for (int u = 0; u < NV; ++u)
       out[u] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 16 * u)));
   } else {
-    const uint8_t* codes = (v ? pv.v_codes : pv.k_codes) + row * pv.row_bytes;
-    const Half* scale = (v ? pv.v_scale : pv.k_scale) + row * pv.n_groups;
-    const Half* zero = (v ? pv.v_zero : pv.k_zero) + row * pv.n_groups;
-    for (int u = 0; u < NV; u += GS / 16) {
-      const int64_t i0 = c0 + 16 * u, k = i0 / GS;
-      const GroupValues16<BITS> values(scale[k], zero[k]);
-      for (int e = 0; e < GS / 16; ++e) out[u + e] = values(codes, i0 + 16 * e);
+    // the row's strides known at compile time; the slice's scales and zeros loaded and converted at once
+    constexpr int64_t kRowBytes = D * BITS / 8, kGroups = D / GS, kSliceGroups = 16 * NV / GS;
+    const uint8_t* codes = (v ? pv.v_codes : pv.k_codes) + row * kRowBytes;
+    const int64_t g0 = row * kGroups + c0 / GS;
+    if constexpr (kSliceGroups <= 4) {
+      const __m128 scales = halves<kSliceGroups>((v ? pv.v_scale : pv.k_scale) + g0);
+      const __m128 zeros = halves<kSliceGroups>((v ? pv.v_zero : pv.k_zero) + g0);
+      for (int u = 0, e = 0; u < NV; u += GS / 16, ++e) {
+        const GroupValues16<BITS> values(lane_everywhere(scales, e), lane_everywhere(zeros, e));
+        for (int f = 0; f < GS / 16; ++f) out[u + f] = values(codes, c0 + 16 * (u + f));
+      }
+    } else {
+      const Half* scale = (v ? pv.v_scale : pv.k_scale) + g0;
+      const Half* zero = (v ? pv.v_zero : pv.k_zero) + g0;
+      for (int u = 0, e = 0; u < NV; u += GS / 16, ++e) {
+        const GroupValues16<BITS> values(scale[e], zero[e]);
+        for (int f = 0; f < GS / 16; ++f) out[u + f] = values(codes, c0 + 16 * (u + f));
+      }
     }
   }
 }
@@ -657,7 +685,7 @@ void score_keys(const PoolView& pv, const int64_t* rows, int64_t c, float scale,
   for (; t + 8 <= c; t += 8) {
     for (int j = 0; j < 8; ++j) {
       __m512 k[NV];
-      row_vectors<BITS, 32, NV>(pv, false, rows[t + j], 0, k);
+      row_vectors<BITS, D, 32, NV>(pv, false, rows[t + j], 0, k);
       for (int h = 0; h < NH; ++h) {
         __m512 w = _mm512_setzero_ps();
         for (int u = 0; u < NV; ++u) w = _mm512_fmadd_ps(_mm512_loadu_ps(q[h] + 16 * u), k[u], w);
@@ -691,7 +719,7 @@ void accumulate_keys(const PoolView& pv, const int64_t* rows, int64_t c, float* 
       for (int u = 0; u < 4; ++u) a[h][u] = _mm512_loadu_ps(acc[h] + i + 16 * u);
     for (int64_t t = 0; t < c; ++t) {
       __m512 v[4];
-      row_vectors<BITS, 32, 4>(pv, true, rows[t], i, v);
+      row_vectors<BITS, D, 32, 4>(pv, true, rows[t], i, v);
       for (int h = 0; h < NH; ++h) {
         const __m512 pt = _mm512_set1_ps(p[h][t]);
         for (int u = 0; u < 4; ++u) a[h][u] = _mm512_fmadd_ps(pt, v[u], a[h][u]);
