@@ -143,7 +143,7 @@ class DenseDecoder(nn.Module):
         self.k = torch.zeros(L, batch, Hk, max_len, d, dtype=kv_dtype, device=device)
         self.v = torch.zeros_like(self.k)
         self.t = 0
-        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # static_step's position, on the device
+        self.pos = torch.zeros(1, dtype=torch.long, device=device)  # static_step's position (step keeps t only)
         self.key_positions = torch.arange(max_len, device=device)
 
     def fill(self, length: int, seed: int = 1) -> None:
@@ -187,7 +187,6 @@ class DenseDecoder(nn.Module):
             gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
             x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
         self.t = t + 1
-        self.pos.fill_(self.t)
         return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
 
     @torch.no_grad()
