@@ -36,8 +36,9 @@ HEADER = "decode_ops.h"
 """What decode_ops.cpp defines for the other sources; part of the build folder's key."""
 EXTENSION_NAME = "triroute_decode_ops"
 CFLAGS = ["-O3", "-ffp-contract=off", "-fopenmp"]
-"""-ffp-contract=off: dequantisation is code * scale, then + zero, each rounded in float32 (no FMA),
-exactly `quant.dequantize_groups`; the scale is a true float32 division, as `quant.quantize_grouped`.
+"""-ffp-contract=off: no multiply-add is fused unless the source names one (the vector dequantisation
+does, where code * scale is exact and so rounds as `quant.dequantize_groups`' two operations); the
+scale is a true float32 division, as `quant.quantize_grouped`.
 -fopenmp: `at::parallel_for` is a header template whose OpenMP pragma compiles into this library;
 without the flag every kernel runs on one thread whatever `torch.set_num_threads` says."""
 LDFLAGS = ["-fopenmp"]

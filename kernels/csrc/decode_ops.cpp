@@ -22,13 +22,13 @@
 // Build with -ffp-contract=off: a fused multiply-add rounds differently from two operations in
 // general; the vector dequantisations take one by name where it rounds the same (GroupValues16).
 // With AVX2 and FMA (-march=native on x86-64) the attention's inner loops are vectorised by hand:
-// eight codes unpacked by one variable shift, dequantised by the same multiply, then add; the scores
-// and the P.V accumulation by fused multiply-adds (attention is compared within a tolerance, the
-// dequantised values and the cache write bit for bit). With AVX-512 as well, sixteen: the
-// unpacking and dequantisation (the same two roundings), the scores' multiply-adds, P.V over 64
-// channels and decode_linear's row streams; a 2- or 4-bit group's values (code * scale + zero for
-// each of its 2^bits codes, the same two roundings) computed once into a register and each channel's
-// looked up by its code. Other builds run the scalar loops below.
+// eight codes unpacked by one variable shift, dequantised by a fused multiply-add (the same value as
+// the multiply, then add: the product is exact); the scores and the P.V accumulation by fused
+// multiply-adds (attention is compared within a tolerance, the dequantised values and the cache write
+// bit for bit). With AVX-512 as well, sixteen: the unpacking and dequantisation (the same values),
+// the scores' multiply-adds, P.V over 64 channels and decode_linear's row streams; a 2- or 4-bit
+// group's values (code * scale + zero for each of its 2^bits codes) computed once into a register and
+// each channel's looked up by its code. Other builds run the scalar loops below.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -619,12 +619,10 @@ inline void load_rows(const PoolView& pv, bool v, const int64_t* rows, int64_t c
 #if defined(TRIROUTE_AVX512)
 // A decode step's keys without the round trip through kbuf and vbuf: each K or V row is dequantised
 // into registers (NV vectors of 16 channels) and used there by every head that reads it. The values
-// are dequant_row's and f16_rows' (the same two roundings), and the scores and sums below are
+// are dequant_row's and f16_rows', and the scores and sums below are
 // score_rows' and accumulate_wide's (the same operations in the same order), so the op's outputs
 // are the same bits either way; only the stores and loads of the buffers go.
 
-// Channels [c0, c0 + 16 NV) of the (slot, kv head) row `row` of pool pv (K, or V with v), GS
-// channels a quantisation group (c0 and 16 NV multiples of GS).
 // The float32 values of n <= 4 consecutive float16s (a row's scales or zeros of a slice), lane e the
 // e-th (one load and one conversion for all of them).
 template <int N>
@@ -640,6 +638,8 @@ inline __m512 lane_everywhere(__m128 x, int e) {
   return _mm512_permutexvar_ps(_mm512_set1_epi32(e), _mm512_castps128_ps512(x));
 }
 
+// Channels [c0, c0 + 16 NV) of the (slot, kv head) row `row` of pool pv (K, or V with v), GS
+// channels a quantisation group (c0 and 16 NV multiples of GS), D the head dim.
 template <int BITS, int64_t D, int64_t GS, int NV>
 inline void row_vectors(const PoolView& pv, bool v, int64_t row, int64_t c0, __m512* out) {
   static_assert(GS % 16 == 0 && (16 * NV) % GS == 0 && D % GS == 0, "whole groups of whole vectors");
