@@ -7,6 +7,8 @@ and where the loop runs."""
 import pytest
 import torch
 
+from triroute_kernels.cpu_ops import cpu_ops_available, cpu_ops_error
+
 from megatron_triroute.inference.fused_step import LayerDecisions, fusable
 from megatron_triroute.routing.controller import TriRouteController
 from tests.benchmarks import load_benchmark
@@ -234,6 +236,7 @@ def test_the_one_call_schema_names_what_it_writes():
     """`torch.library.opcheck` on a decode step's real arguments: the call writes only what its schema
     marks as written (the counts, pools, executed counters and the folded heads' cache), and its fake
     kernel gives the outputs' shapes and dtypes."""
+    assert cpu_ops_available(), cpu_ops_error()  # loads the library: the op exists before it is captured
     with captured_calls("decode_layers") as captured:
         for _ in _decoded(_model(), 1):
             pass
