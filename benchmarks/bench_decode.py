@@ -165,29 +165,39 @@ class DenseDecoder(nn.Module):
         proj = (2 * m.n_heads + 2 * m.n_kv_heads) * m.d_head * m.d_model
         return m.n_layers * (proj + 3 * m.d_model * m.d_ff) + self.attn_macs(t) + m.d_model * m.vocab_size
 
-    @torch.no_grad()
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits (B, V) of one new token per request."""
-        m, t = self.m, self.t
+    def _decode(self, tokens: torch.Tensor, position: torch.Tensor, attend) -> torch.Tensor:
+        """Logits (B, V) of one new token per request at `position` ((1,) on the device): the layers'
+        norms, projections and FFN; `attend(i, q, k, v)` stores layer i's new K and V (B, H_kv, 1, d,
+        in the cache's dtype) and returns the attention output of q (B, H, 1, d), any shape of B rows."""
+        m = self.m
         B = tokens.shape[0]
         x = self.emb[tokens]  # (B, D)
-        cos, sin = rope_tables(torch.tensor([t], device=x.device), m.d_head)  # once per step (as `prepare`'s)
+        cos, sin = rope_tables(position, m.d_head)  # once per step (as `prepare`'s)
         for i in range(m.n_layers):
             h = rms_norm(x, self.ones, 1e-5)
             q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
             k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
-            self.k[i, :, :, t : t + 1] = apply_rope(k, cos, sin).to(self.k.dtype)
-            self.v[i, :, :, t : t + 1] = v.to(self.k.dtype)
-            kk, vv = self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1]
-            if kk.dtype != q.dtype:
-                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
-            o = F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)  # (B, H, 1, d)
+            o = attend(i, q, apply_rope(k, cos, sin).to(self.k.dtype), v.to(self.k.dtype))
             x = x + decode_linear(o.reshape(B, -1), self.wo[i])
             h = rms_norm(x, self.ones, 1e-5)
             gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
             x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
-        self.t = t + 1
         return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
+
+    @torch.no_grad()
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits (B, V) of one new token per request: its K and V written at position `t`, the cache
+        read up to it."""
+        t = self.t
+
+        def attend(i, q, k, v):
+            self.k[i, :, :, t : t + 1], self.v[i, :, :, t : t + 1] = k, v
+            kk, vv = _in_dtype(q.dtype, self.k[i, :, :, : t + 1], self.v[i, :, :, : t + 1])
+            return F.scaled_dot_product_attention(q, kk, vv, enable_gqa=True)  # (B, H, 1, d)
+
+        logits = self._decode(tokens, torch.tensor([t], device=tokens.device), attend)
+        self.t = t + 1
+        return logits
 
     @torch.no_grad()
     def static_step(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -196,28 +206,24 @@ class DenseDecoder(nn.Module):
         `index_copy_`, and attention reads the whole cache with the keys past the position masked.
         The same logits as `step` up to rounding; the host's `t` is the caller's to advance."""
         m = self.m
-        B = tokens.shape[0]
-        x = self.emb[tokens]
-        cos, sin = rope_tables(self.pos, m.d_head)
         mask = (self.key_positions <= self.pos).view(1, 1, 1, -1)
-        for i in range(m.n_layers):
-            h = rms_norm(x, self.ones, 1e-5)
-            q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
-            k, v = decode_linear(h, self.wkv[i]).view(B, 2, m.n_kv_heads, 1, m.d_head).unbind(1)
-            self.k[i].index_copy_(2, self.pos, apply_rope(k, cos, sin).to(self.k.dtype))
-            self.v[i].index_copy_(2, self.pos, v.to(self.k.dtype))
-            kk, vv = self.k[i], self.v[i]
-            if kk.dtype != q.dtype:
-                kk, vv = kk.to(q.dtype), vv.to(q.dtype)
+
+        def attend(i, q, k, v):
+            self.k[i].index_copy_(2, self.pos, k)
+            self.v[i].index_copy_(2, self.pos, v)
+            kk, vv = _in_dtype(q.dtype, self.k[i], self.v[i])
             # a KV head's G query heads as its G query rows (B, H_kv, G, d): GQA without repeating K and V,
             # which SDPA's backends that take a mask would do for enable_gqa
-            o = F.scaled_dot_product_attention(q.view(B, m.n_kv_heads, -1, m.d_head), kk, vv, attn_mask=mask)
-            x = x + decode_linear(o.reshape(B, -1), self.wo[i])
-            h = rms_norm(x, self.ones, 1e-5)
-            gate, up = decode_linear(h, self.fc1[i]).chunk(2, -1)
-            x = x + decode_linear(F.silu(gate) * up, self.fc2[i])
+            return F.scaled_dot_product_attention(q.view(q.shape[0], m.n_kv_heads, -1, m.d_head), kk, vv, attn_mask=mask)
+
+        logits = self._decode(tokens, self.pos, attend)
         self.pos += 1
-        return decode_linear(rms_norm(x, self.ones, 1e-5), self.head)
+        return logits
+
+
+def _in_dtype(dtype: torch.dtype, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V cast to the compute dtype where the cache holds another."""
+    return (k, v) if k.dtype == dtype else (k.to(dtype), v.to(dtype))
 
 
 # --- routed systems through the engine ----------------------------------------------------------
