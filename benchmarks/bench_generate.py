@@ -78,8 +78,7 @@ class Runs:
         self.mixes = {"triroute": mix} | {budget_name(*target): m for target, m in (dial or {}).items()}
         self.model = build_routed(config)
         self.llama = build_llama(config)
-        self.realised: dict | None = None
-        self.realised_by: dict[str, dict] = {}
+        self.realised_by: dict[str, dict] = {}  # each TriRoute's realised fractions, of its last generation
 
     def run(self, name: str, prompt: list[int], new: int) -> tuple[float, list[int]]:
         return self.hf(prompt, new) if name == "hf" else self.triroute(prompt, new, name)
@@ -93,8 +92,6 @@ class Runs:
         (request,) = engine.run([prompt], new)
         seconds = time.perf_counter() - start
         self.realised_by[name] = {"flops": engine.audit.realised_flops(), "mem": engine.audit.realised_mem()}
-        if name == "triroute":
-            self.realised = self.realised_by[name]
         return seconds, request.generated
 
     @torch.no_grad()
@@ -127,7 +124,7 @@ def measure(runs: Runs, prompt: list[int], new: int, repeats: int, log) -> dict:
            "decode_seconds_per_token": {k: spread(per_token(times, k, new)) for k in ("triroute", "hf")},
            "tokens_generated": [list(c) for c in sorted(counts)]}
     out |= ratios_to_hf(times, "triroute", new)
-    out["realised_fractions"] = runs.realised
+    out["realised_fractions"] = runs.realised_by["triroute"]
     if runs.targets:  # the dial: each target's TriRoute against transformers in the same rounds
         out["budget_dial"] = [{"system": name, "flops_target": flops, "mem_target": mem,
                                "realised_fractions": runs.realised_by[name]} | ratios_to_hf(times, name, new)
