@@ -13,10 +13,12 @@ EVERY_STAGE = ["gpu-tests", "bench-decode-cuda", "bench-train-step-mb4", "bench-
                "bench-paged-attention-variants", "train-160m", "train-160m-dense"]
 
 
-def run_checks(tmp_path: Path, stages: str | None) -> tuple[subprocess.CompletedProcess, list[str]]:
+def run_checks(tmp_path: Path, stages: str | None, exit_code: int = 0) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """The script run with STAGES (None: unset) and a stand-in for Python that records its arguments and
+    exits with `exit_code`; the result and the recorded commands."""
     calls = tmp_path / "calls.log"
     fake = tmp_path / "python"
-    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\n')
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\nexit {exit_code}\n')
     fake.chmod(0o755)
     env = {k: v for k, v in os.environ.items() if k != "STAGES"}
     env |= {"TRIROUTE_PYTHON": str(fake), "GPU_RUNS": str(tmp_path / "runs"), "PATH": f"{tmp_path}:{env['PATH']}"}
@@ -50,13 +52,8 @@ def test_stages_selects_by_name_or_prefix_and_skips_the_rest(tmp_path):
 
 
 def test_a_failing_selected_stage_counts_in_the_exit_status(tmp_path):
-    fail = tmp_path / "python"
     done, _ = run_checks(tmp_path, "bench-decode-cuda")
     assert done.returncode == 0
-    fail.write_text("#!/usr/bin/env bash\nexit 3\n")  # every command the stand-in runs now fails
-    env = {k: v for k, v in os.environ.items()} | {"TRIROUTE_PYTHON": str(fail), "STAGES": "bench-decode-cuda",
-                                                    "GPU_RUNS": str(tmp_path / "runs")}
-    failed = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out2")], env=env, capture_output=True, text=True,
-                            timeout=120)
+    failed, _ = run_checks(tmp_path, "bench-decode-cuda", exit_code=3)  # every command the stand-in runs fails
     assert failed.returncode == 1
     assert "stages failed: 1 bench-decode-cuda" in failed.stdout
