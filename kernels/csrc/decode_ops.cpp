@@ -650,22 +650,14 @@ inline void row_vectors(const PoolView& pv, bool v, int64_t row, int64_t c0, __m
   } else {
     // the row's strides known at compile time; the slice's scales and zeros loaded and converted at once
     constexpr int64_t kRowBytes = D * BITS / 8, kGroups = D / GS, kSliceGroups = 16 * NV / GS;
+    static_assert(kSliceGroups <= 4, "a slice's scales and zeros in one 4-lane conversion (with_fused_shape's shapes)");
     const uint8_t* codes = (v ? pv.v_codes : pv.k_codes) + row * kRowBytes;
     const int64_t g0 = row * kGroups + c0 / GS;
-    if constexpr (kSliceGroups <= 4) {
-      const __m128 scales = halves<kSliceGroups>((v ? pv.v_scale : pv.k_scale) + g0);
-      const __m128 zeros = halves<kSliceGroups>((v ? pv.v_zero : pv.k_zero) + g0);
-      for (int u = 0, e = 0; u < NV; u += GS / 16, ++e) {
-        const GroupValues16<BITS> values(lane_everywhere(scales, e), lane_everywhere(zeros, e));
-        for (int f = 0; f < GS / 16; ++f) out[u + f] = values(codes, c0 + 16 * (u + f));
-      }
-    } else {
-      const Half* scale = (v ? pv.v_scale : pv.k_scale) + g0;
-      const Half* zero = (v ? pv.v_zero : pv.k_zero) + g0;
-      for (int u = 0, e = 0; u < NV; u += GS / 16, ++e) {
-        const GroupValues16<BITS> values(scale[e], zero[e]);
-        for (int f = 0; f < GS / 16; ++f) out[u + f] = values(codes, c0 + 16 * (u + f));
-      }
+    const __m128 scales = halves<kSliceGroups>((v ? pv.v_scale : pv.k_scale) + g0);
+    const __m128 zeros = halves<kSliceGroups>((v ? pv.v_zero : pv.k_zero) + g0);
+    for (int u = 0, e = 0; u < NV; u += GS / 16, ++e) {
+      const GroupValues16<BITS> values(lane_everywhere(scales, e), lane_everywhere(zeros, e));
+      for (int f = 0; f < GS / 16; ++f) out[u + f] = values(codes, c0 + 16 * (u + f));
     }
   }
 }
