@@ -43,6 +43,25 @@ def rope_tables(positions: torch.Tensor, d: int, base: float = 10000.0) -> tuple
     return emb.cos(), emb.sin()
 
 
+class RopeCache:
+    """`rope_tables` of positions 0 .. size - 1, computed once and grown by doubling; a step looks its
+    positions up (two row gathers) instead of computing its tables (seven ops). Each row is the same
+    elementwise ops on the same position as `rope_tables` computes, so the same values bit for bit
+    (tests/inference/test_routed_attention.py). Positions on the host, as the scheduler has them."""
+
+    def __init__(self, d: int, base: float = 10000.0):
+        self.d, self.base = d, base
+        self.cos = self.sin = torch.empty(0, 1, d)
+
+    def __call__(self, positions: torch.Tensor, top: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each (N, 1, d), at positions (N,) on the host, none above `top`."""
+        if top >= self.cos.shape[0]:
+            with torch.inference_mode(False):  # normal tensors: kept across inference-mode calls
+                self.cos, self.sin = rope_tables(torch.arange(max(2 * self.cos.shape[0], top + 1, 256)), self.d,
+                                                 self.base)
+        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x (N, heads, d) rotated by tables (N, 1, d) from `rope_tables`."""
     x1, x2 = x.chunk(2, dim=-1)

@@ -32,7 +32,7 @@ from ..routing.pricing import PriceShifts, price_decisions, price_shifts
 from ..routing.side_features import TokenTables
 from ..routing.state import RoutingState
 from ..routing.versions import version_key
-from .attention import attend, projection_views, rope_tables
+from .attention import RopeCache, attend, projection_views
 from .audit import CostAudit, count_attention
 from .fused_step import LayerDecisions, decode_layers, fused_plan
 from .kv_cache import PagedKVCache
@@ -224,6 +224,7 @@ class InferenceModel(nn.Module):
         self.register_buffer("token_log_prob", tables.log_prob.float().clone())
         self.register_buffer("token_word_start", tables.word_start.bool().clone())
         self.eod_id = tables.eod_id
+        self.rope = RopeCache(m.d_head)
         self.eval()
 
     @property
@@ -268,11 +269,14 @@ class InferenceModel(nn.Module):
         cache.before_step(rids, n, audit is not None)
         dev = self.device
         tokens, lengths = tokens.cpu(), lengths.cpu()
-        positions = torch.tensor([s.length for s in states], dtype=torch.long).view(B, 1) + torch.arange(n).view(1, n)
+        starts = [s.length for s in states]
+        positions = torch.tensor(starts, dtype=torch.long).view(B, 1)
+        if n > 1:
+            positions = positions + torch.arange(n).view(1, n)
         valid = None if all(c == n for c in lengths.tolist()) else (torch.arange(n).view(1, n) < lengths.view(B, 1)).flatten()
         side = advance(tokens, lengths, states, self.host_tables(), self.config.router.max_doc_position)
         t = positions.flatten()
-        cos, sin = rope_tables(t, self.config.model.d_head)
+        cos, sin = self.rope(t, max(starts) + n - 1)
         last = None if n == 1 else (lengths - 1).clamp_min(0).to(dev)
         return StepBatch(tokens.to(dev), positions.to(dev), None if valid is None else valid.to(dev), side.to(dev),
                          cache.rows(rids), t.to(dev), cos.to(dev), sin.to(dev), last,

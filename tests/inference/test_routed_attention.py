@@ -159,3 +159,23 @@ def test_cost_audit_equals_hard_cost_and_bytes_at_rest_equal_kv_bits():
     assert audit.budgeted_macs == L * float(cost.flops.sum())  # in fact exact
     assert audit.total("bytes_written") * 8 == L * float(cost.kv_bits.sum())
     assert engine.cache.memory()["used"] * 8 == L * float(cost.kv_bits.sum())
+
+
+@pytest.mark.parametrize("d", [8, 32, 64, 128])
+def test_rope_cache_equals_the_tables_bit_for_bit(d):
+    """`RopeCache` (what a step's preparation looks up) against `rope_tables` computed for the step's
+    own positions, for decode batches and prefill chunks, across the cache's growth (positions past
+    its size grow it; the rows already looked up keep their values)."""
+    from megatron_triroute.inference.attention import RopeCache, rope_tables
+
+    g = torch.Generator().manual_seed(d)
+    cache = RopeCache(d)
+    for top in (5, 300, 257, 4_000, 70_000):
+        for rows in (1, 3, 8, 64):
+            positions = torch.randint(0, top + 1, (rows,), generator=g)
+            positions[0] = top
+            cos, sin = cache(positions, top)
+            want_cos, want_sin = rope_tables(positions, d)
+            assert cos.shape == want_cos.shape == (rows, 1, d)
+            assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin), (top, rows)
+    assert cache.cos.shape[0] > 70_000
