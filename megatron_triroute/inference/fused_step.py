@@ -26,6 +26,7 @@ way, its decisions given to the call.
 from __future__ import annotations
 
 import math
+import operator
 import weakref
 from collections.abc import Sequence
 
@@ -122,20 +123,23 @@ class _Plan:
         reals = [_real(c) for c in self.controllers]
         self.fusable = all(real is not None and real.attn_heads in heads and list(real.sizes) == _AXES
                            for real in reals) and (self.replayed or not any(replayed))
-        self.weights, self.eps, self.folds, self.buffers = [], [], [], []
+        self.weights, self.eps, self.folds, buffers = [], [], [], []
         if self.fusable:
             for layer in self.layers:
-                weights, eps, fold, buffers = _layer_args(layer)
+                weights, eps, fold, layer_buffers = _layer_args(layer)
                 self.weights += weights
                 self.eps += eps
                 self.folds += fold
-                self.buffers += buffers
+                buffers += layer_buffers
             self.sizes = list(reals[0].sizes.values())
+        # the buffers read, as (tables, names, tensors): checked by `current` at C speed (a generator
+        # over the 160m model's 72 took a twentieth of a millisecond a step)
+        self._tables, self._names, self._tensors = (list(c) for c in zip(*buffers)) if buffers else ([], [], [])
 
     def current(self) -> bool:
         """Whether this plan still holds its model's own modules and tensors."""
         return self.registrations == _Registrations.count and all(
-            table.get(name) is t for table, name, t in self.buffers)
+            map(operator.is_, map(dict.get, self._tables, self._names), self._tensors))
 
 
 _PLANS: "weakref.WeakKeyDictionary[torch.nn.Module, _Plan]" = weakref.WeakKeyDictionary()

@@ -96,7 +96,9 @@ class DecisionBlock:
         return out.attn.y, out.experts.index if out.experts is not None else None, out.bits.y
 
     def holds(self, out: "RouterOutput") -> bool:
-        return all(a is b for a, b in zip(self.sources, self.sources_of(out)))
+        attn, index, bits = self.sources
+        experts = out.experts
+        return attn is out.attn.y and bits is out.bits.y and index is (experts.index if experts is not None else None)
 
 
 def controller_input_width(d_model: int, n_bits_options: int) -> int:
