@@ -316,7 +316,6 @@ class RoutedRunner:
         finish); `counter` counts the device step alone, `scheduler_counter` the host parts."""
         import contextlib
 
-        positions = torch.tensor([s.length for s in self.states]).view(self.batch, 1)
         host = scheduler_counter or contextlib.nullcontext()
         with torch.no_grad():
             with host:
@@ -326,7 +325,7 @@ class RoutedRunner:
                 logits, outs = self.model.forward_step(batch, self.cache)
             with host:
                 self.model.finish(batch, outs, self.cache, self.rids, audit)
-        self.record.append((positions, outs))
+        self.record.append((batch.positions, outs))
         self.tokens = logits.argmax(-1)
 
 
