@@ -31,7 +31,7 @@ import json
 import sys
 from pathlib import Path
 
-from .input_errors import reports_input_errors
+from .command import no_grad_command
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -100,12 +100,7 @@ def _main(argv=None) -> int:
     return 0
 
 
-@reports_input_errors
-def main(argv=None) -> int:
-    import torch
-
-    with torch.no_grad():  # scoped: a caller in the same process keeps its autograd state
-        return _main(argv)
+main = no_grad_command(_main)
 
 
 if __name__ == "__main__":
