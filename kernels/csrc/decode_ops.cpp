@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdint>
@@ -1515,6 +1516,57 @@ int64_t parallel_threads_cpu(int64_t items) {
   return __builtin_popcountll(seen.load());
 }
 
+// The core's float32 multiply-add peak: `iterations` rounds of twelve independent multiply-add
+// chains (more than a core's multiply-add units times their latency) at the widest vector this build
+// compiles for (16 lanes with AVX-512, 8 with AVX2 and FMA, else 1), in registers only: [floating-point
+// operations executed (2 a lane a multiply-add), seconds]. The decode benchmark's roofline prices
+// compute at torch.mm's rate; this is the ceiling its kernels' own vector code answers to.
+std::vector<double> fma_probe_cpu(int64_t iterations) {
+  TORCH_CHECK(iterations > 0, "fma_probe: iterations must be positive, got ", iterations);
+#if defined(TRIROUTE_AVX512)
+  using Vec = __m512;
+  constexpr int kLanes = 16;
+#define TRIROUTE_FMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define TRIROUTE_SPLAT(v) _mm512_set1_ps(v)
+#define TRIROUTE_LANE0(v) _mm512_cvtss_f32(v)
+#elif defined(TRIROUTE_AVX2)
+  using Vec = __m256;
+  constexpr int kLanes = 8;
+#define TRIROUTE_FMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define TRIROUTE_SPLAT(v) _mm256_set1_ps(v)
+#define TRIROUTE_LANE0(v) _mm256_cvtss_f32(v)
+#else
+  using Vec = float;
+  constexpr int kLanes = 1;
+#define TRIROUTE_FMA(a, b, c) std::fma(a, b, c)
+#define TRIROUTE_SPLAT(v) (v)
+#define TRIROUTE_LANE0(v) (v)
+#endif
+  const Vec m = TRIROUTE_SPLAT(0.999999f), c = TRIROUTE_SPLAT(1e-7f);
+  Vec a0 = TRIROUTE_SPLAT(0.f), a1 = TRIROUTE_SPLAT(1.f), a2 = TRIROUTE_SPLAT(2.f), a3 = TRIROUTE_SPLAT(3.f),
+      a4 = TRIROUTE_SPLAT(4.f), a5 = TRIROUTE_SPLAT(5.f), a6 = TRIROUTE_SPLAT(6.f), a7 = TRIROUTE_SPLAT(7.f),
+      a8 = TRIROUTE_SPLAT(8.f), a9 = TRIROUTE_SPLAT(9.f), a10 = TRIROUTE_SPLAT(10.f), a11 = TRIROUTE_SPLAT(11.f);
+  const auto start = std::chrono::steady_clock::now();
+  for (int64_t n = 0; n < iterations; ++n) {  // twelve chains: more than the units times their latency
+    a0 = TRIROUTE_FMA(a0, m, c); a1 = TRIROUTE_FMA(a1, m, c); a2 = TRIROUTE_FMA(a2, m, c);
+    a3 = TRIROUTE_FMA(a3, m, c); a4 = TRIROUTE_FMA(a4, m, c); a5 = TRIROUTE_FMA(a5, m, c);
+    a6 = TRIROUTE_FMA(a6, m, c); a7 = TRIROUTE_FMA(a7, m, c); a8 = TRIROUTE_FMA(a8, m, c);
+    a9 = TRIROUTE_FMA(a9, m, c); a10 = TRIROUTE_FMA(a10, m, c); a11 = TRIROUTE_FMA(a11, m, c);
+    // every chain kept in a register and every round executed (no value the compiler could fold)
+    __asm__ volatile("" : "+v"(a0), "+v"(a1), "+v"(a2), "+v"(a3), "+v"(a4), "+v"(a5), "+v"(a6), "+v"(a7),
+                     "+v"(a8), "+v"(a9), "+v"(a10), "+v"(a11));
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  volatile float sink = TRIROUTE_LANE0(a0) + TRIROUTE_LANE0(a1) + TRIROUTE_LANE0(a2) + TRIROUTE_LANE0(a3) +
+                        TRIROUTE_LANE0(a4) + TRIROUTE_LANE0(a5) + TRIROUTE_LANE0(a6) + TRIROUTE_LANE0(a7) +
+                        TRIROUTE_LANE0(a8) + TRIROUTE_LANE0(a9) + TRIROUTE_LANE0(a10) + TRIROUTE_LANE0(a11);
+  (void)sink;
+#undef TRIROUTE_FMA
+#undef TRIROUTE_SPLAT
+#undef TRIROUTE_LANE0
+  return {2.0 * kLanes * 12 * static_cast<double>(iterations), seconds};
+}
+
 }  // namespace
 
 namespace triroute_linear {
@@ -1573,6 +1625,7 @@ TORCH_LIBRARY(triroute, m) {
   m.def("routed_experts(Tensor x, Tensor index, Tensor weight, Tensor[] w1, Tensor[] w3, Tensor[] w2) -> Tensor");
   m.def("decode_linear(Tensor x, Tensor w) -> Tensor");
   m.def("parallel_threads(int items) -> int");
+  m.def("fma_probe(int iterations) -> float[]");
 }
 
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
@@ -1583,4 +1636,7 @@ TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("decode_linear", &triroute_decode::decode_linear);
 }
 
-TORCH_LIBRARY_IMPL(triroute, CompositeExplicitAutograd, m) { m.impl("parallel_threads", &parallel_threads_cpu); }
+TORCH_LIBRARY_IMPL(triroute, CompositeExplicitAutograd, m) {
+  m.impl("parallel_threads", &parallel_threads_cpu);
+  m.impl("fma_probe", &fma_probe_cpu);
+}

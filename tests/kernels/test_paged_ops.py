@@ -3,6 +3,8 @@ PyTorch twins and the cache's number format; the fallback when the kernels are u
 
 import dataclasses
 import math
+import statistics
+import time
 import types
 
 import pytest
@@ -563,3 +565,40 @@ def test_the_kernels_run_on_torchs_threads():
             assert torch.ops.triroute.parallel_threads(64) == n
     finally:
         torch.set_num_threads(threads)
+
+
+def test_the_multiply_add_probe_times_its_rounds_and_bounds_the_matmul_kernel():
+    """`triroute::fma_probe` (the decode benchmark's `core_gflops`): its time grows with its rounds (the
+    compiler kept every multiply-add), and its rate is at least what decode_linear's kernel reaches on
+    weights in the caches (a peak bounds the kernels built with it; a probe the chains' latency bound
+    would read below that kernel, which reaches about three quarters of the core's peak here while
+    PyTorch's matmul reaches two fifths)."""
+    assert cpu_ops_available(), cpu_ops.cpu_ops_error()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        def best(iterations):
+            runs = [torch.ops.triroute.fma_probe(iterations) for _ in range(3)]
+            assert all(flops > 0 for flops, _ in runs)
+            return min(seconds for _, seconds in runs), runs[0][0]
+
+        (short, flops), (long, flops4) = best(250_000), best(1_000_000)
+        assert flops4 == 4 * flops
+        assert 2.5 < long / short < 6.0, (short, long)
+        peak = flops4 / long
+        gen = torch.Generator().manual_seed(0)
+        w, x = torch.randn(1024, 768, generator=gen), torch.randn(16, 768, generator=gen)
+        for _ in range(10):
+            decode_linear(x, w)
+        times = []
+        for _ in range(30):
+            start = time.perf_counter()
+            for _ in range(10):
+                decode_linear(x, w)
+            times.append((time.perf_counter() - start) / 10)
+        achieved = 2 * x.shape[0] * w.numel() / statistics.median(times)
+        assert peak >= 0.9 * achieved, (peak / 1e9, achieved / 1e9)
+    finally:
+        torch.set_num_threads(threads)
+    with pytest.raises(RuntimeError, match="iterations must be positive"):
+        torch.ops.triroute.fma_probe(0)
