@@ -43,7 +43,10 @@ controller, the LM head; the K/V bytes of the keys in some head's range); the ro
 step = sum over (layer, weights | attention) and the LM head of max(bytes / BW, FLOPs / peak), with
 BW (a large copy) and peak (a large float32 matmul) measured in this run on `--threads` threads;
 `roofline_efficiency` = roofline time / measured median step time (1 = the machine's limit for that
-work); `efficiency` = speed-up / limit_macs (the MAC-only figure of earlier records);
+work); `roofline_efficiency_core` the same with the core's own float32 multiply-add peak for peak (on a
+CPU with the C++ kernels: `triroute::fma_probe`, one thread; PyTorch's float32 matmul reaches about
+two fifths of it on the AMD EPYC of the README, whose decode kernels run 16-lane multiply-adds of their
+own, so the matmul probe is not their ceiling and this figure is the stricter one); `efficiency` = speed-up / limit_macs (the MAC-only figure of earlier records);
 `kv_bytes_ratio` = filled-slot bytes per prompt token over a 16-bit dense cache's (the budget's
 reference); `kv_used_bytes` / `kv_resident_bytes` after the run (resident: every tensor the cache
 holds, free pages and index included); `cost_audit_rel_err` = max over layers of |audited attention
@@ -387,7 +390,11 @@ def synchronized_clock(device: torch.device) -> float:
 class MachinePeaks:
     """Memory bandwidth (a large copy: bytes read + written) and float32 matmul peak, best of 3, on
     the current thread count; `probe()` measures once more (run in every timed round, so that the
-    roofline of a cell sees the machine's load during that cell's steps)."""
+    roofline of a cell sees the machine's load during that cell's steps). On a CPU where the C++
+    kernels are built, also the core's own float32 multiply-add peak (`core_gflops`:
+    `triroute::fma_probe`, registers only, the widest vectors the kernels are built for, one thread),
+    the ceiling of the decode kernels' vector code, which the matmul probe (PyTorch's BLAS) can fall
+    well short of; None elsewhere."""
 
     REPEATS = 3
     """Probes per measurement (the best is kept)."""
@@ -410,12 +417,29 @@ class MachinePeaks:
             torch.mm(self.a, self.b)
             mm.append(synchronized_clock(self.device) - start)
         return {"bandwidth_gb_s": 2 * self.src.nbytes / min(copy) / 1e9,
-                "peak_gflops": 2 * self.a.shape[0] ** 3 / min(mm) / 1e9}
+                "peak_gflops": 2 * self.a.shape[0] ** 3 / min(mm) / 1e9, "core_gflops": self.core_gflops()}
+
+    def core_gflops(self) -> float | None:
+        """The core's float32 multiply-add peak, best of 3 (None off a CPU or without the C++ kernels)."""
+        from triroute_kernels import cpu_ops_available
+
+        if self.device.type != "cpu" or not cpu_ops_available():
+            return None
+        runs = [torch.ops.triroute.fma_probe(10**5 if self.a.shape[0] < 1024 else 10**6) for _ in range(self.REPEATS)]
+        return max(flops / max(seconds, 1e-9) for flops, seconds in runs) / 1e9
 
 
-def roofline_seconds(parts: list[tuple[float, float]], peaks: dict) -> float:
-    """sum over (bytes, FLOPs) parts of max(bytes / BW, FLOPs / peak)."""
-    bw, peak = peaks["bandwidth_gb_s"] * 1e9, peaks["peak_gflops"] * 1e9
+def core_peak(peaks: dict) -> str:
+    """The core's multiply-add peak for a log line ("" where not measured)."""
+    return "" if peaks.get("core_gflops") is None else f", {peaks['core_gflops']:.1f} GFLOP/s the core's multiply-add peak"
+
+
+def roofline_seconds(parts: list[tuple[float, float]], peaks: dict, compute: str = "peak_gflops") -> float | None:
+    """sum over (bytes, FLOPs) parts of max(bytes / BW, FLOPs / peak), the peak `peaks[compute]`
+    (the matmul probe's, or `core_gflops`; None where that peak was not measured)."""
+    if peaks.get(compute) is None:
+        return None
+    bw, peak = peaks["bandwidth_gb_s"] * 1e9, peaks[compute] * 1e9
     return sum(max(b / bw, f / peak) for b, f in parts)
 
 
@@ -542,7 +566,7 @@ def timed(runners: dict, steps: int, repeats: int, machine: MachinePeaks) -> tup
                 runner.step()
             times[name].append((synchronized_clock(machine.device) - start) / steps)
         probes.append(machine.probe())
-    return times, {k: statistics.median(p[k] for p in probes) for k in probes[0]}
+    return times, {k: None if probes[0][k] is None else statistics.median(p[k] for p in probes) for k in probes[0]}
 
 
 def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batch: int, steps: int, repeats: int,
@@ -567,6 +591,7 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
     parts = dense_roofline_parts(dense_run.dec, batch, t)
     dense["bytes_per_step"] = bytes_limit_parts(parts)
     dense["roofline_s"] = roofline_seconds(parts, peaks)
+    dense["roofline_s_core"] = roofline_seconds(parts, peaks, "core_gflops")
     dense["kv_bytes_per_token"] = 2 * m.n_layers * m.d_kv * dense_run.dec.k.element_size()
     dense["kv_used_bytes"] = 2 * dense_run.dec.k[:, :, :, : dense_run.dec.t].nbytes
     dense["kv_resident_bytes"] = dense_run.dec.k.nbytes + dense_run.dec.v.nbytes
@@ -593,6 +618,7 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
         parts = routed_roofline_parts(runner, audit, t)
         r["bytes_per_step"] = bytes_limit_parts(parts)
         r["roofline_s"] = roofline_seconds(parts, peaks)
+        r["roofline_s_core"] = roofline_seconds(parts, peaks, "core_gflops")
         r["kv_bytes_per_token"] = runner.kv_bytes_per_token
         r["kv_bytes_ratio"] = runner.kv_bytes_per_token / dense_kv16
         r["kv_used_bytes"] = runner.cache.memory()["used"]
@@ -610,6 +636,7 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
         row[name] = r
     for r in row.values():
         r["roofline_efficiency"] = r["roofline_s"] / r["step_s"]["median"]
+        r["roofline_efficiency_core"] = None if r["roofline_s_core"] is None else r["roofline_s_core"] / r["step_s"]["median"]
         r["executed_over_audited_attn"] = r["executed_attn_macs"] / max(r["audited_attn_macs"], 1)
         r["kv_resident_over_used"] = r["kv_resident_bytes"] / max(r["kv_used_bytes"], 1)
     return row | {"peaks": peaks}
@@ -618,7 +645,9 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
 def describe(label: str, key: str, name: str, r: dict) -> str:
     s = r["step_s"]
     line = (f"[{label}] {key} {name:11s} {r['tokens_per_s']:8.2f} tok/s  step {1e3 * s['median']:8.1f} ms "
-            f"(IQR {1e3 * s['q1']:.1f}..{1e3 * s['q3']:.1f})  roofline eff {r['roofline_efficiency']:.2f}  "
+            f"(IQR {1e3 * s['q1']:.1f}..{1e3 * s['q3']:.1f})  roofline eff {r['roofline_efficiency']:.2f}"
+            + ("" if r["roofline_efficiency_core"] is None else f" ({r['roofline_efficiency_core']:.2f} at the core's peak)")
+            + "  "
             f"ops/layer {r['ops_per_layer']:.0f}  syncs/step {r['host_syncs_per_step']}  "
             f"attn exec/audit {r['executed_over_audited_attn']:.2f}  KV resident/used {r['kv_resident_over_used']:.2f}")
     if name != "dense":
@@ -677,7 +706,7 @@ def bench(label: str, base: TriRouteConfig, systems, contexts, batches, steps, r
             rows[key] = run_cell(base, models, mixes, context, batch, steps, repeats, machine)
             p = rows[key]["peaks"]
             log(f"[{label}] {key} machine during the cell (median of the rounds' probes): {p['bandwidth_gb_s']:.1f} "
-                f"GB/s copy, {p['peak_gflops']:.1f} GFLOP/s matmul")
+                f"GB/s copy, {p['peak_gflops']:.1f} GFLOP/s matmul" + core_peak(p))
             for name, r in rows[key].items():
                 if name != "peaks":
                     log(describe(label, key, name, r))
@@ -729,7 +758,7 @@ def headline(rows: dict, contexts, batches) -> dict:
     for b, suffix in ((b1, ""), (b8, "_b8")):
         r = rows[f"ctx{ctx}_b{b}"]["triroute"]
         for k in ("speedup_vs_dense", "limit", "efficiency", "ffn_weight_read_ratio", "roofline_efficiency",
-                  "limit_bytes"):
+                  "roofline_efficiency_core", "limit_bytes"):
             out[k + suffix] = r[k]
     r = rows[f"ctx{ctx}_b{b1}"]["triroute"]
     out["step_time_ratio_b1"] = r["step_time_ratio"]
@@ -797,8 +826,8 @@ def _main(argv=None) -> dict:
               "contexts": a.contexts, "batches": a.batches, "systems": a.systems, "steps": a.steps,
               "repeats": a.repeats, "targets": TARGETS, "peaks": peaks,
               "load_average": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
-    log(f"machine: {peaks['bandwidth_gb_s']:.1f} GB/s copy, {peaks['peak_gflops']:.1f} GFLOP/s float32 matmul on "
-        f"{a.threads} thread(s); load average {result['load_average']}")
+    log(f"machine: {peaks['bandwidth_gb_s']:.1f} GB/s copy, {peaks['peak_gflops']:.1f} GFLOP/s float32 matmul"
+        f"{core_peak(peaks)} on {a.threads} thread(s); load average {result['load_average']}")
     if a.checkpoint:
         model, processor = load_checkpoint_model(a.checkpoint, a.data)
         result["checkpoint_mix"] = checkpoint_mix(model, processor, 512)
@@ -828,7 +857,10 @@ def _main(argv=None) -> dict:
         log(f"headline ({a.shape} SYNTHETIC, TriRoute, context {result['headline_context']}; target in brackets): "
             f"step time / Dense b1 {result['step_time_ratio_b1']:.2f} [<= {t['step_time_ratio_b1']}], "
             f"speed-up b8 {result['speedup_vs_dense_b8']:.2f} [>= {t['speedup_vs_dense_b8']}], roofline efficiency "
-            f"{result['roofline_efficiency']:.2f} / {result['roofline_efficiency_b8']:.2f} [>= {t['roofline_efficiency']}], "
+            f"{result['roofline_efficiency']:.2f} / {result['roofline_efficiency_b8']:.2f} [>= {t['roofline_efficiency']}]"
+            + ("" if result["roofline_efficiency_core"] is None else
+               f" ({result['roofline_efficiency_core']:.2f} / {result['roofline_efficiency_core_b8']:.2f} at the core's "
+               "multiply-add peak)") + ", "
             f"ops/layer {result['ops_per_layer']:.0f} [<= {t['ops_per_layer']}], host syncs/step "
             f"{result['host_syncs_per_step']} [{t['host_syncs_per_step']}], executed/audited attention "
             f"{result['executed_over_audited_attn']:.2f} [<= {t['executed_over_audited_attn']}], KV resident/used "

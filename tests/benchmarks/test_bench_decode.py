@@ -18,6 +18,7 @@ from megatron_triroute.routing.quant import kv_bits_per_token
 from megatron_triroute.systems import system_config
 from megatron_triroute.training.recipes import get_recipe
 from tests.benchmarks import load_benchmark
+from triroute_kernels import cpu_ops_available
 
 
 
@@ -43,7 +44,9 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
     for key, row in rows.items():
         batch = int(key.split("_b")[1])
         dense = row["dense"]
-        assert row["peaks"]["bandwidth_gb_s"] > 0 and row["peaks"]["peak_gflops"] > 0
+        peaks = row["peaks"]
+        assert peaks["bandwidth_gb_s"] > 0 and peaks["peak_gflops"] > 0
+        assert (peaks["core_gflops"] is not None) == cpu_ops_available()
         for name in ("dense", *bench.ROUTED):
             r = row[name]
             runs = r["step_s_runs"]
@@ -51,6 +54,14 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
             assert r["step_s"] == bench.spread(runs) and r["step_s"]["q1"] <= r["step_s"]["median"] <= r["step_s"]["q3"]
             assert r["tokens_per_s"] == pytest.approx(batch / statistics.median(runs))
             assert r["roofline_efficiency"] == pytest.approx(r["roofline_s"] / r["step_s"]["median"])
+            if peaks["core_gflops"] is None:
+                assert r["roofline_s_core"] is None and r["roofline_efficiency_core"] is None
+            else:  # the same parts priced at the core's peak: cheaper compute, never a longer roofline
+                assert r["roofline_efficiency_core"] == pytest.approx(r["roofline_s_core"] / r["step_s"]["median"])
+                if peaks["core_gflops"] >= peaks["peak_gflops"]:
+                    assert r["roofline_s_core"] <= r["roofline_s"] * (1 + 1e-12)
+                else:
+                    assert r["roofline_s_core"] >= r["roofline_s"] * (1 - 1e-12)
             assert r["executed_over_audited_attn"] == pytest.approx(r["executed_attn_macs"] / r["audited_attn_macs"])
             assert r["kv_resident_over_used"] == pytest.approx(r["kv_resident_bytes"] / r["kv_used_bytes"])
             assert r["kv_resident_bytes"] >= r["kv_used_bytes"] > 0
@@ -83,7 +94,8 @@ def test_quick_json_fields_are_computed_from_the_measurements(bench, quick):
     assert ctx == max(quick["contexts"])  # the quick context is below 2,048
     for suffix, b in (("", b1), ("_b8", b8)):
         r = rows[f"ctx{ctx}_b{b}"]["triroute"]
-        for key in ("speedup_vs_dense", "limit", "efficiency", "ffn_weight_read_ratio", "roofline_efficiency"):
+        for key in ("speedup_vs_dense", "limit", "efficiency", "ffn_weight_read_ratio", "roofline_efficiency",
+                    "roofline_efficiency_core"):
             assert quick[key + suffix] == r[key]
     r = rows[f"ctx{ctx}_b{b1}"]["triroute"]
     assert quick["step_time_ratio_b1"] == r["step_time_ratio"]
