@@ -351,9 +351,10 @@ class InferenceModel(nn.Module):
         audit.take_executed(cache)
         audit.tokens += count
         audit.lm_head += (count if all_logits else B) * m.d_model * m.vocab_size
-        audit.dense_macs += float(dense_cost(batch.t[valid], m).flops.sum()) * m.n_layers
         audit.dense_kv_bytes += count * m.n_layers * 2 * m.d_kv * 2
-        audit.add_requests(rids, self._row_costs(batch, modes, options, index))
+        costs = self._row_costs(batch, modes, options, index)
+        audit.dense_macs += sum(row[1] for row in costs)  # whole MAC counts in float64: the requests' sum, exactly
+        audit.add_requests(rids, costs)
 
     def _row_costs(self, batch: StepBatch, modes: torch.Tensor, options: torch.Tensor,
                    index: torch.Tensor | None) -> list[list[float]]:

@@ -89,5 +89,11 @@ def test_a_batch_mixing_budgets_equals_each_request_served_alone():
     totals = [sum(audit.requests[r][i] for r in rids) for i in range(4)]
     assert totals[0] == pytest.approx(audit.budgeted_macs, rel=1e-12)
     assert totals[1] == pytest.approx(audit.dense_macs, rel=1e-12)
+    # ... and the dense MACs are Appendix A's of every position each request consumed, counted by hand
+    m = model.config.model
+    consumed = [engine.requests[r].state.length for r in rids]
+    assert min(consumed) > len(PROMPTS[0])  # prompts and generated tokens
+    by_hand = sum((2 * m.d_model * (t + 1) + 3 * m.d_model * m.d_ff) * m.n_layers for n in consumed for t in range(n))
+    assert audit.dense_macs == by_hand
     assert totals[2] == pytest.approx(8 * audit.total("bytes_written"), rel=1e-12)
     assert totals[3] == pytest.approx(8 * audit.dense_kv_bytes, rel=1e-12)
