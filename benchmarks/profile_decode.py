@@ -148,19 +148,24 @@ class Fused:
             layer.fused = was
 
 
-def interleaved_steps(runner, ours, theirs, rounds: int, warmup: int = 3) -> tuple[float, float, tuple]:
-    """Decode steps of one runner inside the contexts `ours()` and `theirs()` on alternate steps
+def alternating(ours, theirs, rounds: int, warmup: int = 3) -> tuple[float, float, tuple]:
+    """`ours()` and `theirs()` (a decode step each), `warmup` of each first, then on alternate steps
     (A B, B A, ...): the median step of each and the quartiles of the per-round ratio ours / theirs."""
     from benchmarks.bench_cpu_ops import interleaved
 
+    for _ in range(warmup):
+        ours()
+        theirs()
+    return interleaved(lambda _counters: ours(), lambda _counters: theirs(), rounds)
+
+
+def interleaved_steps(runner, ours, theirs, rounds: int, warmup: int = 3) -> tuple[float, float, tuple]:
+    """`alternating` decode steps of one runner inside the contexts `ours()` and `theirs()`."""
     def step(context):
         with context():
             runner.step()
 
-    for _ in range(warmup):
-        step(ours)
-        step(theirs)
-    return interleaved(lambda _counters: step(ours), lambda _counters: step(theirs), rounds)
+    return alternating(lambda: step(ours), lambda: step(theirs), rounds, warmup)
 
 
 def _result(shape, context, batch, rounds, timed) -> dict:
@@ -202,34 +207,24 @@ def huge_against_base_pages(shape: str, context: int, batch: int, rounds: int, w
     (`inference/huge_pages.py`, the default) and where PyTorch allocated them, on alternate steps
     (A B, B A, ...): the median step of each and the per-round ratio huge / base pages. Both are in
     memory at once (twice the weights)."""
-    from benchmarks.bench_cpu_ops import interleaved
     from megatron_triroute.inference.huge_pages import huge_pages_available
 
     if not huge_pages_available():
         raise SystemExit("this kernel offers no transparent huge pages (not Linux, or "
                          "/sys/kernel/mm/transparent_hugepage/enabled is never): nothing to compare")
     huge, base = (synthetic_runner(shape, context, batch, warmup + rounds, huge_pages=h) for h in (True, False))
-    for _ in range(warmup):
-        huge.step()
-        base.step()
-    return _result(shape, context, batch, rounds,
-                   interleaved(lambda _counters: huge.step(), lambda _counters: base.step(), rounds))
+    return _result(shape, context, batch, rounds, alternating(huge.step, base.step, rounds, warmup))
 
 
 def audit_against_none(shape: str, context: int, batch: int, rounds: int, warmup: int = 3) -> dict:
     """Whole decode steps of one runner with the cost audit (`InferenceModel.finish` counting the
     step) and without it on alternate steps (A B, B A, ...): the median step of each and the per-round
     ratio audited / not."""
-    from benchmarks.bench_cpu_ops import interleaved
     from megatron_triroute.inference.audit import CostAudit
 
     runner = synthetic_runner(shape, context, batch, 2 * (warmup + rounds))
     audit = CostAudit(runner.model.config.model.n_layers)
-    for _ in range(warmup):
-        runner.step(audit)
-        runner.step()
-    return _result(shape, context, batch, rounds,
-                   interleaved(lambda _counters: runner.step(audit), lambda _counters: runner.step(), rounds))
+    return _result(shape, context, batch, rounds, alternating(lambda: runner.step(audit), runner.step, rounds, warmup))
 
 
 def main(argv=None) -> dict:
