@@ -46,7 +46,8 @@ BW (a large copy) and peak (a large float32 matmul) measured in this run on `--t
 work); `roofline_efficiency_core` the same with the core's own float32 multiply-add peak for peak (on a
 CPU with the C++ kernels: `triroute::fma_probe`, one thread; PyTorch's float32 matmul reaches about
 two fifths of it on the AMD EPYC of the README, whose decode kernels run 16-lane multiply-adds of their
-own, so the matmul probe is not their ceiling and this figure is the stricter one); `efficiency` = speed-up / limit_macs (the MAC-only figure of earlier records);
+own, so the matmul probe is not their ceiling and this figure is the stricter one); `efficiency` =
+speed-up / limit_macs (the MAC-only figure of earlier records);
 `kv_bytes_ratio` = filled-slot bytes per prompt token over a 16-bit dense cache's (the budget's
 reference); `kv_used_bytes` / `kv_resident_bytes` after the run (resident: every tensor the cache
 holds, free pages and index included); `cost_audit_rel_err` = max over layers of |audited attention
@@ -175,7 +176,8 @@ class DenseDecoder(nn.Module):
         m = self.m
         B = tokens.shape[0]
         x = self.emb[tokens]  # (B, D)
-        cos, sin = rope_tables(position, m.d_head)  # once per step (as `prepare`'s)
+        # once per step for every layer (the engine's `prepare` looks its own up in `RopeCache`)
+        cos, sin = rope_tables(position, m.d_head)
         for i in range(m.n_layers):
             h = rms_norm(x, self.ones, 1e-5)
             q = apply_rope(decode_linear(h, self.wq[i]).view(B, m.n_heads, 1, m.d_head), cos, sin)
@@ -406,6 +408,7 @@ class MachinePeaks:
         self.src, self.dst = torch.randn(n, device=device), torch.empty(n, device=device)
         size = 256 if quick else 8192 if gpu else 1024
         self.a, self.b = torch.randn(size, size, device=device), torch.randn(size, size, device=device)
+        self.fma_rounds = 10**5 if quick else 10**6  # about 0.15 / 1.5 ms a probe at this core's peak
 
     def probe(self) -> dict:
         copy, mm = [], []
@@ -425,13 +428,15 @@ class MachinePeaks:
 
         if self.device.type != "cpu" or not cpu_ops_available():
             return None
-        runs = [torch.ops.triroute.fma_probe(10**5 if self.a.shape[0] < 1024 else 10**6) for _ in range(self.REPEATS)]
+        runs = [torch.ops.triroute.fma_probe(self.fma_rounds) for _ in range(self.REPEATS)]
         return max(flops / max(seconds, 1e-9) for flops, seconds in runs) / 1e9
 
 
 def core_peak(peaks: dict) -> str:
     """The core's multiply-add peak for a log line ("" where not measured)."""
-    return "" if peaks.get("core_gflops") is None else f", {peaks['core_gflops']:.1f} GFLOP/s the core's multiply-add peak"
+    if peaks.get("core_gflops") is None:
+        return ""
+    return f", {peaks['core_gflops']:.1f} GFLOP/s the core's multiply-add peak"
 
 
 def roofline_seconds(parts: list[tuple[float, float]], peaks: dict, compute: str = "peak_gflops") -> float | None:
@@ -636,7 +641,8 @@ def run_cell(base: TriRouteConfig, models: dict, mixes: dict, context: int, batc
         row[name] = r
     for r in row.values():
         r["roofline_efficiency"] = r["roofline_s"] / r["step_s"]["median"]
-        r["roofline_efficiency_core"] = None if r["roofline_s_core"] is None else r["roofline_s_core"] / r["step_s"]["median"]
+        core = r["roofline_s_core"]
+        r["roofline_efficiency_core"] = None if core is None else core / r["step_s"]["median"]
         r["executed_over_audited_attn"] = r["executed_attn_macs"] / max(r["audited_attn_macs"], 1)
         r["kv_resident_over_used"] = r["kv_resident_bytes"] / max(r["kv_used_bytes"], 1)
     return row | {"peaks": peaks}
@@ -646,7 +652,8 @@ def describe(label: str, key: str, name: str, r: dict) -> str:
     s = r["step_s"]
     line = (f"[{label}] {key} {name:11s} {r['tokens_per_s']:8.2f} tok/s  step {1e3 * s['median']:8.1f} ms "
             f"(IQR {1e3 * s['q1']:.1f}..{1e3 * s['q3']:.1f})  roofline eff {r['roofline_efficiency']:.2f}"
-            + ("" if r["roofline_efficiency_core"] is None else f" ({r['roofline_efficiency_core']:.2f} at the core's peak)")
+            + ("" if r["roofline_efficiency_core"] is None
+               else f" ({r['roofline_efficiency_core']:.2f} at the core's peak)")
             + "  "
             f"ops/layer {r['ops_per_layer']:.0f}  syncs/step {r['host_syncs_per_step']}  "
             f"attn exec/audit {r['executed_over_audited_attn']:.2f}  KV resident/used {r['kv_resident_over_used']:.2f}")
