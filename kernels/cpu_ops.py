@@ -31,6 +31,7 @@ NOISE_SOURCE = "noise_ops.cpp"
 QUANT_SOURCE = "quant_ops.cpp"
 LAYER_SOURCE = "layer_ops.cpp"
 SOFTMAX_SOURCE = "softmax_ops.cpp"
+MIX_SOURCE = "mix_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 HEADER = "decode_ops.h"
 """What decode_ops.cpp defines for the other sources; part of the build folder's key."""
@@ -73,7 +74,8 @@ def build_directory(flags: list[str]) -> Path:
 
 def _sources() -> list[Path]:
     return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE,
-            SOURCE.parent / SOFTMAX_SOURCE]
+            SOURCE.parent / SOFTMAX_SOURCE,
+            SOURCE.parent / MIX_SOURCE]
 
 
 def _build_inputs() -> list[Path]:
@@ -186,6 +188,15 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::few_softmax")
     def _(z):
         return torch.empty_like(z)
+
+    @torch.library.register_fake("triroute::mode_mix")
+    def _(modes, attn, columns):
+        B, T, H, d = attn[0].shape
+        return attn[0].new_empty(T, B, H, d).transpose(0, 1)
+
+    @torch.library.register_fake("triroute::mode_mix_backward")
+    def _(grad, modes, attn, columns):
+        return modes.new_empty(modes.shape), [torch.empty_like(a) for a in attn]
 
     @torch.library.register_fake("triroute::controller_logits")
     def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):

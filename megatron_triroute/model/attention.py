@@ -29,9 +29,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..config import TriRouteConfig
 from ..routing.compiled import routing_ops
-from ..routing.modes import FULL, N_MODES, READING_MODES
+from ..routing.modes import FULL, READING_MODES
 from ..routing.quant import relaxed_kv_write
 from .mode_attention import MODE_ATTENTION
+from .mode_mix import ModeMix
 
 
 
@@ -52,7 +53,7 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: t
     if modes is None:
         return MODE_ATTENTION[FULL](q, k, v, window, local)
     if modes.requires_grad and torch.is_grad_enabled():  # training: the mix and its backward as one node
-        return _ModeMix.apply(modes, *(MODE_ATTENTION[m](q, k, v, window, local) for m in READING_MODES))
+        return ModeMix.apply(modes, *(MODE_ATTENTION[m](q, k, v, window, local) for m in READING_MODES))
     out = None
     for mode in READING_MODES:
         weight = modes[..., mode, None]
@@ -61,39 +62,6 @@ def routed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, modes: t
         term = weight.to(q.dtype) * MODE_ATTENTION[mode](q, k, v, window, local)  # (B, T, H, d)
         out = term if out is None else out + term
     return torch.zeros_like(q) if out is None else out
-
-
-class _ModeMix(torch.autograd.Function):
-    """out = sum over `READING_MODES` of modes[..., m, None] * attn_m, modes (B, T, H, N_MODES)
-    (SKIP reads nothing), attn_m (B, T, H, d), in attn's dtype: `routed_attention`'s sum of terms,
-    the same values (a one-hot straight-through forward adds exact products), with the gradient
-    autograd computes through it (each mode's d attn_m = grad * y_m and d y_m = (grad * attn_m)
-    summed over d, the same ops) written into one (B, T, H, N_MODES) tensor: about half the ops of
-    the chain of selects, casts, products and sums."""
-
-    @staticmethod
-    def forward(ctx, modes: torch.Tensor, *attn: torch.Tensor) -> torch.Tensor:
-        w = modes.to(attn[0].dtype)
-        weights = [w[..., m:m + 1] for m in READING_MODES]
-        out = attn[0] * weights[0]
-        for a, y in zip(attn[1:], weights[1:]):
-            out.addcmul_(a, y)
-        ctx.save_for_backward(*weights, *attn)
-        ctx.modes_dtype = modes.dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        saved = ctx.saved_tensors
-        n = len(READING_MODES)
-        weights, attn = saved[:n], saved[n:]
-        d_attn = [grad * y if ctx.needs_input_grad[1 + i] else None for i, y in enumerate(weights)]
-        d_modes = None
-        if ctx.needs_input_grad[0]:
-            dots = dict(zip(READING_MODES, ((grad * a).sum(-1) for a in attn)))
-            zero = torch.zeros_like(dots[READING_MODES[0]])
-            d_modes = torch.stack([dots.get(m, zero) for m in range(N_MODES)], -1).to(ctx.modes_dtype)
-        return d_modes, *d_attn
 
 
 class TriRouteSelfAttention(MegatronModule):

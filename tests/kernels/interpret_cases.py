@@ -394,3 +394,63 @@ def test_triton_quantized_values_are_taken_only_after_their_first_use_check(monk
     monkeypatch.setattr(tq, "quantized_values_triton", lambda x, *a: quant.quantized_values_torch(x, *a) * 1.001)
     with pytest.warns(UserWarning, match="relaxed K/V write's values.*values differ"):
         assert quant.checked_values_kernel(cpu, torch.float32, 2, 32, (2, 16), 8) is None
+
+
+# --- the relaxed attention's mode mix (triton_mix) ----------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("d", [8, 32])
+def test_triton_mode_mix_gives_the_definitions_values(dtype, d):
+    """On straight-through one-hots (what training mixes with): the forward and d attn bit for bit
+    against the tensor ops, d modes within float32 rounding of the exact sums (zero in SKIP's
+    column); the output token-major, each d attn_m laid out as attn_m; rows that leave a partial
+    block. Soft weights within rounding (the interpreter's multiply-add and bfloat16 casts are
+    not a GPU's)."""
+    import torch.nn.functional as F
+
+    from megatron_triroute.model.mode_mix import mix_backward_torch, mix_torch
+    from megatron_triroute.routing.modes import N_MODES, READING_MODES, SKIP
+    from triroute_kernels.triton_mix import mode_mix_backward_triton, mode_mix_triton
+
+    g = torch.Generator().manual_seed(d)
+    logits = torch.randn(2, 7, 6, N_MODES, generator=g)
+    attn = (torch.randn(2, 7, 5, d, generator=g).to(dtype), torch.randn(2, 5, 7, d, generator=g).to(dtype).transpose(1, 2))
+    grad = torch.randn(2, 7, 5, d, generator=g).to(dtype)
+    columns = list(READING_MODES)
+    for soft in (False, True):
+        modes = (logits.softmax(-1) if soft else F.one_hot(logits.argmax(-1), N_MODES).float())[:, :, :5]
+        out = mode_mix_triton(modes, attn, columns)
+        d_modes, d_attn = mode_mix_backward_triton(grad, modes, attn, columns)
+        ref_out, (ref_modes, ref_attn) = mix_torch(modes, attn), mix_backward_torch(grad, modes, attn)
+        assert out.transpose(0, 1).is_contiguous() and all(x.stride() == a.stride() for x, a in zip(d_attn, attn))
+        assert torch.equal(d_modes[..., SKIP], torch.zeros_like(d_modes[..., SKIP]))
+        for m, a in zip(columns, attn):
+            exact = (grad.double() * a.double()).sum(-1)
+            torch.testing.assert_close(d_modes[..., m].double(), exact, rtol=1e-5, atol=1e-5)
+        if soft:
+            tol = dict(rtol=2**-5, atol=2**-5) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)  # bf16: ulps
+            torch.testing.assert_close(out, ref_out, **tol)
+            for x, y in zip(d_attn, ref_attn):
+                torch.testing.assert_close(x, y, **tol)
+        else:
+            assert torch.equal(out, ref_out)
+            assert all(torch.equal(x, y) for x, y in zip(d_attn, ref_attn))
+
+
+def test_triton_mode_mix_is_taken_only_after_its_first_use_check(monkeypatch):
+    """The probe a GPU's first mix of a layout runs: the kernels pass it; kernels that give other
+    values, or fail to build, are left out with a warning, and the tensor ops serve."""
+    import triroute_kernels.triton_mix as tm
+
+    from megatron_triroute.model import mode_mix
+
+    cpu = torch.device("cpu")
+    assert mode_mix._checked_triton(cpu, torch.bfloat16, torch.float32, 16) == (tm.mode_mix_triton,
+                                                                                 tm.mode_mix_backward_triton)
+    real_backward = tm.mode_mix_backward_triton
+    monkeypatch.setattr(tm, "mode_mix_backward_triton",
+                        lambda *a: (lambda dm, da: (dm * 1.001, da))(*real_backward(*a)))
+    with pytest.warns(UserWarning, match="mode mix.*values differ"):
+        assert mode_mix._checked_triton(cpu, torch.float32, torch.float32, 16) is None
+    monkeypatch.setattr(tm, "mode_mix_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert mode_mix._checked_triton(cpu, torch.float32, torch.float32, 16) is None

@@ -1,0 +1,125 @@
+"""The relaxed attention's mix of its reading modes as one Triton launch each way:
+`mode_mix_triton` and `mode_mix_backward_triton`, the values of
+`megatron_triroute.model.attention._ModeMix`'s tensor ops (the definition) on CUDA tensors (or CPU
+tensors under TRITON_INTERPRET=1), as the C++ kernels `torch.ops.triroute.mode_mix` and
+`mode_mix_backward` compute them on a CPU:
+
+    out[b, t, h, :] = sum_m modes[b, t, h, c_m] * attn_m[b, t, h, :]
+    d attn_m = grad * modes[..., c_m, None],   d modes[..., c_m] = sum_d grad * attn_m  (0 elsewhere)
+
+One read of each attention output and one write of the mix (the definition: a product and a
+multiply-add per mode, each a pass over the activations); one read of the gradient and of each
+output, one write of each d attn_m, backward (the definition: two passes per mode, a stack, a cast).
+The modes are cast to the outputs' dtype first, as the definition casts them; products are taken
+in float32 and rounded to the tensors' dtype as the definition's `mul` and
+`addcmul` round them (the second mode's term by a fused multiply-add, as CUDA's `addcmul` compiles;
+fusion is otherwise off); d modes sums each row in float32. The output is laid out token-major ([t, b, h, :] contiguous, the layout the output
+projection reads), each d attn_m as attn_m.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+MAX_MODES = 2
+"""Attention outputs one launch mixes (the reading modes: local and full)."""
+
+ROWS = 16
+"""(b, t, h) rows a program takes."""
+
+
+@triton.jit
+def _row_offsets(r, T, H, sb, st, sh):
+    """Element offsets of rows r (row-major over B x T x H) in a tensor of strides (sb, st, sh)."""
+    h = r % H
+    t = (r // H) % T
+    b = r // (H * T)
+    return b.to(tl.int64) * sb + t.to(tl.int64) * st + h.to(tl.int64) * sh
+
+
+@triton.jit
+def _mix_forward(modes_ptr, a0_ptr, a1_ptr, out_ptr, T, H, rows,
+                 w_b, w_t, w_h, w_c, a0_b, a0_t, a0_h, a1_b, a1_t, a1_h, o_b, o_t, o_h, c0, c1,
+                 D: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < rows
+    chan = tl.arange(0, D)[None, :]
+    m2 = live[:, None]
+    w_row = modes_ptr + _row_offsets(r, T, H, w_b, w_t, w_h)
+    a0 = tl.load(a0_ptr + _row_offsets(r, T, H, a0_b, a0_t, a0_h)[:, None] + chan, mask=m2, other=0.0)
+    w0 = tl.load(w_row + c0 * w_c, mask=live, other=0.0).to(a0.dtype).to(tl.float32)[:, None]
+    out = (a0.to(tl.float32) * w0).to(a0.dtype)
+    if M > 1:
+        a1 = tl.load(a1_ptr + _row_offsets(r, T, H, a1_b, a1_t, a1_h)[:, None] + chan, mask=m2, other=0.0)
+        w1 = tl.load(w_row + c1 * w_c, mask=live, other=0.0).to(a1.dtype).to(tl.float32)[:, None]
+        out = tl.fma(a1.to(tl.float32), w1, out.to(tl.float32)).to(a1.dtype)  # addcmul's: fused, one rounding
+    tl.store(out_ptr + _row_offsets(r, T, H, o_b, o_t, o_h)[:, None] + chan, out, mask=m2)
+
+
+@triton.jit
+def _mix_backward(grad_ptr, modes_ptr, a0_ptr, a1_ptr, da0_ptr, da1_ptr, dw_ptr, T, H, rows, n_modes,
+                  g_b, g_t, g_h, w_b, w_t, w_h, w_c, a0_b, a0_t, a0_h, a1_b, a1_t, a1_h,
+                  d0_b, d0_t, d0_h, d1_b, d1_t, d1_h, c0, c1,
+                  D: tl.constexpr, M: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < rows
+    chan = tl.arange(0, D)[None, :]
+    m2 = live[:, None]
+    g = tl.load(grad_ptr + _row_offsets(r, T, H, g_b, g_t, g_h)[:, None] + chan, mask=m2, other=0.0)
+    gf = g.to(tl.float32)
+    w_row = modes_ptr + _row_offsets(r, T, H, w_b, w_t, w_h)
+    dw_row = dw_ptr + r.to(tl.int64) * n_modes  # d modes: contiguous (B, T, H, n_modes)
+    a0 = tl.load(a0_ptr + _row_offsets(r, T, H, a0_b, a0_t, a0_h)[:, None] + chan, mask=m2, other=0.0)
+    w0 = tl.load(w_row + c0 * w_c, mask=live, other=0.0).to(g.dtype).to(tl.float32)[:, None]
+    tl.store(da0_ptr + _row_offsets(r, T, H, d0_b, d0_t, d0_h)[:, None] + chan, (gf * w0).to(g.dtype), mask=m2)
+    tl.store(dw_row + c0, tl.sum(gf * a0.to(tl.float32), axis=1), mask=live)
+    if M > 1:
+        a1 = tl.load(a1_ptr + _row_offsets(r, T, H, a1_b, a1_t, a1_h)[:, None] + chan, mask=m2, other=0.0)
+        w1 = tl.load(w_row + c1 * w_c, mask=live, other=0.0).to(g.dtype).to(tl.float32)[:, None]
+        tl.store(da1_ptr + _row_offsets(r, T, H, d1_b, d1_t, d1_h)[:, None] + chan, (gf * w1).to(g.dtype), mask=m2)
+        tl.store(dw_row + c1, tl.sum(gf * a1.to(tl.float32), axis=1), mask=live)
+
+
+def fits(modes: torch.Tensor, attn: tuple[torch.Tensor, ...]) -> bool:
+    """Whether these tensors are the kernels' layout: 1 to MAX_MODES outputs of one shape and dtype,
+    (B, T, H, d) with contiguous channels and d a power of two."""
+    d = attn[0].shape[-1]
+    return (0 < len(attn) <= MAX_MODES and modes.dim() == 4 and d & (d - 1) == 0
+            and all(a.dim() == 4 and a.shape == attn[0].shape and a.dtype == attn[0].dtype and a.stride(-1) == 1
+                    for a in attn))
+
+
+def _strides3(t: torch.Tensor) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(1), t.stride(2)
+
+
+def mode_mix_triton(modes: torch.Tensor, attn: tuple[torch.Tensor, ...], columns: tuple[int, ...]) -> torch.Tensor:
+    """out (B, T, H, d), laid out [t, b, h, :] contiguous: sum_m modes[..., columns[m], None] * attn[m]."""
+    B, T, H, d = attn[0].shape
+    out = attn[0].new_empty(T, B, H, d).transpose(0, 1)
+    rows = B * T * H
+    a1 = attn[1] if len(attn) > 1 else attn[0]
+    c1 = columns[1] if len(attn) > 1 else columns[0]
+    _mix_forward[(triton.cdiv(rows, ROWS),)](
+        modes, attn[0], a1, out, T, H, rows, *_strides3(modes), modes.stride(3), *_strides3(attn[0]),
+        *_strides3(a1), *_strides3(out), columns[0], c1, D=d, M=len(attn), ROWS=ROWS, enable_fp_fusion=False)
+    return out
+
+
+def mode_mix_backward_triton(grad: torch.Tensor, modes: torch.Tensor, attn: tuple[torch.Tensor, ...],
+                             columns: tuple[int, ...]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(d modes (B, T, H, n_modes) float32 contiguous, zero outside `columns`; d attn_m laid out as attn_m)."""
+    B, T, H, d = attn[0].shape
+    d_modes = torch.zeros(B, T, H, modes.shape[3], dtype=torch.float32, device=modes.device)
+    d_attn = [torch.empty_like(a) for a in attn]
+    rows = B * T * H
+    a1 = attn[1] if len(attn) > 1 else attn[0]
+    d1 = d_attn[1] if len(attn) > 1 else d_attn[0]
+    c1 = columns[1] if len(attn) > 1 else columns[0]
+    _mix_backward[(triton.cdiv(rows, ROWS),)](
+        grad, modes, attn[0], a1, d_attn[0], d1, d_modes, T, H, rows, modes.shape[3], *_strides3(grad),
+        *_strides3(modes), modes.stride(3), *_strides3(attn[0]), *_strides3(a1), *_strides3(d_attn[0]),
+        *_strides3(d1), columns[0], c1, D=d, M=len(attn), ROWS=ROWS, enable_fp_fusion=False)
+    return d_modes, d_attn
