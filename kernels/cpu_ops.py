@@ -198,6 +198,14 @@ def _register_fakes() -> None:
     def _(grad, modes, attn, columns):
         return modes.new_empty(modes.shape), [torch.empty_like(a) for a in attn]
 
+    @torch.library.register_fake("triroute::combine_routes")
+    def _(y, inverse, index, weight=None):
+        return y.new_empty(index.shape[0], y.shape[1])
+
+    @torch.library.register_fake("triroute::combine_routes_backward")
+    def _(grad, y, order, inverse, index, weight):
+        return torch.empty_like(y), torch.empty_like(weight)
+
     @torch.library.register_fake("triroute::controller_logits")
     def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):
         return x.new_empty(x.shape[0], wh.shape[0])

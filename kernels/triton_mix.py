@@ -1,20 +1,33 @@
-"""The relaxed attention's mix of its reading modes as one Triton launch each way:
-`mode_mix_triton` and `mode_mix_backward_triton`, the values of
-`megatron_triroute.model.attention._ModeMix`'s tensor ops (the definition) on CUDA tensors (or CPU
-tensors under TRITON_INTERPRET=1), as the C++ kernels `torch.ops.triroute.mode_mix` and
-`mode_mix_backward` compute them on a CPU:
+"""Weighted sums of each token's candidates as one Triton launch each way, on CUDA tensors (or CPU
+tensors under TRITON_INTERPRET=1), the values of the tensor ops that define them, as the C++ kernels
+of `kernels/csrc/mix_ops.cpp` compute them on a CPU:
 
-    out[b, t, h, :] = sum_m modes[b, t, h, c_m] * attn_m[b, t, h, :]
-    d attn_m = grad * modes[..., c_m, None],   d modes[..., c_m] = sum_d grad * attn_m  (0 elsewhere)
+- the relaxed attention's mix of its reading modes (`megatron_triroute.model.mode_mix`, the
+  definition): `mode_mix_triton`, `mode_mix_backward_triton`;
 
-One read of each attention output and one write of the mix (the definition: a product and a
-multiply-add per mode, each a pass over the activations); one read of the gradient and of each
-output, one write of each d attn_m, backward (the definition: two passes per mode, a stack, a cast).
-The modes are cast to the outputs' dtype first, as the definition casts them; products are taken
-in float32 and rounded to the tensors' dtype as the definition's `mul` and
-`addcmul` round them (the second mode's term by a fused multiply-add, as CUDA's `addcmul` compiles;
-fusion is otherwise off); d modes sums each row in float32. The output is laid out token-major ([t, b, h, :] contiguous, the layout the output
-projection reads), each d attn_m as attn_m.
+      out[b, t, h, :] = sum_m modes[b, t, h, c_m] * attn_m[b, t, h, :]
+      d attn_m = grad * modes[..., c_m, None],   d modes[..., c_m] = sum_d grad * attn_m  (0 elsewhere)
+
+  One read of each attention output and one write of the mix (the definition: a product and a
+  multiply-add per mode, each a pass over the activations); one read of the gradient and of each
+  output, one write of each d attn_m, backward (the definition: two passes per mode, a stack, a
+  cast). The modes are cast to the outputs' dtype first, as the definition casts them; products are
+  taken in float32 and rounded to the tensors' dtype as the definition's `mul` and `addcmul` round
+  them (the second mode's term by a fused multiply-add, as CUDA's `addcmul` compiles; fusion is
+  otherwise off). The output is laid out token-major ([t, b, h, :] contiguous, the layout the
+  output projection reads), each d attn_m as attn_m.
+- the experts' combine (`megatron_triroute.experts.combine`, the definition): `combine_routes_triton`,
+  `combine_routes_backward_triton`;
+
+      out[n] = sum_j weight[n, j] * (y[inverse[n k + j]] if index[n, j] >= 0 else 0)
+      d y[r] = grad[n] * weight[n, j] for the route n k + j = order[r],
+      d weight[n, j] = sum_d grad[n] * y[r]  (0 for a null route, whose row is never read)
+
+  Each product rounded to y's dtype, the routes added in order in float32 and rounded once (the
+  definition's `mul`, then `sum(1)`, which accumulates in float32). Without weights (every weight
+  1, no product) the forward is the gradient of the tokens' gather into expert order.
+
+d modes and d weight sum each row in float32.
 """
 
 from __future__ import annotations
@@ -123,3 +136,75 @@ def mode_mix_backward_triton(grad: torch.Tensor, modes: torch.Tensor, attn: tupl
         *_strides3(modes), modes.stride(3), *_strides3(attn[0]), *_strides3(a1), *_strides3(d_attn[0]),
         *_strides3(d1), columns[0], c1, D=d, M=len(attn), ROWS=ROWS, enable_fp_fusion=False)
     return d_modes, d_attn
+
+
+@triton.jit
+def _combine_forward(y_ptr, inverse_ptr, index_ptr, weight_ptr, out_ptr, N,
+                     D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr):
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = n < N
+    chan = tl.arange(0, D)[None, :]
+    acc = tl.zeros((ROWS, D), dtype=tl.float32)
+    for j in tl.static_range(K):
+        route = n.to(tl.int64) * K + j
+        expert = tl.load(index_ptr + route, mask=live, other=-1)
+        row = tl.load(inverse_ptr + route, mask=live, other=0)
+        keep = live & (expert >= 0)
+        y = tl.load(y_ptr + row[:, None] * D + chan, mask=keep[:, None], other=0.0)
+        y = tl.where(keep[:, None], y, 0.0)  # a null route's row is never read
+        if WEIGHTED:
+            w = tl.load(weight_ptr + route, mask=live, other=0.0).to(y.dtype).to(tl.float32)[:, None]
+            acc = acc + (y.to(tl.float32) * w).to(y.dtype).to(tl.float32)
+        else:
+            acc = acc + y.to(tl.float32)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * D + chan, acc.to(out_ptr.dtype.element_ty), mask=live[:, None])
+
+
+@triton.jit
+def _combine_backward(grad_ptr, y_ptr, order_ptr, index_ptr, weight_ptr, dy_ptr, dw_ptr, R,
+                      D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # y's rows, in expert order
+    live = r < R
+    chan = tl.arange(0, D)[None, :]
+    route = tl.load(order_ptr + r, mask=live, other=0)
+    n = route // K
+    g = tl.load(grad_ptr + n[:, None] * D + chan, mask=live[:, None], other=0.0)
+    gf = g.to(tl.float32)
+    w = tl.load(weight_ptr + route, mask=live, other=0.0).to(g.dtype).to(tl.float32)[:, None]
+    tl.store(dy_ptr + r.to(tl.int64)[:, None] * D + chan, (gf * w).to(g.dtype), mask=live[:, None])
+    keep = live & (tl.load(index_ptr + route, mask=live, other=-1) >= 0)
+    y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + chan, mask=keep[:, None], other=0.0)
+    dot = tl.sum(gf * tl.where(keep[:, None], y, 0.0).to(tl.float32), axis=1)
+    tl.store(dw_ptr + route, dot, mask=live)
+
+
+def combine_fits(y: torch.Tensor) -> bool:
+    """Whether y (routes, D) is the combine kernels' layout: D a power of two."""
+    D = y.shape[-1]
+    return y.dim() == 2 and D & (D - 1) == 0
+
+
+def combine_routes_triton(y: torch.Tensor, inverse: torch.Tensor, index: torch.Tensor,
+                          weight: torch.Tensor | None) -> torch.Tensor:
+    """out (N, D) in y's dtype: each token's routes weighted and summed (module doc); weight None:
+    every weight 1 (the tokens' gather's gradient)."""
+    N, K = index.shape
+    y, inverse, index = y.contiguous(), inverse.contiguous(), index.contiguous()
+    out = y.new_empty(N, y.shape[1])
+    weighted = weight is not None
+    _combine_forward[(triton.cdiv(N, ROWS),)](y, inverse, index, weight.contiguous() if weighted else y, out, N,
+                                              D=y.shape[1], K=K, ROWS=ROWS, WEIGHTED=weighted, enable_fp_fusion=False)
+    return out
+
+
+def combine_routes_backward_triton(grad: torch.Tensor, y: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor,
+                                   index: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(d y (routes, D) in y's dtype, d weight (N, k) in weight's dtype) (module doc)."""
+    N, K = index.shape
+    R, D = y.shape
+    grad, y, order, index, weight = (t.contiguous() for t in (grad, y, order, index, weight))
+    d_y = torch.empty_like(y)
+    d_weight = torch.empty(N, K, dtype=torch.float32, device=y.device)
+    _combine_backward[(triton.cdiv(R, ROWS),)](grad, y, order, index, weight, d_y, d_weight, R, D=D, K=K, ROWS=ROWS,
+                                               enable_fp_fusion=False)
+    return d_y, d_weight.to(weight.dtype)

@@ -12,11 +12,10 @@ CUTLASS kernel, so the layer's forward and backward never wait for the device. E
 loops over the groups (on CUDA, in float32, it reads the offsets to do so: one wait per matmul).
 
 Rows past the last expert's range (the null routes) are never computed by the grouped matmul, nor
-read by it: their values are masked out in the combine's gather, and their gradients in the backward
-of the tokens' gather, before they reach the tokens. The
-combine undoes the sort with a gather and sums each token's k routes in place; the backward of
-both gathers is a gather too (`_GatherRows`), so forward and backward add in a fixed order (no
-atomics).
+read by it: the combine selects them out (`combine.CombineRoutes`), and the backward of the tokens'
+gather zeroes their gradients before they reach the tokens. The combine undoes the sort, weights and
+sums each token's k routes (one kernel call each way where one is built); the backward of the tokens'
+gather is a gather too (`_GatherRows`), so forward and backward add in a fixed order (no atomics).
 """
 
 from __future__ import annotations
@@ -25,6 +24,8 @@ import torch
 import torch.nn.functional as F
 
 from megatron_triroute.routing.counts import option_counts
+
+from .combine import CombineRoutes, combine_kernels, combine_torch
 
 
 def order_by_expert(index: torch.Tensor, num_experts: int, count_dtype: torch.dtype = torch.int64):
@@ -38,13 +39,12 @@ def order_by_expert(index: torch.Tensor, num_experts: int, count_dtype: torch.dt
 
 def sort_routes(index: torch.Tensor, num_experts: int):
     """index (N, k), -1 the null expert -> (order (N k,): the routes by expert, null last, stable;
-    inverse (N k,): each route's row in that order; valid (N k, 1): sorted rows that are real
-    routes; offsets (E,) int32: the end of each expert's rows)."""
+    inverse (N k,): each route's row in that order; offsets (E,) int32: the end of each expert's
+    rows, the null routes' rows after the last)."""
     key, order, counts = order_by_expert(index, num_experts, torch.int32)
     inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
     offsets = counts[:num_experts].cumsum(0, dtype=torch.int32)
-    valid = (key.index_select(0, order) < num_experts).unsqueeze(1)
-    return order, inverse, valid, offsets
+    return order, inverse, offsets
 
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -64,47 +64,35 @@ def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w
     """x (N, D), index/weight (N, k), w1, w3 (E, F, D), w2 (E, D, F): each expert's nn.Linear weights
     stacked -> (N, D) in the compute dtype (module doc)."""
     N, k = index.shape
-    order, inverse, valid, offsets = sort_routes(index, w1.shape[0])
+    order, inverse, offsets = sort_routes(index, w1.shape[0])
     dtype = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         # null rows: read by no grouped matmul; their gradient (which none computes) is zeroed on the way back
-        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, k, None, valid)
+        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, index)
         gate = F.grouped_mm(rows, w1.to(dtype).transpose(1, 2), offs=offsets)
         up = F.grouped_mm(rows, w3.to(dtype).transpose(1, 2), offs=offsets)
         y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)
-        # back to (token, route), the null routes' rows (which no matmul computed) zeroed
-        y = _GatherRows.apply(y, inverse, order, 1, (index >= 0).view(-1, 1), None).view(N, k, -1)
-        return (y * weight.to(dtype).unsqueeze(-1)).sum(1)
+        # back to token order, weighted and summed, the null routes' rows (which no matmul computed) left out
+        return CombineRoutes.apply(y, order, inverse, index, weight)
 
 
 class _GatherRows(torch.autograd.Function):
-    """out = t.index_select(0, src), where the routes' sort makes the backward a gather too:
-    `back` lists, for each of t's rows times `k`, the out row that took it (the sort's inverse
-    permutation, or its order), so the gradient is grad.index_select(0, back) summed over each
-    row's k copies. `index_select`'s own backward is an `index_add_`: atomic adds, slow in bf16
-    and not deterministic where k > 1 rows add into one token.
-
-    The null routes' rows are masked inside, where they need it: `keep` (out's rows, (n, 1) bool)
-    zeroes the out rows it leaves out, in the forward only (their gradient goes back to rows that
-    no grouped matmul reads); `keep_grad` (the same for the gradient arriving at out) zeroes
-    those rows of the gradient, in the backward only (the out rows themselves are read by no
-    grouped matmul). One `torch.where` each, instead of a `torch.where` in autograd's graph, whose
-    backward is a second pass over the same rows."""
+    """The tokens in expert order, out = x.index_select(0, src) (src: each sorted route's token),
+    whose gradient is each token's routes' rows of the incoming gradient summed: the experts'
+    combine without weights (`combine.combine_torch(grad, inverse, index, None)`, one kernel call
+    where one is built), the null routes' rows left out (no grouped matmul reads them, so their
+    gradient may hold anything). `index_select`'s own backward is an `index_add_`: atomic adds,
+    slow in bf16 and not deterministic where k > 1 rows add into one token; this adds each token's
+    routes in order."""
 
     @staticmethod
-    def forward(ctx, t: torch.Tensor, src: torch.Tensor, back: torch.Tensor, k: int, keep: torch.Tensor | None,
-                keep_grad: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(back, keep_grad)
-        ctx.k = k
-        out = t.index_select(0, src)
-        return out if keep is None else torch.where(keep, out, 0)
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, inverse: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(inverse, index)
+        return x.index_select(0, src)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        back, keep_grad = ctx.saved_tensors
-        if keep_grad is not None:
-            grad = torch.where(keep_grad, grad, 0)
-        rows = grad.index_select(0, back)
-        if ctx.k > 1:
-            rows = rows.view(-1, ctx.k, grad.shape[-1]).sum(1)
-        return rows, None, None, None, None, None
+        inverse, index = ctx.saved_tensors
+        grad = grad.contiguous()
+        kernels = combine_kernels(grad, None)
+        return (combine_torch if kernels is None else kernels[0])(grad, inverse, index, None), None, None, None

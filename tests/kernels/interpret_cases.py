@@ -454,3 +454,59 @@ def test_triton_mode_mix_is_taken_only_after_its_first_use_check(monkeypatch):
     monkeypatch.setattr(tm, "mode_mix_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert mode_mix._checked_triton(cpu, torch.float32, torch.float32, 16) is None
+
+
+# --- the experts' combine (triton_mix) -----------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_triton_combine_gives_the_definitions_values(dtype, k):
+    """out (weighted and not) and d y bit for bit in float32 (within bfloat16 ulps in bfloat16: the
+    interpreter's casts truncate), d weight within float32 rounding of the exact sums and 0 for a null route; NaN
+    in the null routes' rows (computed by no matmul) reaches nothing; a partial block of rows."""
+    from megatron_triroute.experts.combine import combine_backward_torch, combine_torch
+    from megatron_triroute.experts.grouped import sort_routes
+    from triroute_kernels.triton_mix import combine_routes_backward_triton, combine_routes_triton
+
+    g = torch.Generator().manual_seed(k)
+    N, D = 19, 16
+    index = torch.randint(-1, 4, (N, k), generator=g)
+    index[3] = -1
+    order, inverse, _ = sort_routes(index, 4)
+    y = torch.randn(N * k, D, generator=g).to(dtype)
+    y[(index < 0).view(-1)[order]] = float("nan")
+    weight, grad = torch.rand(N, k, generator=g), torch.randn(N, D, generator=g).to(dtype)
+    out = combine_routes_triton(y, inverse, index, weight)
+    d_y, d_weight = combine_routes_backward_triton(grad, y, order, inverse, index, weight)
+    ref_out, (ref_y, _) = combine_torch(y, inverse, index, weight), combine_backward_torch(grad, y, order, inverse, index, weight)
+    assert torch.isfinite(out).all() and torch.isfinite(d_weight).all()
+    unweighted, ref_unweighted = combine_routes_triton(y, inverse, index, None), combine_torch(y, inverse, index, None)
+    assert torch.isfinite(unweighted).all()
+    if dtype == torch.float32:
+        assert torch.equal(out, ref_out) and torch.equal(d_y, ref_y) and torch.equal(unweighted, ref_unweighted)
+    else:
+        torch.testing.assert_close(unweighted, ref_unweighted, rtol=2**-5, atol=2**-5)
+        torch.testing.assert_close(out, ref_out, rtol=2**-5, atol=2**-5)
+        torch.testing.assert_close(d_y, ref_y, rtol=2**-5, atol=2**-5)
+    rows = torch.where((index >= 0).view(-1, 1), y.index_select(0, inverse), 0).double()
+    exact = (grad.double().repeat_interleave(k, 0) * rows).sum(-1).view(N, k)
+    torch.testing.assert_close(d_weight.double(), exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(d_weight[index < 0], torch.zeros(int((index < 0).sum())))
+
+
+def test_triton_combine_is_taken_only_after_its_first_use_check(monkeypatch):
+    """The probe a GPU's first combine of a layout runs: the kernels pass it; kernels that give
+    other values, or fail to build, are left out with a warning, and the tensor ops serve."""
+    import triroute_kernels.triton_mix as tm
+
+    from megatron_triroute.experts import combine
+
+    cpu = torch.device("cpu")
+    assert combine._checked_triton(cpu, torch.float32, torch.float32, 16) == (tm.combine_routes_triton,
+                                                                              tm.combine_routes_backward_triton)
+    real_forward = tm.combine_routes_triton
+    monkeypatch.setattr(tm, "combine_routes_triton", lambda *a: real_forward(*a) * 1.001)
+    with pytest.warns(UserWarning, match="experts' combine.*values differ"):
+        assert combine._checked_triton(cpu, torch.float32, torch.float32, 16) is None
+    monkeypatch.setattr(tm, "combine_routes_backward_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert combine._checked_triton(cpu, torch.float32, torch.float32, 16) is None
