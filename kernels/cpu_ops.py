@@ -185,6 +185,14 @@ def _register_fakes() -> None:
     def _(x, bits, group_size):
         return x.new_empty(x.shape[0], x.shape[1], len(bits), x.shape[2] * x.shape[3])
 
+    @torch.library.register_fake("triroute::relaxed_write")
+    def _(values, weights, shape):
+        return values.new_empty(shape)
+
+    @torch.library.register_fake("triroute::relaxed_write_backward")
+    def _(values, grad):
+        return values.new_empty(values.shape[:3])
+
     @torch.library.register_fake("triroute::few_softmax")
     def _(z):
         return torch.empty_like(z)

@@ -94,3 +94,58 @@ def quantized_values_triton(x: torch.Tensor, bits: tuple[int, ...], group_size: 
         BF16=x.dtype == torch.bfloat16,
         BITS0=widths[0], BITS1=widths[1], BITS2=widths[2], BITS3=widths[3], enable_fp_fusion=False)
     return out
+
+
+@triton.jit
+def _relaxed_write_kernel(values_ptr, weights_ptr, out_ptr, rows, D, NB: tl.constexpr, BLOCK: tl.constexpr,
+                          ROWS: tl.constexpr):
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # (b, t) rows
+    live = n < rows
+    chan = tl.arange(0, BLOCK)[None, :]
+    m = live[:, None] & (chan < D)
+    base = values_ptr + n.to(tl.int64)[:, None] * (NB * D) + chan
+    v0 = tl.load(base, mask=m, other=0.0)
+    w0 = tl.load(weights_ptr + n.to(tl.int64) * NB, mask=live, other=0.0).to(v0.dtype).to(tl.float32)[:, None]
+    acc = v0.to(tl.float32) * w0
+    for b in tl.static_range(1, NB):
+        vb = tl.load(base + b * D, mask=m, other=0.0).to(tl.float32)
+        wb = tl.load(weights_ptr + n.to(tl.int64) * NB + b, mask=live, other=0.0).to(v0.dtype).to(tl.float32)[:, None]
+        acc = tl.fma(vb, wb, acc)
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * D + chan, acc.to(v0.dtype), mask=m)
+
+
+@triton.jit
+def _relaxed_write_backward_kernel(values_ptr, grad_ptr, dw_ptr, rows, D, NB: tl.constexpr, BLOCK: tl.constexpr,
+                                   ROWS: tl.constexpr):
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = n < rows
+    chan = tl.arange(0, BLOCK)[None, :]
+    m = live[:, None] & (chan < D)
+    g = tl.load(grad_ptr + n.to(tl.int64)[:, None] * D + chan, mask=m, other=0.0).to(tl.float32)
+    for b in tl.static_range(NB):
+        v = tl.load(values_ptr + n.to(tl.int64)[:, None] * (NB * D) + b * D + chan, mask=m, other=0.0)
+        tl.store(dw_ptr + n.to(tl.int64) * NB + b, tl.sum(v.to(tl.float32) * g, axis=1), mask=live)
+
+
+def relaxed_write_triton(values: torch.Tensor, weights: torch.Tensor, shape, rows_per_program: int = 16) -> torch.Tensor:
+    """The written values (`shape`, holding (B, T, D)) from values (B, T, widths, D) and weights (B, T, widths)."""
+    B, T, nb, D = values.shape
+    out = values.new_empty(shape)
+    rows = B * T
+    if rows:
+        _relaxed_write_kernel[(triton.cdiv(rows, rows_per_program),)](
+            values.contiguous(), weights.contiguous(), out, rows, D, NB=nb, BLOCK=triton.next_power_of_2(D),
+            ROWS=rows_per_program, enable_fp_fusion=False)
+    return out
+
+
+def relaxed_write_backward_triton(values: torch.Tensor, grad: torch.Tensor, rows_per_program: int = 16) -> torch.Tensor:
+    """d y (B, T, widths) float32: each width's values dotted with the written values' gradient."""
+    B, T, nb, D = values.shape
+    d_w = torch.empty(B, T, nb, dtype=torch.float32, device=values.device)
+    rows = B * T
+    if rows:
+        _relaxed_write_backward_kernel[(triton.cdiv(rows, rows_per_program),)](
+            values.contiguous(), grad.contiguous(), d_w, rows, D, NB=nb, BLOCK=triton.next_power_of_2(D),
+            ROWS=rows_per_program, enable_fp_fusion=False)
+    return d_w

@@ -8,6 +8,19 @@
 // it is 0, value = code * scale, then + zero (two roundings: built with -ffp-contract=off); 16 bits:
 // half(x). The same float32 operations as the tensor chain, in its order: the same bits, one pass
 // over x instead of about twenty tensor ops per call.
+//
+// And the write itself, its sum over widths and that sum's gradient to the bit head (quant.py,
+// `_RelaxedWrite`, whose batched matmuls are the definition), torch.ops.triroute.relaxed_write and
+// relaxed_write_backward:
+//
+//   written[b, t, :] = sum_w y[b, t, w] * values[b, t, w, :]   (x's shape),
+//   d y[b, t, w] = sum_i values[b, t, w, i] * grad[b, t, i],
+//
+// one call and one pass each way where the definition reshapes, expands, copies a strided
+// gradient and calls a batched matmul. The widths' terms are added in order (the first product,
+// then a fused multiply-add each): on straight-through one-hots every term is exact, so the written
+// values are the chosen width's bit for bit; d y sums each row in eight running sums, then their
+// tree (the matmul adds in another order: equal to rounding).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -96,10 +109,83 @@ Tensor quantized_values_cpu(const Tensor& x, at::IntArrayRef bits, int64_t group
   return out;
 }
 
+
+// sum_i a[i] * b[i] over n: eight running sums, then their tree, then the rest in order.
+inline float dot8(const float* a, const float* b, int64_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+  float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+
+void check_written(const Tensor& values, const Tensor& weights) {
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 4 &&
+                  values.is_contiguous(),
+              "relaxed_write: values must be contiguous float32 (B, T, widths, D), got ", values.sizes());
+  TORCH_CHECK(weights.scalar_type() == at::kFloat && weights.dim() == 3 && weights.size(0) == values.size(0) &&
+                  weights.size(1) == values.size(1) && weights.size(2) == values.size(2),
+              "relaxed_write: weights must be float32 (B, T, widths) of values' (B, T, widths)");
+}
+
+Tensor relaxed_write_cpu(const Tensor& values, const Tensor& weights_in, at::IntArrayRef shape) {
+  check_written(values, weights_in);
+  const Tensor weights = weights_in.contiguous();
+  const int64_t B = values.size(0), T = values.size(1), nb = values.size(2), D = values.size(3);
+  Tensor out = at::empty(shape, values.options());
+  TORCH_CHECK(out.numel() == B * T * D && shape.size() >= 2 && shape[0] == B && shape[1] == T,
+              "relaxed_write: shape ", shape, " does not hold (B, T, D) = (", B, ", ", T, ", ", D, ")");
+  const float* v = values.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      float* on = o + n * D;
+      const float* vn = v + n * nb * D;
+      const float w0 = w[n * nb];
+      for (int64_t i = 0; i < D; ++i) on[i] = vn[i] * w0;
+      for (int64_t b = 1; b < nb; ++b) {
+        const float wb = w[n * nb + b];
+        const float* vb = vn + b * D;
+        for (int64_t i = 0; i < D; ++i) on[i] = std::fma(vb[i], wb, on[i]);
+      }
+    }
+  });
+  return out;
+}
+
+Tensor relaxed_write_backward_cpu(const Tensor& values, const Tensor& grad_in) {
+  TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 4 &&
+                  values.is_contiguous(),
+              "relaxed_write_backward: values must be contiguous float32 (B, T, widths, D)");
+  const int64_t B = values.size(0), T = values.size(1), nb = values.size(2), D = values.size(3);
+  TORCH_CHECK(grad_in.scalar_type() == at::kFloat && grad_in.numel() == B * T * D && grad_in.dim() >= 2 &&
+                  grad_in.size(0) == B && grad_in.size(1) == T,
+              "relaxed_write_backward: grad must be float32 of the written values' shape");
+  const Tensor grad = grad_in.contiguous();
+  Tensor d_w = at::empty({B, T, nb}, values.options());
+  const float* v = values.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  float* dw = d_w.data_ptr<float>();
+  at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t b = 0; b < nb; ++b) dw[n * nb + b] = dot8(v + (n * nb + b) * D, g + n * D, D);
+  });
+  return d_w;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
   m.def("quantized_values(Tensor x, int[] bits, int group_size) -> Tensor");
+  m.def("relaxed_write(Tensor values, Tensor weights, int[] shape) -> Tensor");
+  m.def("relaxed_write_backward(Tensor values, Tensor grad) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(triroute, CPU, m) { m.impl("quantized_values", &quantized_values_cpu); }
+TORCH_LIBRARY_IMPL(triroute, CPU, m) {
+  m.impl("quantized_values", &quantized_values_cpu);
+  m.impl("relaxed_write", &relaxed_write_cpu);
+  m.impl("relaxed_write_backward", &relaxed_write_backward_cpu);
+}

@@ -18,6 +18,7 @@ is defined once beside the supported widths, in `triroute_kernels.quant`; this m
 
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -76,13 +77,19 @@ def relaxed_kv_write(x: torch.Tensor, bit_weights: torch.Tensor, bits: tuple[int
 
 
 class _RelaxedWrite(torch.autograd.Function):
-    """out = y @ Q(x) per token, d out / d x = identity, d out / d y[b] = Q_b(x)."""
+    """out = y @ Q(x) per token, d out / d x = identity, d out / d y[b] = Q_b(x). The batched
+    matmuls below are the definition; where a kernel takes the tensors (`written_kernels`) the sum
+    and its gradient are one call each instead."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, bit_weights: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         B, T = x.shape[:2]
         ctx.save_for_backward(values)
         ctx.weight_dtype = bit_weights.dtype
+        kernels = written_kernels(values, bit_weights) if values.shape[2] > 1 else None
+        ctx.backward_kernel = kernels[1] if kernels is not None else None
+        if kernels is not None:
+            return kernels[0](values, bit_weights, list(x.shape))
         weights = bit_weights.to(x.dtype).unsqueeze(-2)  # (B, T, 1, |bits|)
         with torch.autocast(x.device.type, enabled=False):  # the written values keep x's dtype, exactly
             if values.shape[2] == 1:  # one width (Dense, KV-quant): a scale, not a sum over widths
@@ -100,8 +107,52 @@ class _RelaxedWrite(torch.autograd.Function):
         B, T = grad.shape[:2]
         if not ctx.needs_input_grad[1]:
             return grad, None, None
+        if ctx.backward_kernel is not None and grad.dtype == values.dtype:
+            return grad, ctx.backward_kernel(values, grad).to(ctx.weight_dtype), None
         grad_weights = values @ grad.reshape(B, T, -1, 1)  # (B, T, |bits|, 1)
         return grad, grad_weights.squeeze(-1).to(ctx.weight_dtype), None
+
+
+WrittenKernels = tuple[Callable[..., torch.Tensor], Callable[..., torch.Tensor]]
+
+
+def written_kernels(values: torch.Tensor, bit_weights: torch.Tensor) -> WrittenKernels | None:
+    """(forward, backward) kernels of the write's sum over widths for these tensors: the C++ kernels
+    `torch.ops.triroute.relaxed_write` / `relaxed_write_backward` on a CPU (float32, where built),
+    the Triton kernels of `triroute_kernels.triton_quant` on a GPU (once their first use has given
+    the matmuls' values); None where the matmuls serve (under torch.compile as well)."""
+    if takes_cpu_kernel(values) and bit_weights.dtype == torch.float32:
+        return torch.ops.triroute.relaxed_write, torch.ops.triroute.relaxed_write_backward
+    if values.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
+        key = ("relaxed write's sum", str(values.device), values.dtype, bit_weights.dtype, values.shape[2])
+        return checked_once(key, lambda: checked_write_kernels(values.device, values.dtype, bit_weights.dtype,
+                                                                values.shape[2]))
+    return None
+
+
+def checked_write_kernels(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype,
+                          widths: int) -> WrittenKernels | None:
+    """The Triton kernels of the write's sum once they have given the definition's values on a probe:
+    straight-through one-hots (what training writes with) exactly, d y within float32 rounding of
+    the exact sums; else None with a warning, and the matmuls serve."""
+    try:
+        from triroute_kernels.triton_quant import relaxed_write_backward_triton, relaxed_write_triton
+
+        gen = torch.Generator().manual_seed(0)
+        values = torch.randn(2, 3, widths, 24, generator=gen).to(device, dtype)
+        y = torch.nn.functional.one_hot(torch.randint(0, widths, (2, 3), generator=gen), widths).to(device, weight_dtype)
+        grad = torch.randn(2, 3, 2, 12, generator=gen).to(device, dtype)
+        want = (y.to(dtype).unsqueeze(-2) @ values).view(2, 3, 2, 12)
+        exact = (values.double() @ grad.double().reshape(2, 3, -1, 1)).squeeze(-1)
+        if (torch.equal(relaxed_write_triton(values, y, [2, 3, 2, 12]), want)
+                and torch.allclose(relaxed_write_backward_triton(values, grad).double(), exact, rtol=1e-5, atol=1e-5)):
+            return relaxed_write_triton, relaxed_write_backward_triton
+        reason = "its values differ from the matmuls'"
+    except Exception as e:  # a Triton build that fails on this GPU
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"the Triton kernels of the relaxed K/V write's sum are not used on {device} ({reason}); the "
+                  "batched matmuls compute the same values. Fix: report it with your triton and GPU versions")
+    return None
 
 
 @torch.no_grad()

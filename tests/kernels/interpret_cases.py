@@ -510,3 +510,41 @@ def test_triton_combine_is_taken_only_after_its_first_use_check(monkeypatch):
     monkeypatch.setattr(tm, "combine_routes_backward_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert combine._checked_triton(cpu, torch.float32, torch.float32, 16) is None
+
+
+# --- the relaxed K/V write's sum over widths (triton_quant) ---------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("widths, D", [(4, 24), (2, 64), (3, 8)])
+def test_triton_write_sum_gives_the_matmuls_values(dtype, widths, D):
+    """On straight-through one-hots the chosen width's values exactly, in the shape asked for;
+    d y within float32 rounding of the exact sums; a row count that leaves a partial block and a
+    width of channels that is not a power of two."""
+    from triroute_kernels.triton_quant import relaxed_write_backward_triton, relaxed_write_triton
+
+    g = torch.Generator().manual_seed(widths * D)
+    values = torch.randn(3, 7, widths, D, generator=g).to(dtype)
+    y = torch.nn.functional.one_hot(torch.randint(0, widths, (3, 7), generator=g), widths).float()
+    grad = torch.randn(3, 7, D, generator=g).to(dtype)
+    out = relaxed_write_triton(values, y, [3, 7, 2, D // 2], rows_per_program=4)
+    assert out.shape == (3, 7, 2, D // 2) and out.dtype == dtype
+    assert torch.equal(out, (y.to(dtype).unsqueeze(-2) @ values).view(3, 7, 2, D // 2))
+    exact = (values.double() @ grad.double().unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(relaxed_write_backward_triton(values, grad, rows_per_program=4).double(), exact,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_triton_write_sum_is_taken_only_after_its_first_use_check(monkeypatch):
+    import triroute_kernels.triton_quant as tq
+
+    from megatron_triroute.routing import quant
+
+    cpu = torch.device("cpu")
+    assert quant.checked_write_kernels(cpu, torch.float32, torch.float32, 4) == (tq.relaxed_write_triton,
+                                                                                 tq.relaxed_write_backward_triton)
+    real_backward = tq.relaxed_write_backward_triton
+    monkeypatch.setattr(tq, "relaxed_write_backward_triton", lambda *a: real_backward(*a) + 1e-3)
+    with pytest.warns(UserWarning, match="relaxed K/V write's sum.*values differ"):
+        assert quant.checked_write_kernels(cpu, torch.float32, torch.float32, 3) is None
+    monkeypatch.setattr(tq, "relaxed_write_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert quant.checked_write_kernels(cpu, torch.float32, torch.float32, 2) is None

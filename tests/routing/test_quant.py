@@ -181,3 +181,60 @@ def test_relaxed_write_keeps_its_values_under_autocast():
     for i, b in enumerate(bits):
         chosen = w[..., i] > 0
         assert torch.equal(out[chosen], fake_quantize(x, b, 4)[chosen]), b
+
+
+def _written_case(soft: bool, widths: int = 4):
+    g = torch.Generator().manual_seed(3 + soft)
+    values = torch.randn(2, 9, widths, 24, generator=g)
+    z = torch.randn(2, 9, widths, generator=g)
+    y = z.softmax(-1) if soft else torch.nn.functional.one_hot(z.argmax(-1), widths).float()
+    grad = torch.randn(9, 2, 3, 8, generator=g).transpose(0, 1)  # strided, as the layer's gradient arrives
+    return values, y, grad
+
+
+def test_the_write_sum_kernels_give_the_matmuls_values():
+    """`relaxed_write`: on straight-through one-hots the chosen width's values bit for bit (soft
+    weights within rounding: the matmul adds the widths in another order), in x's shape;
+    `relaxed_write_backward`: each width's values dotted with a strided gradient, within float32
+    rounding of the exact sums."""
+    from triroute_kernels import cpu_ops_available
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+    for soft in (False, True):
+        values, y, grad = _written_case(soft)
+        out = torch.ops.triroute.relaxed_write(values, y, [2, 9, 3, 8])
+        want = (y.unsqueeze(-2) @ values).view(2, 9, 3, 8)
+        assert out.shape == (2, 9, 3, 8) and out.is_contiguous()
+        if soft:
+            torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(out, want)
+        exact = (values.double() @ grad.double().reshape(2, 9, -1, 1)).squeeze(-1)
+        torch.testing.assert_close(torch.ops.triroute.relaxed_write_backward(values, grad).double(), exact,
+                                   rtol=1e-6, atol=1e-6)
+
+
+def test_the_write_is_one_kernel_call_each_way_with_the_definitions_gradients():
+    """Under autograd the write's sum dispatches one forward and one backward kernel call (with the
+    quantisation's one call before it), and gives the gradients of the matmuls it stands for: the
+    identity to x, each width's values to the bit head."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    _, y, grad = _written_case(False)
+    x = torch.randn(2, 9, 3, 8).requires_grad_()
+    y = y.requires_grad_()
+    with Ops():
+        out = relaxed_kv_write(x, y, (2, 4, 8, 16), 4)
+        d_x, d_y = torch.autograd.grad(out, (x, y), grad)
+    assert Ops.names == ["quantized_values", "relaxed_write", "relaxed_write_backward"], Ops.names
+    assert torch.equal(d_x, grad)
+    values = torch.stack([fake_quantize(x.detach(), b, 4).reshape(2, 9, -1) for b in (2, 4, 8, 16)], 2)
+    torch.testing.assert_close(d_y, (values @ grad.reshape(2, 9, -1, 1)).squeeze(-1), rtol=1e-6, atol=1e-6)
+    assert torch.equal(out, (y.detach().unsqueeze(-2) @ values).view_as(out))
