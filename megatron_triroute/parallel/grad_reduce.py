@@ -104,6 +104,10 @@ its norm, so a large gradient in one piece streams its fp64 copy through memory;
 in cache (six 25 MB gradients: 14 ms against 94, one thread). A GPU's multi-tensor norm takes the
 gradients whole."""
 
+NORM_SPLIT = 4 * NORM_CHUNK
+"""A CPU gradient is cut into NORM_CHUNK pieces only from this many elements: below it the fp64 copy
+(at most 2 MB) stays in the outer caches whole, and the cut's two ops a tensor buy nothing."""
+
 
 def norm_parts(graded: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device) -> torch.Tensor:
     """This rank's sums of squares [tp-sharded, replicated, expert] (fp64, on `device`) of the
@@ -111,7 +115,7 @@ def norm_parts(graded: list[tuple[torch.Tensor, torch.Tensor]], device: torch.de
     parameter's `norm_part`: one multi-tensor fp64 norm per part, not a chain of ops per tensor."""
     by_part: list[list[torch.Tensor]] = [[], [], []]
     for param, grad in graded:
-        pieces = grad.reshape(-1).split(NORM_CHUNK) if grad.device.type == "cpu" and grad.numel() > NORM_CHUNK else (grad,)
+        pieces = grad.reshape(-1).split(NORM_CHUNK) if grad.device.type == "cpu" and grad.numel() > NORM_SPLIT else (grad,)
         by_part[norm_part(param)].extend(pieces)
     sums = [torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float64)).to(device).square().sum()
             if grads else torch.zeros((), dtype=torch.float64, device=device) for grads in by_part]
