@@ -139,49 +139,57 @@ def mode_mix_backward_triton(grad: torch.Tensor, modes: torch.Tensor, attn: tupl
 
 
 @triton.jit
-def _combine_forward(y_ptr, inverse_ptr, index_ptr, weight_ptr, out_ptr, N,
-                     D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr, WEIGHTED: tl.constexpr):
-    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+def _combine_forward(y_ptr, inverse_ptr, index_ptr, weight_ptr, out_ptr, N, D,
+                     K: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, WEIGHTED: tl.constexpr):
+    n = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # tokens
     live = n < N
-    chan = tl.arange(0, D)[None, :]
-    acc = tl.zeros((ROWS, D), dtype=tl.float32)
+    chan = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)[None, :]  # a block of channels
+    cm = chan < D
+    acc = tl.zeros((ROWS, BLOCK_D), dtype=tl.float32)
     for j in tl.static_range(K):
         route = n.to(tl.int64) * K + j
         expert = tl.load(index_ptr + route, mask=live, other=-1)
         row = tl.load(inverse_ptr + route, mask=live, other=0)
         keep = live & (expert >= 0)
-        y = tl.load(y_ptr + row[:, None] * D + chan, mask=keep[:, None], other=0.0)
+        y = tl.load(y_ptr + row[:, None] * D + chan, mask=keep[:, None] & cm, other=0.0)
         y = tl.where(keep[:, None], y, 0.0)  # a null route's row is never read
         if WEIGHTED:
             w = tl.load(weight_ptr + route, mask=live, other=0.0).to(y.dtype).to(tl.float32)[:, None]
             acc = acc + (y.to(tl.float32) * w).to(y.dtype).to(tl.float32)
         else:
             acc = acc + y.to(tl.float32)
-    tl.store(out_ptr + n.to(tl.int64)[:, None] * D + chan, acc.to(out_ptr.dtype.element_ty), mask=live[:, None])
+    tl.store(out_ptr + n.to(tl.int64)[:, None] * D + chan, acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & cm)
 
 
 @triton.jit
-def _combine_backward(grad_ptr, y_ptr, order_ptr, index_ptr, weight_ptr, dy_ptr, dw_ptr, R,
-                      D: tl.constexpr, K: tl.constexpr, ROWS: tl.constexpr):
+def _combine_backward(grad_ptr, y_ptr, order_ptr, index_ptr, weight_ptr, dy_ptr, dw_ptr, R, D,
+                      K: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # y's rows, in expert order
     live = r < R
-    chan = tl.arange(0, D)[None, :]
     route = tl.load(order_ptr + r, mask=live, other=0)
     n = route // K
-    g = tl.load(grad_ptr + n[:, None] * D + chan, mask=live[:, None], other=0.0)
-    gf = g.to(tl.float32)
-    w = tl.load(weight_ptr + route, mask=live, other=0.0).to(g.dtype).to(tl.float32)[:, None]
-    tl.store(dy_ptr + r.to(tl.int64)[:, None] * D + chan, (gf * w).to(g.dtype), mask=live[:, None])
     keep = live & (tl.load(index_ptr + route, mask=live, other=-1) >= 0)
-    y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + chan, mask=keep[:, None], other=0.0)
-    dot = tl.sum(gf * tl.where(keep[:, None], y, 0.0).to(tl.float32), axis=1)
+    w = tl.load(weight_ptr + route, mask=live, other=0.0)
+    dot = tl.zeros((ROWS,), dtype=tl.float32)
+    for c0 in range(0, D, BLOCK_D):  # the channels a block at a time
+        chan = c0 + tl.arange(0, BLOCK_D)[None, :]
+        cm = chan < D
+        g = tl.load(grad_ptr + n[:, None] * D + chan, mask=live[:, None] & cm, other=0.0)
+        gf = g.to(tl.float32)
+        wg = w.to(g.dtype).to(tl.float32)[:, None]
+        tl.store(dy_ptr + r.to(tl.int64)[:, None] * D + chan, (gf * wg).to(g.dtype), mask=live[:, None] & cm)
+        y = tl.load(y_ptr + r.to(tl.int64)[:, None] * D + chan, mask=keep[:, None] & cm, other=0.0)
+        dot += tl.sum(gf * tl.where(keep[:, None], y, 0.0).to(tl.float32), axis=1)
     tl.store(dw_ptr + route, dot, mask=live)
 
 
+BLOCK_D = 256
+"""Channels of a row a combine program holds at once (a model width is taken in blocks of them)."""
+
+
 def combine_fits(y: torch.Tensor) -> bool:
-    """Whether y (routes, D) is the combine kernels' layout: D a power of two."""
-    D = y.shape[-1]
-    return y.dim() == 2 and D & (D - 1) == 0
+    """Whether y is the combine kernels' layout: (routes, D) rows."""
+    return y.dim() == 2
 
 
 def combine_routes_triton(y: torch.Tensor, inverse: torch.Tensor, index: torch.Tensor,
@@ -190,10 +198,13 @@ def combine_routes_triton(y: torch.Tensor, inverse: torch.Tensor, index: torch.T
     every weight 1 (the tokens' gather's gradient)."""
     N, K = index.shape
     y, inverse, index = y.contiguous(), inverse.contiguous(), index.contiguous()
-    out = y.new_empty(N, y.shape[1])
+    D = y.shape[1]
+    out = y.new_empty(N, D)
     weighted = weight is not None
-    _combine_forward[(triton.cdiv(N, ROWS),)](y, inverse, index, weight.contiguous() if weighted else y, out, N,
-                                              D=y.shape[1], K=K, ROWS=ROWS, WEIGHTED=weighted, enable_fp_fusion=False)
+    block = min(BLOCK_D, triton.next_power_of_2(D))
+    _combine_forward[(triton.cdiv(N, ROWS), triton.cdiv(D, block))](
+        y, inverse, index, weight.contiguous() if weighted else y, out, N, D, K=K, ROWS=ROWS, BLOCK_D=block,
+        WEIGHTED=weighted, enable_fp_fusion=False)
     return out
 
 
@@ -205,6 +216,7 @@ def combine_routes_backward_triton(grad: torch.Tensor, y: torch.Tensor, order: t
     grad, y, order, index, weight = (t.contiguous() for t in (grad, y, order, index, weight))
     d_y = torch.empty_like(y)
     d_weight = torch.empty(N, K, dtype=torch.float32, device=y.device)
-    _combine_backward[(triton.cdiv(R, ROWS),)](grad, y, order, index, weight, d_y, d_weight, R, D=D, K=K, ROWS=ROWS,
+    _combine_backward[(triton.cdiv(R, ROWS),)](grad, y, order, index, weight, d_y, d_weight, R, D, K=K, ROWS=ROWS,
+                                               BLOCK_D=min(BLOCK_D, triton.next_power_of_2(D)),
                                                enable_fp_fusion=False)
     return d_y, d_weight.to(weight.dtype)

@@ -127,11 +127,18 @@ def _relaxed_write_backward_kernel(values_ptr, grad_ptr, dw_ptr, rows, D, NB: tl
         tl.store(dw_ptr + n.to(tl.int64) * NB + b, tl.sum(v.to(tl.float32) * g, axis=1), mask=live)
 
 
-def relaxed_write_triton(values: torch.Tensor, weights: torch.Tensor, shape, rows_per_program: int = 16) -> torch.Tensor:
+def _write_rows(D: int, rows_per_program: int | None) -> int:
+    """(b, t) rows a write program takes: about 4,096 values of a row block in registers."""
+    return rows_per_program or max(1, min(16, 4096 // triton.next_power_of_2(D)))
+
+
+def relaxed_write_triton(values: torch.Tensor, weights: torch.Tensor, shape,
+                         rows_per_program: int | None = None) -> torch.Tensor:
     """The written values (`shape`, holding (B, T, D)) from values (B, T, widths, D) and weights (B, T, widths)."""
     B, T, nb, D = values.shape
     out = values.new_empty(shape)
     rows = B * T
+    rows_per_program = _write_rows(D, rows_per_program)
     if rows:
         _relaxed_write_kernel[(triton.cdiv(rows, rows_per_program),)](
             values.contiguous(), weights.contiguous(), out, rows, D, NB=nb, BLOCK=triton.next_power_of_2(D),
@@ -139,11 +146,13 @@ def relaxed_write_triton(values: torch.Tensor, weights: torch.Tensor, shape, row
     return out
 
 
-def relaxed_write_backward_triton(values: torch.Tensor, grad: torch.Tensor, rows_per_program: int = 16) -> torch.Tensor:
+def relaxed_write_backward_triton(values: torch.Tensor, grad: torch.Tensor,
+                                  rows_per_program: int | None = None) -> torch.Tensor:
     """d y (B, T, widths) float32: each width's values dotted with the written values' gradient."""
     B, T, nb, D = values.shape
     d_w = torch.empty(B, T, nb, dtype=torch.float32, device=values.device)
     rows = B * T
+    rows_per_program = _write_rows(D, rows_per_program)
     if rows:
         _relaxed_write_backward_kernel[(triton.cdiv(rows, rows_per_program),)](
             values.contiguous(), grad.contiguous(), d_w, rows, D, NB=nb, BLOCK=triton.next_power_of_2(D),

@@ -458,8 +458,8 @@ def test_triton_mode_mix_is_taken_only_after_its_first_use_check(monkeypatch):
 
 # --- the experts' combine (triton_mix) -----------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_triton_combine_gives_the_definitions_values(dtype, k):
+@pytest.mark.parametrize("k, D", [(1, 16), (2, 16), (3, 16), (2, 300)])
+def test_triton_combine_gives_the_definitions_values(dtype, k, D):
     """out (weighted and not) and d y bit for bit in float32 (within bfloat16 ulps in bfloat16: the
     interpreter's casts truncate), d weight within float32 rounding of the exact sums and 0 for a null route; NaN
     in the null routes' rows (computed by no matmul) reaches nothing; a partial block of rows."""
@@ -468,7 +468,7 @@ def test_triton_combine_gives_the_definitions_values(dtype, k):
     from triroute_kernels.triton_mix import combine_routes_backward_triton, combine_routes_triton
 
     g = torch.Generator().manual_seed(k)
-    N, D = 19, 16
+    N = 19
     index = torch.randint(-1, 4, (N, k), generator=g)
     index[3] = -1
     order, inverse, _ = sort_routes(index, 4)
