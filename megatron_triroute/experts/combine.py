@@ -83,11 +83,11 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, weight_dtype: torc
     try:
         from triroute_kernels.triton_mix import combine_routes_backward_triton, combine_routes_triton
 
-        from .grouped import sort_routes
-
         gen = torch.Generator().manual_seed(0)
         index = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 1], [0, 0]], device=device)
-        order, inverse, _ = sort_routes(index, 3)
+        key = torch.where(index >= 0, index, 3).view(-1)  # the routes by expert, null last (`grouped.sort_routes`)
+        order = torch.argsort(key, stable=True)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
         y = torch.randn(10, d, generator=gen).to(device, dtype)
         y[(index < 0).view(-1)[order]] = float("nan")  # the null routes' rows, which no matmul computes
         weight = torch.rand(5, 2, generator=gen).to(device, weight_dtype)
