@@ -214,6 +214,14 @@ def _register_fakes() -> None:
     def _(grad, y, order, inverse, index, weight):
         return torch.empty_like(y), torch.empty_like(weight)
 
+    @torch.library.register_fake("triroute::st_gumbel")
+    def _(z, noise, tau):
+        return torch.empty_like(z), torch.empty_like(z), torch.empty_like(z), z.new_empty(z.shape[:-1], dtype=torch.long)
+
+    @torch.library.register_fake("triroute::st_gumbel_backward")
+    def _(grad_y, grad_y_cost, y_soft, tau):
+        return torch.empty_like(y_soft), torch.empty_like(y_soft)
+
     @torch.library.register_fake("triroute::controller_logits")
     def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):
         return x.new_empty(x.shape[0], wh.shape[0])

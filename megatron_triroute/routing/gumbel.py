@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
+from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
-from .softmax import softmax
+from .kernel_check import checked_once
+from .softmax import MANY, softmax
 
 
 def sample_gumbel(like: torch.Tensor) -> torch.Tensor:
@@ -43,25 +47,97 @@ def straight_through(y_soft: torch.Tensor, dim: int = -1) -> torch.Tensor:
 class _StraightThroughPair(torch.autograd.Function):
     """Both views of one ST-Gumbel sample, `straight_through(soft_gumbel_sample(., noise, tau))`
     of each, as one node: one relaxed sample and one argmax forward (the views' logits are equal in
-    value), and each view's gradient through that sample's softmax backward to its own logits."""
+    value), and each view's gradient through that sample's softmax backward to its own logits.
+    The tensor ops below are the definition; where a kernel takes the tensors (`st_kernels`) the
+    forward and the backward are one call each: the same bits on a CPU, the same one-hots and
+    values within rounding on a GPU."""
 
     @staticmethod
     def forward(ctx, z_model, z, noise, tau):
+        kernels = st_kernels(z, noise, tau)
+        ctx.tau = tau
+        ctx.backward_kernel = kernels[1] if kernels is not None else None
+        if kernels is not None:
+            y, y_cost, y_soft = kernels[0](z, noise, tau)[:3]
+            ctx.save_for_backward(y_soft)
+            return y, y_cost
         y_soft = soft_gumbel_sample(z, noise, tau)
         index = y_soft.argmax(dim=-1, keepdim=True)
         ctx.save_for_backward(y_soft)
-        ctx.tau = tau
         y = torch.zeros_like(y_soft).scatter_(-1, index, 1.0)
         return y, y.clone()  # two outputs of one value: the second view is a copy, not an alias
 
     @staticmethod
     def backward(ctx, grad_y, grad_y_cost):
         (y_soft,) = ctx.saved_tensors
+        if ctx.backward_kernel is not None and grad_y.dtype == grad_y_cost.dtype == y_soft.dtype:
+            d_model, d_cost = ctx.backward_kernel(grad_y, grad_y_cost, y_soft, ctx.tau)
+            return (d_model if ctx.needs_input_grad[0] else None, d_cost if ctx.needs_input_grad[1] else None,
+                    None, None)
         # what autograd runs through y_hard + (y~ - sg(y~)), y~ = softmax((z + g) / tau): the
         # softmax's backward, then the division's
         through = lambda g: torch._softmax_backward_data(g, y_soft, -1, y_soft.dtype) / ctx.tau  # noqa: E731
         return (through(grad_y) if ctx.needs_input_grad[0] else None,
                 through(grad_y_cost) if ctx.needs_input_grad[1] else None, None, None)
+
+
+ST_KERNEL_OPTIONS = 7
+"""Options a row may have for the straight-through kernels (a routing axis has 3 or 4): fewer than a
+vector of eight floats, where PyTorch's CPU softmax backward adds a row's products in order, as the
+kernel does (a full vector's it adds in a tree)."""
+
+StKernels = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., tuple[torch.Tensor, torch.Tensor]]]
+
+
+def st_kernels(z: torch.Tensor, noise: torch.Tensor, tau) -> StKernels | None:
+    """(forward, backward) kernels of the straight-through pair for these tensors, each giving the
+    definition's bits: the C++ kernels `torch.ops.triroute.st_gumbel` / `st_gumbel_backward` for
+    float32 CPU rows of up to ST_KERNEL_OPTIONS options, where the definition's softmax is
+    `few_softmax` too (`softmax.MANY` elements or more), and the temperature a Python number (a
+    tensor would be read back to the host); None where the tensor ops serve (and under
+    torch.compile)."""
+    if not isinstance(tau, (int, float)):
+        return None
+    if noise.dtype == z.dtype and z.shape[-1] <= ST_KERNEL_OPTIONS and z.numel() >= MANY and takes_cpu_kernel(z):
+        return torch.ops.triroute.st_gumbel, torch.ops.triroute.st_gumbel_backward
+    if z.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
+        from triroute_kernels import triton_gumbel
+
+        if triton_gumbel.fits(z, noise):
+            return checked_once(("straight-through pair", str(z.device)), lambda: _checked_triton(z.device))
+    return None
+
+
+def _checked_triton(device: torch.device) -> StKernels | None:
+    """On a GPU, the Triton kernels of `triroute_kernels.triton_gumbel` once they have given the
+    definition's one-hots and argmaxes exactly, and its relaxed sample and gradients within float32
+    rounding (their softmax is not `F.softmax`'s), on a probe of rows of 3 and 4 options; else None
+    with a warning, and the tensor ops serve."""
+    try:
+        from triroute_kernels.triton_gumbel import st_gumbel_backward_triton, st_gumbel_triton
+
+        gen = torch.Generator().manual_seed(0)
+        for n in (3, 4):
+            z = (torch.randn(300, n, generator=gen) * 2).to(device)
+            noise = -torch.log(-torch.log(torch.rand(300, n, generator=gen))).to(device)
+            grads = [torch.randn(300, n, generator=gen).to(device) for _ in range(2)]
+            y, y_cost, y_soft, hard = st_gumbel_triton(z, noise, 0.7)
+            want_soft = soft_gumbel_sample(z, noise, 0.7)
+            want_y = torch.zeros_like(want_soft).scatter_(-1, want_soft.argmax(-1, keepdim=True), 1.0)
+            d = st_gumbel_backward_triton(*grads, y_soft, 0.7)
+            want_d = [torch._softmax_backward_data(g, want_soft, -1, want_soft.dtype) / 0.7 for g in grads]
+            if not (torch.equal(y, want_y) and torch.equal(y_cost, want_y) and torch.equal(hard, z.argmax(-1))
+                    and torch.allclose(y_soft, want_soft, rtol=1e-5, atol=1e-6)
+                    and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(d, want_d))):
+                reason = "its values differ from the tensor ops'"
+                break
+        else:
+            return st_gumbel_triton, st_gumbel_backward_triton
+    except Exception as e:  # a Triton build that fails on this GPU
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"the Triton kernels of the straight-through sample are not used on {device} ({reason}); the "
+                  "tensor ops compute the same values. Fix: report it with your triton and GPU versions")
+    return None
 
 
 def straight_through_pair(z_model: torch.Tensor, z: torch.Tensor, noise: torch.Tensor,

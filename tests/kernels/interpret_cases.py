@@ -548,3 +548,45 @@ def test_triton_write_sum_is_taken_only_after_its_first_use_check(monkeypatch):
     monkeypatch.setattr(tq, "relaxed_write_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert quant.checked_write_kernels(cpu, torch.float32, torch.float32, 2) is None
+
+
+# --- the straight-through Gumbel sample (triton_gumbel) -------------------------------------------
+@pytest.mark.parametrize("shape", [(3, 70, 3), (5, 7, 4, 4), (9, 16)])
+def test_triton_straight_through_pair_gives_the_definitions_values(shape):
+    """One-hots and argmaxes exactly (a tied row's first maximum), the relaxed sample and both views'
+    gradients within float32 rounding of the tensor ops; a partial block of rows and a row of 16
+    options."""
+    from megatron_triroute.routing.gumbel import soft_gumbel_sample
+    from triroute_kernels.triton_gumbel import st_gumbel_backward_triton, st_gumbel_triton
+
+    g = torch.Generator().manual_seed(len(shape))
+    z = torch.randn(*shape, generator=g) * 2
+    noise = -torch.log(-torch.log(torch.rand(*shape, generator=g)))
+    z.view(-1, shape[-1])[0], noise.view(-1, shape[-1])[0] = 1.0, 0.0  # a tie: the first option
+    y, y_cost, y_soft, hard = st_gumbel_triton(z, noise, 0.7)
+    want_soft = soft_gumbel_sample(z, noise, 0.7)
+    want_y = torch.zeros_like(want_soft).scatter_(-1, want_soft.argmax(-1, keepdim=True), 1.0)
+    assert torch.equal(y, want_y) and torch.equal(y_cost, want_y) and torch.equal(hard, z.argmax(-1))
+    assert y.view(-1, shape[-1])[0, 0] == 1 and hard.view(-1)[0] == 0
+    torch.testing.assert_close(y_soft, want_soft, rtol=1e-5, atol=1e-6)
+    grads = [torch.randn(*shape, generator=g) for _ in range(2)]
+    for got, grad in zip(st_gumbel_backward_triton(*grads, y_soft, 0.7), grads):
+        torch.testing.assert_close(got, torch._softmax_backward_data(grad, want_soft, -1, torch.float32) / 0.7,
+                                   rtol=1e-4, atol=1e-6)
+
+
+def test_triton_straight_through_pair_is_taken_only_after_its_first_use_check(monkeypatch):
+    import triroute_kernels.triton_gumbel as tg
+
+    from megatron_triroute.routing import gumbel
+
+    cpu = torch.device("cpu")
+    assert gumbel._checked_triton(cpu) == (tg.st_gumbel_triton, tg.st_gumbel_backward_triton)
+    real = tg.st_gumbel_triton
+    monkeypatch.setattr(tg, "st_gumbel_triton", lambda z, *a: (lambda y, c, s, h: (y, c, s, h + 1))(*real(z, *a)))
+    with pytest.warns(UserWarning, match="straight-through sample.*values differ"):
+        assert gumbel._checked_triton(cpu) is None
+    monkeypatch.setattr(tg, "st_gumbel_backward_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    monkeypatch.setattr(tg, "st_gumbel_triton", real)
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert gumbel._checked_triton(cpu) is None

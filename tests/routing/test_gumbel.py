@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -108,3 +109,60 @@ def test_temperature_schedule_cosine_2_to_half():
     assert math.isclose(temperature_at(100, 100), 0.5)
     assert math.isclose(temperature_at(500, 100), 0.5)
     assert math.isclose(temperature_at(25, 100), 0.5 + 0.75 * (1 + math.cos(math.pi / 4)))
+
+
+@pytest.mark.parametrize("shape", [(64, 5, 3, 4), (200, 3), (80, 7)])
+def test_straight_through_pair_kernels_give_the_definitions_bits(shape):
+    """Float32 CPU rows of a few options, the temperature a Python number: the pair runs as one
+    `st_gumbel` call forward and one `st_gumbel_backward` call backward, and gives the values and
+    both views' gradients of two separate straight-through samples bit for bit; a row with tied
+    maxima takes the first, as `argmax` does."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triroute_kernels import cpu_ops_available
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(len(shape))
+    z0 = torch.randn(*shape, generator=g) * 3
+    noise = -torch.log(-torch.log(torch.rand(*shape, generator=g)))
+    z0.view(-1, shape[-1])[0] = 1.0
+    noise.view(-1, shape[-1])[0] = 0.0  # a tie across every option: the first wins
+    w_model, w_cost = torch.randn(*shape, generator=g), torch.randn(*shape, generator=g)
+    results = []
+    for pair in (True, False):
+        z = z0.clone().requires_grad_(True)
+        z_model = z * 1.0  # a gradient-only stand-in for the balance (one more node on the model path)
+        Ops.names = []
+        with Ops():
+            if pair:
+                y, y_cost = straight_through_pair(z_model, z, noise, 0.7)
+            else:
+                y = straight_through(soft_gumbel_sample(z_model, noise, 0.7))
+                y_cost = straight_through(soft_gumbel_sample(z, noise, 0.7))
+            d_z, = torch.autograd.grad((w_model * y).sum() + (w_cost * y_cost).sum(), [z])
+        results.append((y, y_cost, d_z, list(Ops.names)))
+    (y_a, c_a, d_a, ops), (y_b, c_b, d_b, _) = results
+    assert ops.count("st_gumbel") == 1 and ops.count("st_gumbel_backward") == 1, ops
+    assert not {"few_softmax", "_softmax_backward_data", "scatter_"} & set(ops), ops
+    assert torch.equal(y_a, y_b) and torch.equal(c_a, c_b) and torch.equal(d_a, d_b)
+    assert y_a.view(-1, shape[-1])[0].tolist() == [1.0] + [0.0] * (shape[-1] - 1)
+    assert d_a.abs().sum() > 0
+
+
+def test_straight_through_pair_keeps_the_tensor_ops_where_the_kernels_would_differ():
+    """Eight options or more (PyTorch's softmax backward then sums a row in a tree), fewer than
+    `softmax.MANY` elements (the definition's softmax is then `F.softmax`), a temperature tensor:
+    no kernel."""
+    from megatron_triroute.routing.gumbel import st_kernels
+
+    assert st_kernels(torch.randn(80, 7), torch.randn(80, 7), 0.7) is not None
+    assert st_kernels(torch.randn(80, 8), torch.randn(80, 8), 0.7) is None
+    assert st_kernels(torch.randn(10, 4), torch.randn(10, 4), 0.7) is None
+    assert st_kernels(torch.randn(200, 4), torch.randn(200, 4), torch.tensor(0.7)) is None
