@@ -222,6 +222,16 @@ def _register_fakes() -> None:
     def _(grad_y, grad_y_cost, y_soft, tau):
         return torch.empty_like(y_soft), torch.empty_like(y_soft)
 
+    @torch.library.register_fake("triroute::top_k_gates")
+    def _(probs, k):
+        shape = (*probs.shape[:-1], k)
+        return (probs.new_empty(shape, dtype=torch.long), probs.new_empty(shape),
+                probs.new_empty((*probs.shape[:-1], 1)))
+
+    @torch.library.register_fake("triroute::top_k_gates_backward")
+    def _(grad, option, probs, total):
+        return torch.empty_like(probs)
+
     @torch.library.register_fake("triroute::controller_logits")
     def _(x, side, g_in, eps_in, w1, b1, w2, b2, g_trunk, eps_trunk, wh, bh):
         return x.new_empty(x.shape[0], wh.shape[0])

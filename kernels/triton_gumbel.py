@@ -9,6 +9,10 @@ the C++ kernels `torch.ops.triroute.st_gumbel` / `st_gumbel_backward` compute th
 One program takes ROWS rows of up to 16 options in float32. The one-hots and the argmaxes are exact
 (the first maximum, as `argmax`); the softmax and the gradients are within float32 rounding of the
 definition's (Triton's exponential and sums are its own, not PyTorch's CUDA softmax).
+
+And the expert gates (`megatron_triroute.routing.gating.top_k_gates`, the definition):
+`top_k_gates_triton` (a row's k largest options, ties to the lower one, and their renormalised gates,
+the definition's values) and `top_k_gates_backward_triton` (their gradient to the probabilities).
 """
 
 from __future__ import annotations
@@ -100,3 +104,73 @@ def st_gumbel_backward_triton(grad_y: torch.Tensor, grad_y_cost: torch.Tensor, y
         _st_backward[(triton.cdiv(rows, ROWS),)](g1, g2, y_soft, d1, d2, rows, n, float(tau),
                                                  N=triton.next_power_of_2(n), ROWS=ROWS)
     return d1, d2
+
+
+@triton.jit
+def _gates_forward(p_ptr, option_ptr, weight_ptr, total_ptr, rows, n, K: tl.constexpr, N: tl.constexpr,
+                   ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < rows
+    cols = tl.arange(0, N)[None, :]
+    valid = live[:, None] & (cols < n)
+    p = tl.load(p_ptr + r.to(tl.int64)[:, None] * n + cols, mask=valid, other=0.0)
+    left = valid
+    total = tl.zeros((ROWS,), dtype=tl.float32)
+    for j in tl.static_range(K):  # the first maximum of the options not taken yet: a stable descending sort's order
+        pick = _first_argmax(p, left, N)
+        chosen = tl.sum(tl.where(cols == pick[:, None], p, 0.0), axis=1)
+        total = total + chosen
+        tl.store(option_ptr + r.to(tl.int64) * K + j, pick.to(tl.int64), mask=live)
+        left = left & (cols != pick[:, None])
+    total = tl.maximum(total, 1e-20)
+    tl.store(total_ptr + r, total, mask=live)
+    for j in tl.static_range(K):
+        pick = tl.load(option_ptr + r.to(tl.int64) * K + j, mask=live, other=0)
+        chosen = tl.sum(tl.where(cols == pick[:, None], p, 0.0), axis=1)
+        tl.store(weight_ptr + r.to(tl.int64) * K + j, chosen / total, mask=live)
+
+
+@triton.jit
+def _gates_backward(g_ptr, option_ptr, p_ptr, total_ptr, d_ptr, rows, n, K: tl.constexpr, KP: tl.constexpr,
+                    ROWS: tl.constexpr):
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    live = r < rows
+    ks = tl.arange(0, KP)[None, :]
+    m = live[:, None] & (ks < K)
+    at = r.to(tl.int64)[:, None] * K + ks
+    g = tl.load(g_ptr + at, mask=m, other=0.0)
+    option = tl.load(option_ptr + at, mask=m, other=0)
+    total = tl.load(total_ptr + r, mask=live, other=1.0)
+    w = tl.load(p_ptr + r.to(tl.int64)[:, None] * n + option, mask=m, other=0.0) / total[:, None]  # the gates
+    d = (g - tl.sum(g * w, axis=1)[:, None]) / total[:, None]
+    tl.store(d_ptr + r.to(tl.int64)[:, None] * n + option, d, mask=m)
+
+
+def top_k_gates_triton(probs: torch.Tensor, k: int):
+    """(option (..., k) int64, weight (..., k), total (..., 1)): a row's k largest options (ties to the
+    lower option, a NaN first), p_S / max(sum p_S, 1e-20) and that sum; float32 rows of up to
+    MAX_OPTIONS options (`megatron_triroute.routing.gating.top_k_gates`, the definition)."""
+    probs = probs.contiguous()
+    n = probs.shape[-1]
+    rows = probs.numel() // n
+    option = torch.empty(*probs.shape[:-1], k, dtype=torch.long, device=probs.device)
+    weight = probs.new_empty(*probs.shape[:-1], k)
+    total = probs.new_empty(*probs.shape[:-1], 1)
+    if rows:
+        _gates_forward[(triton.cdiv(rows, ROWS),)](probs, option, weight, total, rows, n, K=k,
+                                                   N=triton.next_power_of_2(n), ROWS=ROWS)
+    return option, weight, total
+
+
+def top_k_gates_backward_triton(grad: torch.Tensor, option: torch.Tensor, probs: torch.Tensor,
+                                total: torch.Tensor) -> torch.Tensor:
+    """d probs (..., n): (d w - d w . w) / total at the chosen options (w recomputed from probs and
+    total as the forward made it), 0 elsewhere."""
+    k, n = option.shape[-1], probs.shape[-1]
+    rows = option.numel() // k
+    d = torch.zeros_like(probs)
+    if rows:
+        _gates_backward[(triton.cdiv(rows, ROWS),)](grad.contiguous(), option.contiguous(), probs.contiguous(),
+                                                    total.contiguous(), d, rows, n, K=k, KP=triton.next_power_of_2(k),
+                                                    ROWS=ROWS)
+    return d

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
+from .kernel_check import checked_once
 from .softmax import softmax
 
 NULL_EXPERT = -1
@@ -41,15 +45,103 @@ def top_k_gating(logits: torch.Tensor, top_k: int, null_expert: bool) -> ExpertR
     (torch.topk's order is not specified for ties; we sort first to pin it).
     """
     probs = option_probs(logits)
-    # A stable descending sort breaks ties toward the lower option id, on every rank alike.
-    order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
-    option = order[..., :top_k]
-    weight = renormalised_gates(probs, option)
+    option, weight = top_k_gates(probs, top_k)
     if null_expert:
         index = option - 1  # option 0, the null expert, becomes NULL_EXPERT (-1); option j >= 1, expert j - 1
     else:
         index = option
     return ExpertRoutes(probs=probs, index=index, weight=weight.to(logits.dtype), option=option)
+
+
+def top_k_gates(probs: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(option, weight): the top_k options S of each row of probs and their renormalised gates
+    p_S / max(sum p_S, 1e-20), with the gates' gradient to probs. The tensor ops are the definition
+    (a stable descending sort, so ties break toward the lower option id on every rank alike, then
+    `renormalised_gates`); where a kernel takes the rows (`gate_kernels`) both ways are one call
+    each, the same values."""
+    kernels = gate_kernels(probs)
+    if kernels is not None:
+        if probs.requires_grad and torch.is_grad_enabled():
+            weight, option = _KernelGates.apply(probs, top_k, kernels)
+            return option, weight
+        option, weight, _ = kernels[0](probs, top_k)
+        return option, weight
+    option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :top_k]
+    return option, renormalised_gates(probs, option)
+
+
+GateKernels = tuple[Callable[..., tuple[torch.Tensor, ...]], Callable[..., torch.Tensor]]
+
+
+def gate_kernels(probs: torch.Tensor) -> GateKernels | None:
+    """(forward, backward) kernels of `top_k_gates` for these rows: the C++ kernels
+    `torch.ops.triroute.top_k_gates` / `top_k_gates_backward` (float32 CPU rows of up to 16 options,
+    the definition's bits), the Triton kernels of `triroute_kernels.triton_gumbel` on a GPU (once
+    their first use has given the definition's values); None where the tensor ops serve (and under
+    torch.compile)."""
+    if probs.shape[-1] > GATE_KERNEL_OPTIONS:
+        return None
+    if takes_cpu_kernel(probs):
+        return torch.ops.triroute.top_k_gates, torch.ops.triroute.top_k_gates_backward
+    if probs.is_cuda and HAS_TRITON and probs.dtype == torch.float32 and not torch.compiler.is_compiling():
+        return checked_once(("expert gates", str(probs.device)), lambda: _checked_triton(probs.device))
+    return None
+
+
+GATE_KERNEL_OPTIONS = 16
+"""Options (experts, with the null one) a row may have for the gate kernels."""
+
+
+def _checked_triton(device: torch.device) -> GateKernels | None:
+    """The Triton gate kernels once they have given the definition's options and gates exactly and
+    its gradient within float32 rounding, on a probe with tied probabilities; else None with a
+    warning, and the tensor ops serve."""
+    try:
+        from triroute_kernels.triton_gumbel import top_k_gates_backward_triton, top_k_gates_triton
+
+        gen = torch.Generator().manual_seed(0)
+        for n, k in ((5, 2), (9, 1), (4, 3)):
+            probs = torch.randn(200, n, generator=gen).softmax(-1)
+            probs[0] = 1.0 / n  # every option tied: the lowest k
+            probs = probs.to(device)
+            grad = torch.randn(200, k, generator=gen).to(device)
+            option, weight, total = top_k_gates_triton(probs, k)
+            want_option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+            want_weight, want_total = _gates(probs, want_option)
+            d = top_k_gates_backward_triton(grad, option, probs, total)
+            want_d = torch.zeros_like(probs).scatter_(
+                -1, want_option, (grad - (grad * want_weight).sum(-1, keepdim=True)) / want_total)
+            if not (torch.equal(option, want_option) and torch.equal(weight, want_weight)
+                    and torch.allclose(d, want_d, rtol=1e-5, atol=1e-6)):
+                reason = "its values differ from the tensor ops'"
+                break
+        else:
+            return top_k_gates_triton, top_k_gates_backward_triton
+    except Exception as e:  # a Triton build that fails on this GPU
+        reason = f"{type(e).__name__}: {e}"
+    warnings.warn(f"the Triton kernels of the expert gates are not used on {device} ({reason}); the tensor ops "
+                  "compute the same values. Fix: report it with your triton and GPU versions")
+    return None
+
+
+class _KernelGates(torch.autograd.Function):
+    """`top_k_gates` through its kernels: (weight, option), the option not differentiable; the
+    gradient to probs `_RenormalisedGates`' expression, one call."""
+
+    @staticmethod
+    def forward(ctx, probs: torch.Tensor, top_k: int, kernels: GateKernels):
+        option, weight, total = kernels[0](probs, top_k)
+        # the gates are recomputed from probs backward: saving an output costs a detach each way
+        ctx.save_for_backward(option, probs, total)
+        ctx.backward_kernel = kernels[1]
+        ctx.mark_non_differentiable(option)
+        ctx.set_materialize_grads(False)  # the option's gradient: none, and no zeros made for it
+        return weight, option
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor, _):
+        option, probs, total = ctx.saved_tensors
+        return ctx.backward_kernel(grad.contiguous(), option, probs, total), None, None
 
 
 def renormalised_gates(probs: torch.Tensor, option: torch.Tensor) -> torch.Tensor:

@@ -590,3 +590,41 @@ def test_triton_straight_through_pair_is_taken_only_after_its_first_use_check(mo
     monkeypatch.setattr(tg, "st_gumbel_triton", real)
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert gumbel._checked_triton(cpu) is None
+
+
+# --- the expert gates (triton_gumbel) -------------------------------------------------------------
+@pytest.mark.parametrize("n, k", [(5, 2), (9, 1), (4, 3), (16, 4)])
+def test_triton_gates_give_the_definitions_values(n, k):
+    """The options (a stable descending sort's first k: a tied row takes the lowest) and the gates
+    exactly, their gradient within float32 rounding; a partial block of rows."""
+    from megatron_triroute.routing.gating import _gates
+    from triroute_kernels.triton_gumbel import top_k_gates_backward_triton, top_k_gates_triton
+
+    g = torch.Generator().manual_seed(n * 10 + k)
+    probs = torch.randn(150, n, generator=g).softmax(-1)
+    probs[0] = 1.0 / n
+    grad = torch.randn(150, k, generator=g)
+    option, weight, total = top_k_gates_triton(probs, k)
+    want_option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
+    want_weight, want_total = _gates(probs, want_option)
+    assert torch.equal(option, want_option) and option[0].tolist() == list(range(k))
+    assert torch.equal(weight, want_weight) and torch.equal(total, want_total)
+    want_d = torch.zeros_like(probs).scatter_(-1, want_option,
+                                              (grad - (grad * want_weight).sum(-1, keepdim=True)) / want_total)
+    torch.testing.assert_close(top_k_gates_backward_triton(grad, option, probs, total), want_d, rtol=1e-5, atol=1e-6)
+
+
+def test_triton_gates_are_taken_only_after_their_first_use_check(monkeypatch):
+    import triroute_kernels.triton_gumbel as tg
+
+    from megatron_triroute.routing import gating
+
+    cpu = torch.device("cpu")
+    assert gating._checked_triton(cpu) == (tg.top_k_gates_triton, tg.top_k_gates_backward_triton)
+    real = tg.top_k_gates_triton
+    monkeypatch.setattr(tg, "top_k_gates_triton", lambda p, k: (lambda o, w, t: (o, w * 1.001, t))(*real(p, k)))
+    with pytest.warns(UserWarning, match="expert gates.*values differ"):
+        assert gating._checked_triton(cpu) is None
+    monkeypatch.setattr(tg, "top_k_gates_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert gating._checked_triton(cpu) is None

@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from megatron_triroute.routing.gating import NULL_EXPERT, top_k_gating
+from megatron_triroute.routing.gating import NULL_EXPERT, renormalised_gates, top_k_gating
 from tests.oracles import combine_experts, hard_experts, swiglu
 
 
@@ -99,3 +100,39 @@ def test_gates_node_backward_takes_fewer_ops_than_the_chain():
 
     ours, chain = backward_ops(renormalised_gates), backward_ops(_autograd_gates)
     assert ours + 5 <= chain, (ours, chain)  # six ops written out against about a dozen
+
+
+@pytest.mark.parametrize("n, k", [(5, 2), (9, 1), (4, 3), (16, 4)])
+def test_gate_kernels_give_the_definitions_bits_in_one_call_each_way(n, k):
+    """Float32 CPU rows: `top_k_gates` dispatches one `top_k_gates` call forward and one backward
+    call, and gives the options (a stable descending sort's, so a tied row takes the lowest ones),
+    the gates and their gradient to the probabilities of the tensor ops bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triroute_kernels import cpu_ops_available
+
+    from megatron_triroute.routing.gating import top_k_gates
+
+    assert cpu_ops_available(), "the C++ kernels did not build here"
+
+    class Ops(TorchDispatchMode):
+        names: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Ops.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(n * 10 + k)
+    probs = torch.randn(300, n, generator=g).softmax(-1)
+    probs[0] = 1.0 / n
+    grad = torch.randn(300, k, generator=g)
+    p = probs.clone().requires_grad_()
+    with Ops():
+        option, weight = top_k_gates(p, k)
+        (d,) = torch.autograd.grad(weight, [p], grad)
+    assert Ops.names == ["top_k_gates", "top_k_gates_backward"], Ops.names
+    q = probs.clone().requires_grad_()
+    want_option = torch.sort(q, dim=-1, descending=True, stable=True).indices[..., :k]
+    want_weight = renormalised_gates(q, want_option)
+    (want_d,) = torch.autograd.grad(want_weight, [q], grad)
+    assert torch.equal(option, want_option) and option[0].tolist() == list(range(k))
+    assert torch.equal(weight, want_weight) and torch.equal(d, want_d)
