@@ -398,15 +398,7 @@ inline float exp_shifted(float* s, int64_t c, float m) {
   return sum;
 }
 
-inline float dot(const float* a, const float* b, int64_t d) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= d; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-  for (; i < d; ++i) s += a[i] * b[i];
-  return s;
-}
+inline float dot(const float* a, const float* b, int64_t d) { return triroute_sums::dot8(a, b, d); }
 
 #if defined(TRIROUTE_AVX2)
 // The lane sums of eight 8-lane accumulators, one per dot product, by one tree: lane j of the result

@@ -1,5 +1,6 @@
 // The functions decode_ops.cpp defines for the library's other sources (one declaration each):
-// the number format's group statistics (quant_ops.cpp), the weight-row matmul (layer_ops.cpp), and
+// the number format's group statistics (quant_ops.cpp), a dot product's one order (every source),
+// the weight-row matmul (layer_ops.cpp), and
 // the CPU kernels of paged_attention, cache_append, decode_linear and routed_experts, which the ops
 // dispatch to and decode_layer (layer_ops.cpp) calls directly.
 #pragma once
@@ -15,6 +16,22 @@ void group_range(const float* x, int64_t gs, float* min_out, float* max_out);
 // scale = half((max - min) / levels), a true division (not a reciprocal multiply), zero = half(min).
 void group_scale_zero(float mn, float mx, int levels, at::Half* scale, at::Half* zero);
 }  // namespace triroute_format
+
+namespace triroute_sums {
+// sum_i a[i] * b[i] over n floats: eight running sums (lane j adds i = j, j + 8, ...), then their tree
+// ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the products past the last eight in order.
+// The one order of such a dot in the library (the attention's scalar scores, the training kernels'
+// gradients to the routing decisions).
+inline float dot8(const float* a, const float* b, int64_t n) {
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
+  float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+  for (; i < n; ++i) total += a[i] * b[i];
+  return total;
+}
+}  // namespace triroute_sums
 
 namespace triroute_linear {
 // y [M, N] = x [M, K] w^T, w [N, K], float32, row-major: decode_linear's kernel (each block of eight

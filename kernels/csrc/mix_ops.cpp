@@ -38,6 +38,8 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_ops.h"
+
 namespace {
 
 using at::Tensor;
@@ -61,30 +63,16 @@ void check_mix_args(const Tensor& modes, at::TensorList attn, at::IntArrayRef co
   }
 }
 
-// (b, t, h) of row r of B x T x H, row-major.
-struct Rows {
-  int64_t B, T, H;
-  void split(int64_t r, int64_t& b, int64_t& t, int64_t& h) const {
-    h = r % H;
-    t = (r / H) % T;
-    b = r / (H * T);
-  }
-};
+// fn(r, b, t, h) for every row r = (b, t, h) of B x T x H (row-major), the rows spread over the threads.
+template <class F>
+void for_each_row(int64_t B, int64_t T, int64_t H, F&& fn) {
+  at::parallel_for(0, B * T * H, 256, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) fn(r, r / (H * T), (r / H) % T, r % H);
+  });
+}
 
 inline int64_t at4(const Tensor& x, int64_t b, int64_t t, int64_t h) {
   return b * x.stride(0) + t * x.stride(1) + h * x.stride(2);
-}
-
-// sum_i g[i] * a[i] over n channels: eight running sums (lane j adds i = j, j + 8, ...), then
-// ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)), then the channels past the last eight in order.
-inline float dot_rows(const float* g, const float* a, int64_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) s[j] += g[i + j] * a[i + j];
-  float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; i < n; ++i) total += g[i] * a[i];
-  return total;
 }
 
 Tensor mode_mix_cpu(const Tensor& modes, at::TensorList attn, at::IntArrayRef columns) {
@@ -96,22 +84,17 @@ Tensor mode_mix_cpu(const Tensor& modes, at::TensorList attn, at::IntArrayRef co
   const float* src[kMaxModes];
   for (int64_t m = 0; m < M; ++m) src[m] = attn[m].data_ptr<float>();
   float* dst = out.data_ptr<float>();
-  const Rows rows{B, T, H};
   const int64_t wc = modes.stride(3);
-  at::parallel_for(0, B * T * H, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int64_t b, t, h;
-      rows.split(r, b, t, h);
-      const float* wr = w + at4(modes, b, t, h);
-      float* o = dst + at4(out, b, t, h);
-      const float w0 = wr[columns[0] * wc];
-      const float* a0 = src[0] + at4(attn[0], b, t, h);
-      for (int64_t i = 0; i < d; ++i) o[i] = a0[i] * w0;
-      for (int64_t m = 1; m < M; ++m) {
-        const float wm = wr[columns[m] * wc];
-        const float* am = src[m] + at4(attn[m], b, t, h);
-        for (int64_t i = 0; i < d; ++i) o[i] = std::fma(am[i], wm, o[i]);
-      }
+  for_each_row(B, T, H, [&](int64_t, int64_t b, int64_t t, int64_t h) {
+    const float* wr = w + at4(modes, b, t, h);
+    float* o = dst + at4(out, b, t, h);
+    const float w0 = wr[columns[0] * wc];
+    const float* a0 = src[0] + at4(attn[0], b, t, h);
+    for (int64_t i = 0; i < d; ++i) o[i] = a0[i] * w0;
+    for (int64_t m = 1; m < M; ++m) {
+      const float wm = wr[columns[m] * wc];
+      const float* am = src[m] + at4(attn[m], b, t, h);
+      for (int64_t i = 0; i < d; ++i) o[i] = std::fma(am[i], wm, o[i]);
     }
   });
   return out;
@@ -131,21 +114,16 @@ std::tuple<Tensor, std::vector<Tensor>> mode_mix_backward_cpu(const Tensor& grad
   const float* w = modes.data_ptr<float>();
   const float* g = grad.data_ptr<float>();
   float* dw = d_modes.data_ptr<float>();
-  const Rows rows{B, T, H};
   const int64_t wc = modes.stride(3);
-  at::parallel_for(0, B * T * H, 256, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      int64_t b, t, h;
-      rows.split(r, b, t, h);
-      const float* wr = w + at4(modes, b, t, h);
-      const float* gr = g + at4(grad, b, t, h);
-      for (int64_t m = 0; m < M; ++m) {
-        const float wm = wr[columns[m] * wc];
-        const float* am = attn[m].data_ptr<float>() + at4(attn[m], b, t, h);
-        float* da = d_attn[m].data_ptr<float>() + at4(d_attn[m], b, t, h);
-        for (int64_t i = 0; i < d; ++i) da[i] = gr[i] * wm;
-        dw[r * n_modes + columns[m]] = dot_rows(gr, am, d);
-      }
+  for_each_row(B, T, H, [&](int64_t r, int64_t b, int64_t t, int64_t h) {
+    const float* wr = w + at4(modes, b, t, h);
+    const float* gr = g + at4(grad, b, t, h);
+    for (int64_t m = 0; m < M; ++m) {
+      const float wm = wr[columns[m] * wc];
+      const float* am = attn[m].data_ptr<float>() + at4(attn[m], b, t, h);
+      float* da = d_attn[m].data_ptr<float>() + at4(d_attn[m], b, t, h);
+      for (int64_t i = 0; i < d; ++i) da[i] = gr[i] * wm;
+      dw[r * n_modes + columns[m]] = triroute_sums::dot8(gr, am, d);
     }
   });
   return {d_modes, d_attn};
@@ -184,25 +162,11 @@ Tensor combine_routes_cpu(const Tensor& y_in, const Tensor& inverse_in, const Te
       float* o = op + n * D;
       for (int64_t j = 0; j < k; ++j) {
         const int64_t route = n * k + j;
-        if (idx[route] >= 0) {
-          const float* row = yp + inv[route] * D;
-          if (w != nullptr) {
-            const float wj = w[route];
-            if (j == 0)
-              for (int64_t i = 0; i < D; ++i) o[i] = row[i] * wj;
-            else
-              for (int64_t i = 0; i < D; ++i) o[i] = o[i] + row[i] * wj;
-          } else if (j == 0) {
-            for (int64_t i = 0; i < D; ++i) o[i] = row[i];
-          } else {
-            for (int64_t i = 0; i < D; ++i) o[i] = o[i] + row[i];
-          }
-        } else {  // a null route: 0 * weight (its row is never read)
-          const float zero = w != nullptr ? 0.0f * w[route] : 0.0f;
-          if (j == 0)
-            for (int64_t i = 0; i < D; ++i) o[i] = zero;
-          else
-            for (int64_t i = 0; i < D; ++i) o[i] = o[i] + zero;
+        const float wj = w != nullptr ? w[route] : 1.0f;  // a product by 1 is the row itself, exactly
+        const float* row = idx[route] >= 0 ? yp + inv[route] * D : nullptr;  // a null route's row is never read
+        for (int64_t i = 0; i < D; ++i) {
+          const float term = (row != nullptr ? row[i] : 0.0f) * wj;
+          o[i] = j == 0 ? term : o[i] + term;
         }
       }
     }
@@ -240,7 +204,7 @@ std::tuple<Tensor, Tensor> combine_routes_backward_cpu(const Tensor& grad_in, co
       const float wj = w[route];
       float* out = dy + r * D;
       for (int64_t i = 0; i < D; ++i) out[i] = gr[i] * wj;
-      dw[route] = idx[route] >= 0 ? dot_rows(gr, yp + r * D, D) : 0.0f;
+      dw[route] = idx[route] >= 0 ? triroute_sums::dot8(gr, yp + r * D, D) : 0.0f;
     }
   });
   return {d_y, d_weight};

@@ -110,17 +110,6 @@ Tensor quantized_values_cpu(const Tensor& x, at::IntArrayRef bits, int64_t group
 }
 
 
-// sum_i a[i] * b[i] over n: eight running sums, then their tree, then the rest in order.
-inline float dot8(const float* a, const float* b, int64_t n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8)
-    for (int j = 0; j < 8; ++j) s[j] += a[i + j] * b[i + j];
-  float total = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; i < n; ++i) total += a[i] * b[i];
-  return total;
-}
-
 void check_written(const Tensor& values, const Tensor& weights) {
   TORCH_CHECK(values.device().is_cpu() && values.scalar_type() == at::kFloat && values.dim() == 4 &&
                   values.is_contiguous(),
@@ -171,7 +160,7 @@ Tensor relaxed_write_backward_cpu(const Tensor& values, const Tensor& grad_in) {
   float* dw = d_w.data_ptr<float>();
   at::parallel_for(0, B * T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
-      for (int64_t b = 0; b < nb; ++b) dw[n * nb + b] = dot8(v + (n * nb + b) * D, g + n * D, D);
+      for (int64_t b = 0; b < nb; ++b) dw[n * nb + b] = triroute_sums::dot8(v + (n * nb + b) * D, g + n * D, D);
   });
   return d_w;
 }

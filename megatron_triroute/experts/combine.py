@@ -23,13 +23,12 @@ rounding).
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
 from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
-from ..routing.kernel_check import checked_once
+from ..routing.kernel_check import checked_once, first_use_probe
 
 
 def combine_torch(y: torch.Tensor, inverse: torch.Tensor, index: torch.Tensor,
@@ -78,11 +77,14 @@ def combine_kernels(y: torch.Tensor, weight: torch.Tensor | None) -> Kernels | N
 def _checked_triton(device: torch.device, dtype: torch.dtype, weight_dtype: torch.dtype, d: int) -> Kernels | None:
     """The Triton kernels once they have given the definition's values on a probe of this layout
     (two routes a token, a null route, a token with only null routes, NaN in the null routes'
-    rows): the forward, weighted and not, and d y exactly, d weight within float32 rounding of the exact sums. Else
-    None with a warning, and the tensor ops serve."""
-    try:
+    rows): the forward, weighted and not, and d y exactly, d weight within float32 rounding of the
+    exact sums. Else None with a warning, and the tensor ops serve."""
+    def load() -> Kernels:
         from triroute_kernels.triton_mix import combine_routes_backward_triton, combine_routes_triton
 
+        return combine_routes_triton, combine_routes_backward_triton
+
+    def agrees(kernels: Kernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         index = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 1], [0, 0]], device=device)
         key = torch.where(index >= 0, index, 3).view(-1)  # the routes by expert, null last (`grouped.sort_routes`)
@@ -92,20 +94,15 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, weight_dtype: torc
         y[(index < 0).view(-1)[order]] = float("nan")  # the null routes' rows, which no matmul computes
         weight = torch.rand(5, 2, generator=gen).to(device, weight_dtype)
         grad = torch.randn(5, d, generator=gen).to(device, dtype)
-        d_y, d_weight = combine_routes_backward_triton(grad, y, order, inverse, index, weight)
-        ref_y = combine_backward_torch(grad, y, order, inverse, index, weight)[0]
+        d_y, d_weight = kernels[1](grad, y, order, inverse, index, weight)
         rows = torch.where((index >= 0).view(-1, 1), y.index_select(0, inverse), 0).double()
         exact = (grad.double().repeat_interleave(2, 0) * rows).sum(-1).view(5, 2)
-        if (torch.equal(combine_routes_triton(y, inverse, index, weight), combine_torch(y, inverse, index, weight))
-                and torch.equal(combine_routes_triton(y, inverse, index, None), combine_torch(y, inverse, index, None))
-                and torch.equal(d_y, ref_y) and torch.allclose(d_weight.double(), exact, rtol=1e-5, atol=1e-5)):
-            return combine_routes_triton, combine_routes_backward_triton
-        reason = "its values differ from the tensor ops'"
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernels of the experts' combine are not used on {device} ({reason}); the tensor "
-                  "ops compute the same values. Fix: report it with your triton and GPU versions")
-    return None
+        return (torch.equal(kernels[0](y, inverse, index, weight), combine_torch(y, inverse, index, weight))
+                and torch.equal(kernels[0](y, inverse, index, None), combine_torch(y, inverse, index, None))
+                and torch.equal(d_y, combine_backward_torch(grad, y, order, inverse, index, weight)[0])
+                and torch.allclose(d_weight.double(), exact, rtol=1e-5, atol=1e-5))
+
+    return first_use_probe(device, "the experts' combine", load, agrees)
 
 
 class CombineRoutes(torch.autograd.Function):

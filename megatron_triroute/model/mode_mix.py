@@ -18,13 +18,12 @@ reads [T, B, H d] in, so that read copies nothing.
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
 from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
-from ..routing.kernel_check import checked_once
+from ..routing.kernel_check import checked_once, first_use_probe
 from ..routing.modes import N_MODES, READING_MODES
 
 
@@ -73,9 +72,12 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, modes_dtype: torch
     attention's is; the forward and d attn exactly, d modes within float32 rounding of the exact sums
     (the definition rounds each product to the tensors' dtype before summing, the kernel does not).
     Else None with a warning, and the tensor ops serve."""
-    try:
+    def load() -> Kernels:
         from triroute_kernels.triton_mix import mode_mix_backward_triton, mode_mix_triton
 
+        return mode_mix_triton, mode_mix_backward_triton
+
+    def agrees(kernels: Kernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         choice = torch.randint(0, N_MODES, (2, 5, 3), generator=gen)
         modes = torch.nn.functional.one_hot(choice, N_MODES).to(device, modes_dtype)
@@ -83,20 +85,15 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, modes_dtype: torch
                 torch.randn(2, 3, 5, d, generator=gen).to(device, dtype).transpose(1, 2))
         grad = torch.randn(2, 5, 3, d, generator=gen).to(device, dtype)
         columns = list(READING_MODES)
-        d_modes, d_attn = mode_mix_backward_triton(grad, modes, attn, columns)
+        d_modes, d_attn = kernels[1](grad, modes, attn, columns)
         exact = torch.stack([(grad.double() * attn[columns.index(m)].double()).sum(-1) if m in columns
                              else torch.zeros(grad.shape[:3], dtype=torch.float64, device=device)
                              for m in range(N_MODES)], -1)
-        if (torch.equal(mode_mix_triton(modes, attn, columns), mix_torch(modes, attn))
+        return (torch.equal(kernels[0](modes, attn, columns), mix_torch(modes, attn))
                 and all(torch.equal(a, b) for a, b in zip(d_attn, mix_backward_torch(grad, modes, attn)[1]))
-                and torch.allclose(d_modes.double(), exact, rtol=1e-5, atol=1e-5)):
-            return mode_mix_triton, mode_mix_backward_triton
-        reason = "its values differ from the tensor ops'"
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernels of the attention's mode mix are not used on {device} ({reason}); the "
-                  "tensor ops compute the same values. Fix: report it with your triton and GPU versions")
-    return None
+                and torch.allclose(d_modes.double(), exact, rtol=1e-5, atol=1e-5))
+
+    return first_use_probe(device, "the attention's mode mix", load, agrees)
 
 
 class ModeMix(torch.autograd.Function):

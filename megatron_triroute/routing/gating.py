@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
-from .kernel_check import checked_once
+from .kernel_check import checked_once, first_use_probe
 from .softmax import softmax
 
 NULL_EXPERT = -1
@@ -96,32 +95,29 @@ def _checked_triton(device: torch.device) -> GateKernels | None:
     """The Triton gate kernels once they have given the definition's options and gates exactly and
     its gradient within float32 rounding, on a probe with tied probabilities; else None with a
     warning, and the tensor ops serve."""
-    try:
+    def load() -> GateKernels:
         from triroute_kernels.triton_gumbel import top_k_gates_backward_triton, top_k_gates_triton
 
+        return top_k_gates_triton, top_k_gates_backward_triton
+
+    def agrees(kernels: GateKernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         for n, k in ((5, 2), (9, 1), (4, 3)):
             probs = torch.randn(200, n, generator=gen).softmax(-1)
             probs[0] = 1.0 / n  # every option tied: the lowest k
             probs = probs.to(device)
             grad = torch.randn(200, k, generator=gen).to(device)
-            option, weight, total = top_k_gates_triton(probs, k)
+            option, weight, total = kernels[0](probs, k)
             want_option = torch.sort(probs, dim=-1, descending=True, stable=True).indices[..., :k]
             want_weight, want_total = _gates(probs, want_option)
-            d = top_k_gates_backward_triton(grad, option, probs, total)
             want_d = torch.zeros_like(probs).scatter_(
                 -1, want_option, (grad - (grad * want_weight).sum(-1, keepdim=True)) / want_total)
             if not (torch.equal(option, want_option) and torch.equal(weight, want_weight)
-                    and torch.allclose(d, want_d, rtol=1e-5, atol=1e-6)):
-                reason = "its values differ from the tensor ops'"
-                break
-        else:
-            return top_k_gates_triton, top_k_gates_backward_triton
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernels of the expert gates are not used on {device} ({reason}); the tensor ops "
-                  "compute the same values. Fix: report it with your triton and GPU versions")
-    return None
+                    and torch.allclose(kernels[1](grad, option, probs, total), want_d, rtol=1e-5, atol=1e-6)):
+                return False
+        return True
+
+    return first_use_probe(device, "the expert gates", load, agrees)
 
 
 class _KernelGates(torch.autograd.Function):

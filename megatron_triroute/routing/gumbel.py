@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
-from .kernel_check import checked_once
+from .kernel_check import checked_once, first_use_probe
 from .softmax import MANY, softmax
 
 
@@ -113,31 +112,29 @@ def _checked_triton(device: torch.device) -> StKernels | None:
     definition's one-hots and argmaxes exactly, and its relaxed sample and gradients within float32
     rounding (their softmax is not `F.softmax`'s), on a probe of rows of 3 and 4 options; else None
     with a warning, and the tensor ops serve."""
-    try:
+    def load() -> StKernels:
         from triroute_kernels.triton_gumbel import st_gumbel_backward_triton, st_gumbel_triton
 
+        return st_gumbel_triton, st_gumbel_backward_triton
+
+    def agrees(kernels: StKernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         for n in (3, 4):
             z = (torch.randn(300, n, generator=gen) * 2).to(device)
             noise = -torch.log(-torch.log(torch.rand(300, n, generator=gen))).to(device)
             grads = [torch.randn(300, n, generator=gen).to(device) for _ in range(2)]
-            y, y_cost, y_soft, hard = st_gumbel_triton(z, noise, 0.7)
+            y, y_cost, y_soft, hard = kernels[0](z, noise, 0.7)
             want_soft = soft_gumbel_sample(z, noise, 0.7)
             want_y = torch.zeros_like(want_soft).scatter_(-1, want_soft.argmax(-1, keepdim=True), 1.0)
-            d = st_gumbel_backward_triton(*grads, y_soft, 0.7)
             want_d = [torch._softmax_backward_data(g, want_soft, -1, want_soft.dtype) / 0.7 for g in grads]
             if not (torch.equal(y, want_y) and torch.equal(y_cost, want_y) and torch.equal(hard, z.argmax(-1))
                     and torch.allclose(y_soft, want_soft, rtol=1e-5, atol=1e-6)
-                    and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(d, want_d))):
-                reason = "its values differ from the tensor ops'"
-                break
-        else:
-            return st_gumbel_triton, st_gumbel_backward_triton
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernels of the straight-through sample are not used on {device} ({reason}); the "
-                  "tensor ops compute the same values. Fix: report it with your triton and GPU versions")
-    return None
+                    and all(torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+                            for a, b in zip(kernels[1](*grads, y_soft, 0.7), want_d))):
+                return False
+        return True
+
+    return first_use_probe(device, "the straight-through sample", load, agrees)
 
 
 def straight_through_pair(z_model: torch.Tensor, z: torch.Tensor, noise: torch.Tensor,

@@ -1,10 +1,11 @@
 """A GPU kernel taken only once it has given its definition's values: the first-use check of the
-routing path's Triton kernels (the noise's hash, the relaxed K/V write's values)."""
+training path's Triton kernels (the noise's hash, the relaxed K/V write, the mode mix, the experts'
+combine, the straight-through sample, the expert gates)."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Callable, Hashable
+from typing import Callable, Hashable, TypeVar
 
 import torch
 
@@ -25,10 +26,20 @@ def first_use_check(device: torch.device, load: Callable[[], Callable[..., torch
     arguments (tensors on `device`); else None, with a warning naming why (other values, or a
     kernel that fails to build there): the caller's tensor chain serves instead, the values never
     change. Callers keep the answer per device and layout (`checked_once`), so this runs once for each."""
+    return first_use_probe(device, what, load, lambda kernel: torch.equal(kernel(*probe), reference(*probe)))
+
+
+K = TypeVar("K")
+
+
+def first_use_probe(device: torch.device, what: str, load: Callable[[], K], agrees: Callable[[K], bool]) -> K | None:
+    """The kernels `load()` gives (one, or a forward and a backward), once `agrees(kernels)` has run
+    them on a probe and found the definition's values; else None, with a warning naming why (other
+    values, or kernels that fail to build there), and the tensor ops serve."""
     try:
-        kernel = load()
-        if torch.equal(kernel(*probe), reference(*probe)):
-            return kernel
+        kernels = load()
+        if agrees(kernels):
+            return kernels
         reason = "its values differ from the tensor chain's"
     except Exception as e:  # a Triton build that fails on this GPU
         reason = f"{type(e).__name__}: {e}"

@@ -18,7 +18,6 @@ is defined once beside the supported widths, in `triroute_kernels.quant`; this m
 
 from __future__ import annotations
 
-import warnings
 from typing import Callable
 
 import torch
@@ -32,7 +31,7 @@ from triroute_kernels.quant import (
 from triroute_kernels.quant import group_channels as _groups
 
 from .device_values import device_constant
-from .kernel_check import checked_once, first_use_check
+from .kernel_check import checked_once, first_use_check, first_use_probe
 
 __all__ = [  # the cache format's functions are re-exported: training code and tests read them here too
     "METADATA_BITS_PER_GROUP", "dequantize_groups", "fake_quantize", "kv_bits_per_token", "pack_codes",
@@ -135,24 +134,22 @@ def checked_write_kernels(device: torch.device, dtype: torch.dtype, weight_dtype
     """The Triton kernels of the write's sum once they have given the definition's values on a probe:
     straight-through one-hots (what training writes with) exactly, d y within float32 rounding of
     the exact sums; else None with a warning, and the matmuls serve."""
-    try:
+    def load() -> WrittenKernels:
         from triroute_kernels.triton_quant import relaxed_write_backward_triton, relaxed_write_triton
 
+        return relaxed_write_triton, relaxed_write_backward_triton
+
+    def agrees(kernels: WrittenKernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         values = torch.randn(2, 3, widths, 24, generator=gen).to(device, dtype)
         y = torch.nn.functional.one_hot(torch.randint(0, widths, (2, 3), generator=gen), widths).to(device, weight_dtype)
         grad = torch.randn(2, 3, 2, 12, generator=gen).to(device, dtype)
         want = (y.to(dtype).unsqueeze(-2) @ values).view(2, 3, 2, 12)
         exact = (values.double() @ grad.double().reshape(2, 3, -1, 1)).squeeze(-1)
-        if (torch.equal(relaxed_write_triton(values, y, [2, 3, 2, 12]), want)
-                and torch.allclose(relaxed_write_backward_triton(values, grad).double(), exact, rtol=1e-5, atol=1e-5)):
-            return relaxed_write_triton, relaxed_write_backward_triton
-        reason = "its values differ from the matmuls'"
-    except Exception as e:  # a Triton build that fails on this GPU
-        reason = f"{type(e).__name__}: {e}"
-    warnings.warn(f"the Triton kernels of the relaxed K/V write's sum are not used on {device} ({reason}); the "
-                  "batched matmuls compute the same values. Fix: report it with your triton and GPU versions")
-    return None
+        return (torch.equal(kernels[0](values, y, [2, 3, 2, 12]), want)
+                and torch.allclose(kernels[1](values, grad).double(), exact, rtol=1e-5, atol=1e-5))
+
+    return first_use_probe(device, "the relaxed K/V write's sum", load, agrees)
 
 
 @torch.no_grad()

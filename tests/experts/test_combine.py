@@ -4,11 +4,11 @@ checked under the interpreter (tests/kernels/interpret_cases.py)."""
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 from triroute_kernels import cpu_ops_available
 
 from megatron_triroute.experts.combine import CombineRoutes, combine_backward_torch, combine_kernels, combine_torch
 from megatron_triroute.experts.grouped import sort_routes
+from tests.dispatched import DispatchedOps
 
 E = 4
 
@@ -73,16 +73,6 @@ def test_cpu_kernels_refuse_what_they_do_not_take():
     assert combine_kernels(y.double(), weight.double()) is None  # float64: the tensor ops
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_node_gives_autograds_gradients_in_one_call_each_way_where_a_kernel_runs(dtype):
     """float32: one kernel call forward and one backward, nothing beside them; float64 (no kernel):
@@ -90,7 +80,7 @@ def test_the_node_gives_autograds_gradients_in_one_call_each_way_where_a_kernel_
     y, order, inverse, index, weight, grad = (t.to(dtype) if t.is_floating_point() else t for t in _case(2, 16))
     y = torch.nan_to_num(y)  # autograd's gradient of the definition through a NaN row is NaN times 0
     leaves = [y.clone().requires_grad_(), weight.clone().requires_grad_()]
-    ops = _Ops()
+    ops = DispatchedOps()
     with ops:
         out = CombineRoutes.apply(leaves[0], order, inverse, index, leaves[1])
         got = torch.autograd.grad(out, leaves, grad)

@@ -5,11 +5,11 @@ interpreter (tests/kernels/interpret_cases.py)."""
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 from triroute_kernels import cpu_ops_available
 
 from megatron_triroute.model.mode_mix import ModeMix, mix_backward_torch, mix_kernels, mix_torch
 from megatron_triroute.routing.modes import N_MODES, READING_MODES, SKIP
+from tests.dispatched import DispatchedOps
 
 COLUMNS = list(READING_MODES)
 
@@ -66,23 +66,13 @@ def test_cpu_kernels_refuse_what_they_do_not_take():
     assert mix_kernels(modes.double(), tuple(a.double() for a in attn)) is None  # float64: the tensor ops
 
 
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.names.append(func.overloadpacket.__name__)
-        return func(*args, **(kwargs or {}))
-
-
 def test_the_node_calls_one_kernel_each_way_with_autograds_gradients():
     """Under autograd the node dispatches the forward kernel once and the backward kernel once,
     no elementwise op beside them, and gives the gradients autograd computes through the tensor
     ops (the modes' within rounding)."""
     modes, attn, grad = _case(16, False)
     leaves = [modes.clone().requires_grad_(), *(a.clone().requires_grad_() for a in attn)]
-    ops = _Ops()
+    ops = DispatchedOps()
     with ops:
         out = ModeMix.apply(*leaves)
     assert ops.names == ["mode_mix"], ops.names
@@ -102,7 +92,7 @@ def test_the_node_keeps_the_definition_where_no_kernel_takes_the_tensors():
     autograd's through them."""
     modes, attn, grad = _case(8, True)
     leaves = [modes.double().requires_grad_(), *(a.double().requires_grad_() for a in attn)]
-    ops = _Ops()
+    ops = DispatchedOps()
     with ops:
         out = ModeMix.apply(*leaves)
     assert "mode_mix" not in ops.names and "addcmul_" in ops.names

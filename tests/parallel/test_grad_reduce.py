@@ -134,23 +134,15 @@ def test_norm_parts_cut_only_large_cpu_gradients_into_pieces():
     cache); one between NORM_CHUNK and NORM_SPLIT goes whole (no split op for it). Both give the
     fp64 sum of squares."""
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from megatron_triroute.parallel.grad_reduce import NORM_CHUNK, NORM_SPLIT, norm_parts
-
-    class Splits(TorchDispatchMode):
-        n = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Splits.n += func.overloadpacket.__name__ == "split"
-            return func(*args, **(kwargs or {}))
+    from tests.dispatched import DispatchedOps
 
     g = torch.Generator().manual_seed(0)
     for numel, cut in ((NORM_CHUNK + NORM_CHUNK // 2, False), (NORM_SPLIT + 1, True)):
         p = torch.nn.Parameter(torch.zeros(numel))
         p.grad = torch.randn(numel, generator=g)
-        Splits.n = 0
-        with Splits():
+        with DispatchedOps() as ops:
             got = norm_parts([(p, p.grad)], torch.device("cpu"))
-        assert Splits.n == int(cut)
+        assert ops.names.count("split") == int(cut)
         torch.testing.assert_close(got[1], (p.grad.double() ** 2).sum(), rtol=1e-12, atol=0)

@@ -107,29 +107,22 @@ def test_gate_kernels_give_the_definitions_bits_in_one_call_each_way(n, k):
     """Float32 CPU rows: `top_k_gates` dispatches one `top_k_gates` call forward and one backward
     call, and gives the options (a stable descending sort's, so a tied row takes the lowest ones),
     the gates and their gradient to the probabilities of the tensor ops bit for bit."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from triroute_kernels import cpu_ops_available
 
     from megatron_triroute.routing.gating import top_k_gates
+    from tests.dispatched import DispatchedOps
 
     assert cpu_ops_available(), "the C++ kernels did not build here"
-
-    class Ops(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Ops.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(n * 10 + k)
     probs = torch.randn(300, n, generator=g).softmax(-1)
     probs[0] = 1.0 / n
     grad = torch.randn(300, k, generator=g)
     p = probs.clone().requires_grad_()
-    with Ops():
+    with DispatchedOps() as ops:
         option, weight = top_k_gates(p, k)
         (d,) = torch.autograd.grad(weight, [p], grad)
-    assert Ops.names == ["top_k_gates", "top_k_gates_backward"], Ops.names
+    assert ops.names == ["top_k_gates", "top_k_gates_backward"], ops.names
     q = probs.clone().requires_grad_()
     want_option = torch.sort(q, dim=-1, descending=True, stable=True).indices[..., :k]
     want_weight = renormalised_gates(q, want_option)

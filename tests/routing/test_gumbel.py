@@ -117,17 +117,11 @@ def test_straight_through_pair_kernels_give_the_definitions_bits(shape):
     `st_gumbel` call forward and one `st_gumbel_backward` call backward, and gives the values and
     both views' gradients of two separate straight-through samples bit for bit; a row with tied
     maxima takes the first, as `argmax` does."""
-    from torch.utils._python_dispatch import TorchDispatchMode
     from triroute_kernels import cpu_ops_available
 
+    from tests.dispatched import DispatchedOps
+
     assert cpu_ops_available(), "the C++ kernels did not build here"
-
-    class Ops(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Ops.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
 
     g = torch.Generator().manual_seed(len(shape))
     z0 = torch.randn(*shape, generator=g) * 3
@@ -139,15 +133,14 @@ def test_straight_through_pair_kernels_give_the_definitions_bits(shape):
     for pair in (True, False):
         z = z0.clone().requires_grad_(True)
         z_model = z * 1.0  # a gradient-only stand-in for the balance (one more node on the model path)
-        Ops.names = []
-        with Ops():
+        with DispatchedOps() as ops:
             if pair:
                 y, y_cost = straight_through_pair(z_model, z, noise, 0.7)
             else:
                 y = straight_through(soft_gumbel_sample(z_model, noise, 0.7))
                 y_cost = straight_through(soft_gumbel_sample(z, noise, 0.7))
             d_z, = torch.autograd.grad((w_model * y).sum() + (w_cost * y_cost).sum(), [z])
-        results.append((y, y_cost, d_z, list(Ops.names)))
+        results.append((y, y_cost, d_z, ops.names))
     (y_a, c_a, d_a, ops), (y_b, c_b, d_b, _) = results
     assert ops.count("st_gumbel") == 1 and ops.count("st_gumbel_backward") == 1, ops
     assert not {"few_softmax", "_softmax_backward_data", "scatter_"} & set(ops), ops

@@ -218,22 +218,15 @@ def test_the_write_is_one_kernel_call_each_way_with_the_definitions_gradients():
     """Under autograd the write's sum dispatches one forward and one backward kernel call (with the
     quantisation's one call before it), and gives the gradients of the matmuls it stands for: the
     identity to x, each width's values to the bit head."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        names: list = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Ops.names.append(func.overloadpacket.__name__)
-            return func(*args, **(kwargs or {}))
+    from tests.dispatched import DispatchedOps
 
     _, y, grad = _written_case(False)
     x = torch.randn(2, 9, 3, 8).requires_grad_()
     y = y.requires_grad_()
-    with Ops():
+    with DispatchedOps() as ops:
         out = relaxed_kv_write(x, y, (2, 4, 8, 16), 4)
         d_x, d_y = torch.autograd.grad(out, (x, y), grad)
-    assert Ops.names == ["quantized_values", "relaxed_write", "relaxed_write_backward"], Ops.names
+    assert ops.names == ["quantized_values", "relaxed_write", "relaxed_write_backward"], ops.names
     assert torch.equal(d_x, grad)
     values = torch.stack([fake_quantize(x.detach(), b, 4).reshape(2, 9, -1) for b in (2, 4, 8, 16)], 2)
     torch.testing.assert_close(d_y, (values @ grad.reshape(2, 9, -1, 1)).squeeze(-1), rtol=1e-6, atol=1e-6)
