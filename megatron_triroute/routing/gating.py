@@ -135,7 +135,9 @@ class _KernelGates(torch.autograd.Function):
         return weight, option
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor, _):
+    def backward(ctx, grad: torch.Tensor | None, _):
+        if grad is None:  # the gates reached nothing that takes a gradient
+            return None, None, None
         option, probs, total = ctx.saved_tensors
         return ctx.backward_kernel(grad.contiguous(), option, probs, total), None, None
 

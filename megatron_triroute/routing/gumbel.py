@@ -95,7 +95,7 @@ def st_kernels(z: torch.Tensor, noise: torch.Tensor, tau) -> StKernels | None:
     `few_softmax` too (`softmax.MANY` elements or more), and the temperature a Python number (a
     tensor would be read back to the host); None where the tensor ops serve (and under
     torch.compile)."""
-    if not isinstance(tau, (int, float)):
+    if not isinstance(tau, (int, float)) or noise.shape != z.shape:  # (a broadcast noise: the tensor ops)
         return None
     if noise.dtype == z.dtype and z.shape[-1] <= ST_KERNEL_OPTIONS and z.numel() >= MANY and takes_cpu_kernel(z):
         return torch.ops.triroute.st_gumbel, torch.ops.triroute.st_gumbel_backward
