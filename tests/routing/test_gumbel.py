@@ -151,11 +151,12 @@ def test_straight_through_pair_kernels_give_the_definitions_bits(shape):
 
 def test_straight_through_pair_keeps_the_tensor_ops_where_the_kernels_would_differ():
     """Eight options or more (PyTorch's softmax backward then sums a row in a tree), fewer than
-    `softmax.MANY` elements (the definition's softmax is then `F.softmax`), a temperature tensor:
-    no kernel."""
+    `softmax.MANY` elements (the definition's softmax is then `F.softmax`), a temperature tensor, a
+    noise that broadcasts: no kernel."""
     from megatron_triroute.routing.gumbel import st_kernels
 
     assert st_kernels(torch.randn(80, 7), torch.randn(80, 7), 0.7) is not None
     assert st_kernels(torch.randn(80, 8), torch.randn(80, 8), 0.7) is None
     assert st_kernels(torch.randn(10, 4), torch.randn(10, 4), 0.7) is None
     assert st_kernels(torch.randn(200, 4), torch.randn(200, 4), torch.tensor(0.7)) is None
+    assert st_kernels(torch.randn(200, 4), torch.randn(1, 4), 0.7) is None  # a broadcast noise
