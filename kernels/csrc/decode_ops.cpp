@@ -398,8 +398,6 @@ inline float exp_shifted(float* s, int64_t c, float m) {
   return sum;
 }
 
-inline float dot(const float* a, const float* b, int64_t d) { return triroute_sums::dot8(a, b, d); }
-
 #if defined(TRIROUTE_AVX2)
 // The lane sums of eight 8-lane accumulators, one per dot product, by one tree: lane j of the result
 // is ((a_j[0] + a_j[1]) + (a_j[2] + a_j[3])) + ((a_j[4] + a_j[5]) + (a_j[6] + a_j[7])). The one
@@ -478,7 +476,7 @@ inline float score_rows(const float* q, const float* kbuf, int64_t c, int64_t d_
   }
 #endif
   for (; t < c; ++t) {
-    s[t] = dot(q, kbuf + t * d, d) * scale;
+    s[t] = triroute_sums::dot8(q, kbuf + t * d, d) * scale;
     m = std::max(m, s[t]);
   }
   return m;
@@ -1591,7 +1589,7 @@ void rows(const float* w, const float* x, int64_t M, int64_t N, int64_t K, float
         gemv_rows8(w + b * 8 * K, x + m * K, K, y + m * ldy + b * 8, m == 0 ? next(b) : nullptr);
   });
   for (int64_t n = blocks * 8; n < N; ++n)
-    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = dot(w + n * K, x + m * K, K);  // rows past the last block
+    for (int64_t m = 0; m < M; ++m) y[m * ldy + n] = triroute_sums::dot8(w + n * K, x + m * K, K);  // rows past the last block
 #else
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   Tensor out = at::from_blob(y, {M, N}, {ldy, 1}, f32);

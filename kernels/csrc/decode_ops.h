@@ -1,12 +1,13 @@
 // The functions decode_ops.cpp defines for the library's other sources (one declaration each):
-// the number format's group statistics (quant_ops.cpp), a dot product's one order (every source),
-// the weight-row matmul (layer_ops.cpp), and
+// the number format's group statistics (quant_ops.cpp), a dot product's one order and the first
+// argmax (every source), the weight-row matmul (layer_ops.cpp), and
 // the CPU kernels of paged_attention, cache_append, decode_linear and routed_experts, which the ops
 // dispatch to and decode_layer (layer_ops.cpp) calls directly.
 #pragma once
 
 #include <ATen/ATen.h>
 
+#include <cmath>
 #include <cstdint>
 
 namespace triroute_format {
@@ -32,6 +33,20 @@ inline float dot8(const float* a, const float* b, int64_t n) {
   return total;
 }
 }  // namespace triroute_sums
+
+namespace triroute_choice {
+// The first index of the largest of n values z[i] - shift[i] (float64; shift null: 0), NaN largest:
+// torch.argmax's choice (the decode step's priced decisions, training's straight-through samples).
+inline int64_t priced_argmax(const float* z, const double* shift, int64_t n) {
+  int64_t best = 0;
+  double top = static_cast<double>(z[0]) - (shift ? shift[0] : 0.0);
+  for (int64_t i = 1; i < n; ++i) {
+    const double v = static_cast<double>(z[i]) - (shift ? shift[i] : 0.0);
+    if (v > top || (std::isnan(v) && !std::isnan(top))) top = v, best = i;
+  }
+  return best;
+}
+}  // namespace triroute_choice
 
 namespace triroute_linear {
 // y [M, N] = x [M, K] w^T, w [N, K], float32, row-major: decode_linear's kernel (each block of eight

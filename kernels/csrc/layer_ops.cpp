@@ -244,17 +244,6 @@ std::tuple<Tensor, Tensor, Tensor> decode_qkv_cpu(const Tensor& x, const Tensor&
   return decode_qkv_heads(x, wq, wk, wv, cos, sin, &flags);
 }
 
-// The first index of the largest of n values z[i] - shift[i] (float64; shift null: 0), NaN largest.
-inline int64_t priced_argmax(const float* z, const double* shift, int64_t n) {
-  int64_t best = 0;
-  double top = static_cast<double>(z[0]) - (shift ? shift[0] : 0.0);
-  for (int64_t i = 1; i < n; ++i) {
-    const double v = static_cast<double>(z[i]) - (shift ? shift[i] : 0.0);
-    if (v > top || (std::isnan(v) && !std::isnan(top))) top = v, best = i;
-  }
-  return best;
-}
-
 // out <- softmax(v) over n float32 values: exp(v - max) times the reciprocal of their sum.
 inline void softmax_row(const float* v, int64_t n, float* out) {
   float mx = v[0];
@@ -322,7 +311,7 @@ std::vector<Tensor> decode_decisions_cpu(const Tensor& attn_z, const Tensor& exp
       const float* az = attn_z.data_ptr<float>() + b * attn_z.stride(0) + t * attn_z.stride(1);
       const double* as = shift_row(attn_shift, b, t);
       for (int64_t h = 0; h < Ha; ++h) {
-        const int64_t mode = priced_argmax(az + h * M, as, M);
+        const int64_t mode = triroute_choice::priced_argmax(az + h * M, as, M);
         attn_hard.data_ptr<int64_t>()[n * Ha + h] = mode;
         attn_y.data_ptr<float>()[(n * Ha + h) * M + mode] = 1.f;
         ++counts[mode];
@@ -357,7 +346,7 @@ std::vector<Tensor> decode_decisions_cpu(const Tensor& attn_z, const Tensor& exp
       for (int64_t j = 0; j < top_k; ++j) weight.data_ptr<float>()[n * top_k + j] = p[opt[j]] / chosen;
       feat[M] = static_cast<float>(real) / static_cast<float>(top_k);
       const float* bz = bits_z.data_ptr<float>() + b * bits_z.stride(0) + t * bits_z.stride(1);
-      const int64_t width = priced_argmax(bz, shift_row(bits_shift, b, t), nb);
+      const int64_t width = triroute_choice::priced_argmax(bz, shift_row(bits_shift, b, t), nb);
       bits_hard.data_ptr<int64_t>()[n] = width;
       bits_y.data_ptr<float>()[n * nb + width] = 1.f;
       for (int64_t i = 0; i < nb; ++i) feat[M + 1 + i] = i == width ? 1.f : 0.f;

@@ -38,6 +38,8 @@
 #include <tuple>
 #include <vector>
 
+#include "decode_ops.h"
+
 namespace {
 
 using at::Tensor;
@@ -77,16 +79,6 @@ Tensor few_softmax_cpu(const Tensor& z) {
 }
 
 
-// The first maximum of n values (a NaN first, as torch.argmax takes it).
-inline int64_t first_argmax(const float* v, int64_t n) {
-  int64_t best = 0;
-  for (int64_t o = 1; o < n; ++o) {
-    if (std::isnan(v[best])) break;
-    if (std::isnan(v[o]) || v[o] > v[best]) best = o;
-  }
-  return best;
-}
-
 void check_st(const Tensor& a, const Tensor& b, const char* what) {
   TORCH_CHECK(a.device().is_cpu() && a.scalar_type() == at::kFloat && b.scalar_type() == at::kFloat &&
                   a.sizes() == b.sizes() && a.dim() >= 1 && a.size(-1) >= 1 && a.size(-1) <= kMaxOptions,
@@ -114,9 +106,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> st_gumbel_cpu(const Tensor& z, const 
       float* sr = sp + r * n;
       for (int64_t o = 0; o < n; ++o) sr[o] = (zr[o] + gr[o]) / t;
       softmax_rows<float>(sr, sr, 1, n);
-      const int64_t pick = first_argmax(sr, n);
+      const int64_t pick = triroute_choice::priced_argmax(sr, nullptr, n);
       for (int64_t o = 0; o < n; ++o) yp[r * n + o] = cp[r * n + o] = o == pick ? 1.0f : 0.0f;
-      hp[r] = first_argmax(zr, n);
+      hp[r] = triroute_choice::priced_argmax(zr, nullptr, n);
     }
   });
   return {y, y_cost, y_soft, hard};
