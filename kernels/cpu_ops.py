@@ -216,7 +216,7 @@ def _register_fakes() -> None:
 
     @torch.library.register_fake("triroute::st_gumbel")
     def _(z, noise, tau):
-        return torch.empty_like(z), torch.empty_like(z), torch.empty_like(z), z.new_empty(z.shape[:-1], dtype=torch.long)
+        return torch.empty_like(z), torch.empty_like(z), torch.empty_like(z)
 
     @torch.library.register_fake("triroute::st_gumbel_backward")
     def _(grad_y, grad_y_cost, y_soft, tau):

@@ -3,10 +3,10 @@
 values of `megatron_triroute.routing.gumbel._StraightThroughPair`'s tensor ops (the definition), as
 the C++ kernels `torch.ops.triroute.st_gumbel` / `st_gumbel_backward` compute them on a CPU:
 
-    y~ = softmax((z + g) / tau),  y = y_cost = onehot(argmax y~),  hard = argmax z
+    y~ = softmax((z + g) / tau),  y = y_cost = onehot(argmax y~)
     d z_model = y~ (d y - d y . y~) / tau,  d z = y~ (d y_cost - d y_cost . y~) / tau
 
-One program takes ROWS rows of up to 16 options in float32. The one-hots and the argmaxes are exact
+One program takes ROWS rows of up to 16 options in float32. The one-hots are exact
 (the first maximum, as `argmax`); the softmax and the gradients are within float32 rounding of the
 definition's (Triton's exponential and sums are its own, not PyTorch's CUDA softmax).
 
@@ -38,7 +38,7 @@ def _first_argmax(v, valid, N: tl.constexpr):
 
 
 @triton.jit
-def _st_forward(z_ptr, g_ptr, y_ptr, c_ptr, s_ptr, hard_ptr, rows, n, tau,
+def _st_forward(z_ptr, g_ptr, y_ptr, c_ptr, s_ptr, rows, n, tau,
                 N: tl.constexpr, ROWS: tl.constexpr):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     live = r < rows
@@ -58,7 +58,6 @@ def _st_forward(z_ptr, g_ptr, y_ptr, c_ptr, s_ptr, hard_ptr, rows, n, tau,
     tl.store(s_ptr + at, y_soft, mask=valid)
     tl.store(y_ptr + at, one, mask=valid)
     tl.store(c_ptr + at, one, mask=valid)
-    tl.store(hard_ptr + r, _first_argmax(z, valid, N).to(tl.int64), mask=live)
 
 
 @triton.jit
@@ -82,16 +81,15 @@ def fits(z: torch.Tensor, noise: torch.Tensor) -> bool:
 
 
 def st_gumbel_triton(z: torch.Tensor, noise: torch.Tensor, tau: float):
-    """(y, y_cost, y~, hard): the straight-through pair's forward (module doc)."""
+    """(y, y_cost, y~): the straight-through pair's forward (module doc)."""
     z, noise = z.contiguous(), noise.contiguous()
     n = z.shape[-1]
     rows = z.numel() // n
     y, y_cost, y_soft = torch.empty_like(z), torch.empty_like(z), torch.empty_like(z)
-    hard = torch.empty(z.shape[:-1], dtype=torch.long, device=z.device)
     if rows:
-        _st_forward[(triton.cdiv(rows, ROWS),)](z, noise, y, y_cost, y_soft, hard, rows, n, float(tau),
+        _st_forward[(triton.cdiv(rows, ROWS),)](z, noise, y, y_cost, y_soft, rows, n, float(tau),
                                                 N=triton.next_power_of_2(n), ROWS=ROWS)
-    return y, y_cost, y_soft, hard
+    return y, y_cost, y_soft
 
 
 def st_gumbel_backward_triton(grad_y: torch.Tensor, grad_y_cost: torch.Tensor, y_soft: torch.Tensor, tau: float):

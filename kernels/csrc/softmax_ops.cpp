@@ -10,7 +10,7 @@
 // gumbel.py, `_StraightThroughPair`, whose tensor ops are the definition), torch.ops.triroute.st_gumbel
 // and st_gumbel_backward, for float32 rows:
 //
-//   y~ = softmax((z + g) / tau),  y = y_cost = onehot(argmax y~),  hard = argmax z
+//   y~ = softmax((z + g) / tau),  y = y_cost = onehot(argmax y~)
 //   d z_model = y~ (d y - d y . y~) / tau,  d z = y~ (d y_cost - d y_cost . y~) / tau
 //
 // the division by tau as float32's (PyTorch divides a float32 tensor by a Python float rounded to
@@ -86,19 +86,17 @@ void check_st(const Tensor& a, const Tensor& b, const char* what) {
               b.sizes());
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> st_gumbel_cpu(const Tensor& z, const Tensor& noise, double tau) {
+std::tuple<Tensor, Tensor, Tensor> st_gumbel_cpu(const Tensor& z, const Tensor& noise, double tau) {
   check_st(z, noise, "st_gumbel");
   const Tensor zc = z.contiguous(), gc = noise.contiguous();
   const int64_t n = zc.size(-1), rows = zc.numel() / n;
   Tensor y_soft = at::empty_like(zc), y = at::empty_like(zc), y_cost = at::empty_like(zc);
-  Tensor hard = at::empty(zc.sizes().slice(0, zc.dim() - 1), zc.options().dtype(at::kLong));
   const float t = static_cast<float>(tau);
   const float* zp = zc.data_ptr<float>();
   const float* gp = gc.data_ptr<float>();
   float* sp = y_soft.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   float* cp = y_cost.data_ptr<float>();
-  int64_t* hp = hard.data_ptr<int64_t>();
   at::parallel_for(0, rows, 4096, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const float* zr = zp + r * n;
@@ -108,10 +106,9 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> st_gumbel_cpu(const Tensor& z, const 
       softmax_rows<float>(sr, sr, 1, n);
       const int64_t pick = triroute_choice::priced_argmax(sr, nullptr, n);
       for (int64_t o = 0; o < n; ++o) yp[r * n + o] = cp[r * n + o] = o == pick ? 1.0f : 0.0f;
-      hp[r] = triroute_choice::priced_argmax(zr, nullptr, n);
     }
   });
-  return {y, y_cost, y_soft, hard};
+  return {y, y_cost, y_soft};
 }
 
 std::tuple<Tensor, Tensor> st_gumbel_backward_cpu(const Tensor& grad_y, const Tensor& grad_y_cost,
@@ -219,7 +216,7 @@ Tensor top_k_gates_backward_cpu(const Tensor& grad, const Tensor& option, const 
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
   m.def("few_softmax(Tensor z) -> Tensor");
-  m.def("st_gumbel(Tensor z, Tensor noise, float tau) -> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("st_gumbel(Tensor z, Tensor noise, float tau) -> (Tensor, Tensor, Tensor)");
   m.def("st_gumbel_backward(Tensor grad_y, Tensor grad_y_cost, Tensor y_soft, float tau) -> (Tensor, Tensor)");
   m.def("top_k_gates(Tensor probs, int k) -> (Tensor, Tensor, Tensor)");
   m.def("top_k_gates_backward(Tensor grad, Tensor option, Tensor probs, Tensor total) -> Tensor");

@@ -49,8 +49,8 @@ def test_the_mix_combine_and_write_kernels_compile_for_sm90(dtype):
 
 def test_the_sample_and_gate_kernels_compile_for_sm90():
     f32 = "*fp32"
-    _compile(triton_gumbel._st_forward, dict(z_ptr=f32, g_ptr=f32, y_ptr=f32, c_ptr=f32, s_ptr=f32, hard_ptr="*i64",
-                                             rows="i32", n="i32", tau="fp32"), dict(N=4, ROWS=triton_gumbel.ROWS))
+    _compile(triton_gumbel._st_forward, dict(z_ptr=f32, g_ptr=f32, y_ptr=f32, c_ptr=f32, s_ptr=f32, rows="i32",
+                                             n="i32", tau="fp32"), dict(N=4, ROWS=triton_gumbel.ROWS))
     _compile(triton_gumbel._st_backward, dict(g1_ptr=f32, g2_ptr=f32, s_ptr=f32, d1_ptr=f32, d2_ptr=f32, rows="i32",
                                               n="i32", tau="fp32"), dict(N=4, ROWS=triton_gumbel.ROWS))
     _compile(triton_gumbel._gates_forward, dict(p_ptr=f32, option_ptr="*i64", weight_ptr=f32, total_ptr=f32, rows="i32",
