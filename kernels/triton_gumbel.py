@@ -30,11 +30,15 @@ MAX_OPTIONS = 16
 
 @triton.jit
 def _first_argmax(v, valid, N: tl.constexpr):
-    """The index of each row's first maximum of v [ROWS, N] (options past the row's masked out)."""
+    """The index of each row's first maximum of v [ROWS, N] (options past the row's masked out), a
+    NaN first, as torch.argmax and a stable descending sort take it (a row with no valid option: N)."""
     cols = tl.arange(0, N)[None, :]
-    v = tl.where(valid, v, float("-inf"))
+    nan = (v != v) & valid
+    v = tl.where(valid & ~nan, v, float("-inf"))
     top = tl.max(v, axis=1)[:, None]
-    return tl.min(tl.where((v == top) & valid, cols, N), axis=1)
+    first_max = tl.min(tl.where((v == top) & valid, cols, N), axis=1)
+    first_nan = tl.min(tl.where(nan, cols, N), axis=1)
+    return tl.where(first_nan < N, first_nan, first_max)
 
 
 @triton.jit

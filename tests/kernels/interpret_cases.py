@@ -564,6 +564,11 @@ def test_triton_straight_through_pair_gives_the_definitions_values(shape):
     noise = -torch.log(-torch.log(torch.rand(*shape, generator=g)))
     z.view(-1, shape[-1])[0], noise.view(-1, shape[-1])[0] = 1.0, 0.0  # a tie: the first option
     y, y_cost, y_soft = st_gumbel_triton(z, noise, 0.7)
+    bad = z.clone()
+    bad.view(-1, shape[-1])[1, 2] = float("nan")  # a NaN row: its sample is NaN, the one-hot its first NaN
+    bad_y, _, _ = st_gumbel_triton(bad, noise, 0.7)
+    bad_soft = soft_gumbel_sample(bad, noise, 0.7)
+    assert torch.equal(bad_y, torch.zeros_like(bad_soft).scatter_(-1, bad_soft.argmax(-1, keepdim=True), 1.0))
     want_soft = soft_gumbel_sample(z, noise, 0.7)
     want_y = torch.zeros_like(want_soft).scatter_(-1, want_soft.argmax(-1, keepdim=True), 1.0)
     assert torch.equal(y, want_y) and torch.equal(y_cost, want_y)
@@ -609,6 +614,11 @@ def test_triton_gates_give_the_definitions_values(n, k):
     want_weight, want_total = _gates(probs, want_option)
     assert torch.equal(option, want_option) and option[0].tolist() == list(range(k))
     assert torch.equal(weight, want_weight) and torch.equal(total, want_total)
+    bad = probs.clone()
+    bad[1, n - 1] = float("nan")  # a NaN sorts first, as in the stable descending sort
+    bad_option = top_k_gates_triton(bad, k)[0]
+    assert torch.equal(bad_option, torch.sort(bad, dim=-1, descending=True, stable=True).indices[..., :k])
+    assert bad_option[1, 0] == n - 1
     want_d = torch.zeros_like(probs).scatter_(-1, want_option,
                                               (grad - (grad * want_weight).sum(-1, keepdim=True)) / want_total)
     torch.testing.assert_close(top_k_gates_backward_triton(grad, option, probs, total), want_d, rtol=1e-5, atol=1e-6)
