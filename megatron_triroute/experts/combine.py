@@ -3,7 +3,7 @@ into token order, as one autograd node (`grouped.grouped_swiglu`'s last step).
 
     out[n] = sum_j weight[n, j] * (y[inverse[n k + j]] if index[n, j] >= 0 else 0)
 
-y (N k, D): the routes' outputs sorted by expert (`grouped.sort_routes`: `order` lists the routes
+y (N k, D): the routes' outputs sorted by expert (`routes.sort_routes`: `order` lists the routes
 in that order, `inverse` each route's row), the null routes' rows last and computed by no matmul:
 they are selected out, never multiplied (they may hold anything). The gradient:
 
@@ -29,6 +29,7 @@ import torch
 from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
 from ..routing.kernel_check import checked_once, first_use_probe
+from .routes import sort_routes
 
 
 def combine_torch(y: torch.Tensor, inverse: torch.Tensor, index: torch.Tensor,
@@ -87,9 +88,7 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, weight_dtype: torc
     def agrees(kernels: Kernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         index = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 1], [0, 0]], device=device)
-        key = torch.where(index >= 0, index, 3).view(-1)  # the routes by expert, null last (`grouped.sort_routes`)
-        order = torch.argsort(key, stable=True)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=device))
+        order, inverse, _ = sort_routes(index, 3)
         y = torch.randn(10, d, generator=gen).to(device, dtype)
         y[(index < 0).view(-1)[order]] = float("nan")  # the null routes' rows, which no matmul computes
         weight = torch.rand(5, 2, generator=gen).to(device, weight_dtype)

@@ -57,7 +57,8 @@ import torch.distributed as dist
 from torch import nn
 
 from megatron_triroute.config import EXPERT_COMPUTE, EXPERT_COMPUTE_FIX
-from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu, order_by_expert
+from megatron_triroute.experts.grouped import compute_dtype, grouped_layout_ok, grouped_swiglu
+from megatron_triroute.experts.routes import order_by_expert
 from megatron_triroute.experts.stacked import InitMethod, StackedExperts, default_init_method
 from megatron_triroute.routing.gating import NULL_EXPERT
 

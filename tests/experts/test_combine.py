@@ -7,7 +7,7 @@ import torch
 from triroute_kernels import cpu_ops_available
 
 from megatron_triroute.experts.combine import CombineRoutes, combine_backward_torch, combine_kernels, combine_torch
-from megatron_triroute.experts.grouped import sort_routes
+from megatron_triroute.experts.routes import sort_routes
 from tests.dispatched import DispatchedOps
 
 E = 4

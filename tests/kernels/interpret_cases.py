@@ -464,7 +464,7 @@ def test_triton_combine_gives_the_definitions_values(dtype, k, D):
     interpreter's casts truncate), d weight within float32 rounding of the exact sums and 0 for a null route; NaN
     in the null routes' rows (computed by no matmul) reaches nothing; a partial block of rows."""
     from megatron_triroute.experts.combine import combine_backward_torch, combine_torch
-    from megatron_triroute.experts.grouped import sort_routes
+    from megatron_triroute.experts.routes import sort_routes
     from triroute_kernels.triton_mix import combine_routes_backward_triton, combine_routes_triton
 
     g = torch.Generator().manual_seed(k)
