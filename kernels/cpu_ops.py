@@ -5,7 +5,8 @@
 `torch.ops.triroute.{counter_uniform, chain_words}` (the routing noise's hash and its per-token words,
 training),
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
-`torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training) and
+`torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training),
+`torch.ops.triroute.{whiten_heads, whiten_heads_backward}` (the controller's whitened heads, training) and
 `torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
@@ -32,6 +33,7 @@ QUANT_SOURCE = "quant_ops.cpp"
 LAYER_SOURCE = "layer_ops.cpp"
 SOFTMAX_SOURCE = "softmax_ops.cpp"
 MIX_SOURCE = "mix_ops.cpp"
+WHITEN_SOURCE = "whiten_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 HEADER = "decode_ops.h"
 """What decode_ops.cpp defines for the other sources; part of the build folder's key."""
@@ -75,7 +77,7 @@ def build_directory(flags: list[str]) -> Path:
 def _sources() -> list[Path]:
     return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE,
             SOURCE.parent / SOFTMAX_SOURCE,
-            SOURCE.parent / MIX_SOURCE]
+            SOURCE.parent / MIX_SOURCE, SOURCE.parent / WHITEN_SOURCE]
 
 
 def _build_inputs() -> list[Path]:
@@ -243,6 +245,14 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::rms_norm_rstd")
     def _(x, weight, eps):
         return torch.empty_like(x), x.new_empty(x.shape[0], 1)
+
+    @torch.library.register_fake("triroute::whiten_heads")
+    def _(u, mean, var, gain, bias, acc, eps):
+        return u.new_empty(u.shape), u.new_empty(u.shape)
+
+    @torch.library.register_fake("triroute::whiten_heads_backward")
+    def _(dz, s, var, gain, eps):
+        return dz.new_empty(dz.shape), [dz.new_empty(g.shape) for g in gain], [dz.new_empty(g.shape) for g in gain]
 
     @torch.library.register_fake("triroute::rms_norm_backward")
     def _(dy, x, rstd, weight):

@@ -8,7 +8,7 @@ forward (the same ops in the same order, except every head's projection as one m
 stacked heads, which a BLAS may block otherwise than one head's: equal up to float32 rounding, bit
 for bit on some CPUs only) and one backward for all of it
 (`tests/routing/test_trunk_grad.py` compares the two, values and every gradient, and counts the
-ops: 89 for a forward and backward where the modules under autograd dispatch 211, on a CPU where
+ops: 66 for a forward and backward where the modules under autograd dispatch 209, on a CPU where
 the C++ kernels are built). The backward:
 
     dbias = sum_rows dz,  dgain = sum_rows dz * s,  du = dz * (gain / (std + eps)),
@@ -18,7 +18,8 @@ the C++ kernels are built). The backward:
     dW2 = dt^T a, db2 = sum_rows dt, da = dt W2,  dpre = gelu'(pre) da,  dW1 = dpre^T x, ...
 
 The whitening statistics are detached buffers (no gradient through them); they accumulate in the
-forward exactly as `RunningWhitening.whiten_all` does, here by calling it.
+forward as `RunningWhitening.whiten_all` does, and the heads' whitening, gain and bias run as one
+kernel call each way where one is built (`whitened_heads`).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from triroute_kernels import takes_cpu_kernel
 
-from .whitening import RunningWhitening
+from .whitened_heads import heads_backward_torch, whitened_heads
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -93,30 +94,29 @@ class SharedTrunkLogits(torch.autograd.Function):
         h, r_h = _rms_norm(t, w_h, eps_h)
         weight = torch.cat(proj) if n_heads > 1 else proj[0]
         u = F.linear(h, weight)
+        ctx.heads_backward = None
         if whiten is not None:
-            s = RunningWhitening.whiten_all(whiten, u)
-            denom = RunningWhitening.standardisation(whiten)[1]  # what whiten_all divided by
-            gain_all = torch.cat(gain) if n_heads > 1 else gain[0]
-            u = gain_all * s
+            z, s, denom, ctx.heads_backward = whitened_heads(whiten, u, list(gain), list(bias))
         else:
-            s = gain_all = denom = None
-        z = u + (torch.cat(bias) if n_heads > 1 else bias[0])
+            z, s, denom = u + (torch.cat(bias) if n_heads > 1 else bias[0]), None, None
         ctx.meta = meta
         ctx.sizes = [p.shape[0] for p in proj]
         ctx.side_grad = side.requires_grad
-        ctx.save_for_backward(hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all, denom)
+        ctx.save_for_backward(hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, denom, *gain)
         return z
 
     @staticmethod
     def backward(ctx, dz):
-        hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, gain_all, denom = ctx.saved_tensors
+        hidden, r_in, w_in, x, w1, pre, a, w2, t, r_h, w_h, h, weight, s, denom, *gain = ctx.saved_tensors
         whiten, _, _, n_heads = ctx.meta
-        d_bias = dz.sum(0)
-        if whiten is not None:
-            d_gain = (dz * s).sum(0)
-            du = dz * (gain_all / denom)
+        split = lambda g: g.split(ctx.sizes) if n_heads > 1 else (g,)  # noqa: E731
+        if whiten is None:
+            du, d_gain, d_bias = dz, (), split(dz.sum(0))
+        elif ctx.heads_backward is not None and dz.dtype == torch.float32 and dz.stride(-1) == 1 \
+                and dz.stride(0) >= dz.shape[1]:
+            du, d_gain, d_bias = ctx.heads_backward(dz, s, denom, gain)
         else:
-            d_gain, du = None, dz
+            du, d_gain, d_bias = heads_backward_torch(dz, s, denom, gain)
         d_weight = du.t().mm(h)
         dh = du.mm(weight)
         dt, d_wh = _rms_norm_backward(dh, t, r_h, w_h)
@@ -126,9 +126,7 @@ class SharedTrunkLogits(torch.autograd.Function):
         D = hidden.shape[-1]
         d_hidden, d_win = _rms_norm_backward(dx[:, :D], hidden, r_in, w_in)
         d_side = dx[:, D:] if ctx.side_grad else None
-        split = lambda g: g.split(ctx.sizes) if n_heads > 1 else (g,)  # noqa: E731
-        heads = [*split(d_weight), *(split(d_gain) if d_gain is not None else ()), *split(d_bias)]
-        return (None, d_hidden, d_side, d_win, d_w1, d_b1, d_w2, d_b2, d_wh, *heads)
+        return (None, d_hidden, d_side, d_win, d_w1, d_b1, d_w2, d_b2, d_wh, *split(d_weight), *d_gain, *d_bias)
 
 
 def run_forward_pre_hooks(modules) -> None:

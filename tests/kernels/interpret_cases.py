@@ -638,3 +638,56 @@ def test_triton_gates_are_taken_only_after_their_first_use_check(monkeypatch):
     monkeypatch.setattr(tg, "top_k_gates_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert gating._checked_triton(cpu) is None
+
+
+# --- the controller's whitened heads (triton_whiten) ----------------------------------------------
+@pytest.mark.parametrize("widths, accumulate", [((12, 5, 4), True), ((7,), True), ((3, 9), False)])
+def test_triton_whitened_heads_give_the_definitions_values(widths, accumulate):
+    """z, s and du exactly; the accumulators within float64 rounding and d gain, d bias within float32
+    rounding of the definition's; u a column slice, a partial block of rows."""
+    from megatron_triroute.routing.whitened_heads import heads_backward_torch, heads_torch
+    from megatron_triroute.routing.whitening import RunningWhitening
+    from triroute_kernels.triton_whiten import whiten_heads_backward_triton, whiten_heads_triton
+
+    g = torch.Generator().manual_seed(sum(widths))
+    heads, twins = [[RunningWhitening(d) for d in widths] for _ in range(2)]
+    for m, t in zip(heads, twins):
+        t.mean.copy_(m.mean.copy_(torch.randn(m.mean.shape, generator=g)))
+        t.var.copy_(m.var.copy_(torch.rand(m.var.shape, generator=g) * 2 + 0.1))
+        if not accumulate:
+            t.eval()
+    gain = [torch.rand(d, generator=g) + 0.5 for d in widths]
+    bias = [torch.randn(d, generator=g) for d in widths]
+    D = sum(widths)
+    u = (torch.randn(70, D + 3, generator=g) * 3)[:, 1:1 + D]
+    dz = torch.randn(70, D, generator=g)
+    mean, denom = RunningWhitening.standardisation(heads)
+    z, s = whiten_heads_triton(u, mean, denom, gain, bias, [m._acc for m in heads] if accumulate else [])
+    want_z, want_s = heads_torch(twins, u, gain, bias)
+    assert torch.equal(z, want_z) and torch.equal(s, want_s)
+    for m, t in zip(heads, twins):
+        torch.testing.assert_close(m._acc, t._acc, rtol=1e-13, atol=0.0)
+        assert m._acc[0] == (70 if accumulate else 0)
+    du, d_gain, d_bias = whiten_heads_backward_triton(dz, s, denom, gain)
+    want_du, want_gain, want_bias = heads_backward_torch(dz, want_s, denom, gain)
+    assert torch.equal(du, want_du)
+    for got, want in zip([*d_gain, *d_bias], [*want_gain, *want_bias]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_triton_whitened_heads_are_taken_only_after_their_first_use_check(monkeypatch):
+    import triroute_kernels.triton_whiten as tw
+
+    from megatron_triroute.routing import whitened_heads
+
+    cpu = torch.device("cpu")
+    assert whitened_heads._checked_triton(cpu, (5, 3)) == (tw.whiten_heads_triton, tw.whiten_heads_backward_triton)
+    real = tw.whiten_heads_backward_triton
+    monkeypatch.setattr(tw, "whiten_heads_backward_triton",
+                        lambda *a: (lambda du, g, b: (du, [x * 1.01 for x in g], b))(*real(*a)))
+    with pytest.warns(UserWarning, match="whitened heads.*values differ"):
+        assert whitened_heads._checked_triton(cpu, (5, 3)) is None
+    monkeypatch.setattr(tw, "whiten_heads_backward_triton", real)
+    monkeypatch.setattr(tw, "whiten_heads_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
+    with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
+        assert whitened_heads._checked_triton(cpu, (5, 3)) is None

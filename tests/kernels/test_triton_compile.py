@@ -8,7 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triroute_kernels import triton_gumbel, triton_mix, triton_quant
+from triroute_kernels import triton_gumbel, triton_mix, triton_quant, triton_whiten
 
 
 def _compile(fn, types: dict, constants: dict, **options):
@@ -57,3 +57,17 @@ def test_the_sample_and_gate_kernels_compile_for_sm90():
                                                 n="i32"), dict(K=2, N=8, ROWS=triton_gumbel.ROWS))
     _compile(triton_gumbel._gates_backward, dict(g_ptr=f32, option_ptr="*i64", p_ptr=f32, total_ptr=f32, d_ptr=f32,
                                                  rows="i32", n="i32"), dict(K=3, KP=4, ROWS=triton_gumbel.ROWS))
+
+
+def test_the_whitened_heads_kernels_compile_for_sm90():
+    f32 = "*fp32"
+    heads = {f"{p}{i}": f32 for p in "gb" for i in range(3)}
+    for accumulate in (True, False):
+        _compile(triton_whiten._whiten_forward, dict(u_ptr=f32, mean_ptr=f32, den_ptr=f32, **heads, z_ptr=f32,
+                                                     s_ptr=f32, part_ptr="*fp64", rows="i32", ldu="i64", d0="i32",
+                                                     d1="i32", D="i32", L="i32", n_heads="i32"),
+                 dict(ROWS=triton_whiten.ROWS, BLOCK_D=64, ACC=accumulate), enable_fp_fusion=False)
+    _compile(triton_whiten._whiten_backward, dict(dz_ptr=f32, s_ptr=f32, den_ptr=f32, **{k: f32 for k in heads if k[0] == "g"},
+                                                  du_ptr=f32, part_ptr=f32, rows="i32", ldd="i64", lds="i64", d0="i32",
+                                                  d1="i32", D="i32"),
+             dict(ROWS=triton_whiten.ROWS, BLOCK_D=64), enable_fp_fusion=False)
