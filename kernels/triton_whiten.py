@@ -14,9 +14,15 @@ row of partial sums, which one `sum` over the programs adds in a fixed order (no
 bits every run). A training forward's partials are laid out as the heads' accumulators end to end
 ([count, sums(d_i), sums of squares(d_i)] each, float64, the statistics' precision), added to them by
 one multi-tensor add; the backward's (d gain, d bias) in float32, as the definition sums.
+
+And the step's commit of the whitening statistics (`RunningWhitening.commit_torch`, the definition):
+`whitening_commit_triton`, one program per module computing its new mean and var in float64 (no fused
+multiply-add: the definition's bits), then multi-tensor copies into the modules' buffers.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -146,3 +152,62 @@ def whiten_heads_backward_triton(dz: torch.Tensor, s: torch.Tensor, denom: torch
     sums = part.sum(0)  # (2, D): [d gain; d bias]
     sizes = [g.shape[0] for g in gain]
     return du, list(sums[0].split(sizes)), list(sums[1].split(sizes))
+
+
+@triton.jit
+def _commit(flat_ptr, table_ptr, moments_ptr, old_mean_ptr, old_var_ptr, new_mean_ptr, new_var_ptr, seen_ptr,
+            BLOCK: tl.constexpr):
+    i = tl.program_id(0)
+    at = tl.load(table_ptr + 3 * i)  # the module's accumulator [count, sums(d), squares(d)] in flat
+    d = tl.load(table_ptr + 3 * i + 1)
+    out = tl.load(table_ptr + 3 * i + 2)  # its first feature among all the modules' statistics
+    keep = tl.load(moments_ptr)
+    take = tl.load(moments_ptr + 1)
+    count = tl.load(flat_ptr + at)
+    seen = count > 0.0
+    c = tl.where(count < 1.0, 1.0, count)
+    for start in range(0, d, BLOCK):
+        l = start + tl.arange(0, BLOCK)
+        live = l < d
+        bm = tl.load(flat_ptr + at + 1 + l, mask=live, other=0.0) / c
+        bv = tl.load(flat_ptr + at + 1 + d + l, mask=live, other=0.0) / c - bm * bm
+        bv = tl.where(bv < 0.0, 0.0, bv)
+        om = tl.load(old_mean_ptr + out + l, mask=live, other=0.0)
+        ov = tl.load(old_var_ptr + out + l, mask=live, other=0.0)
+        nm = (keep * om.to(tl.float64) + take * bm).to(tl.float32)
+        nv = (keep * ov.to(tl.float64) + take * bv).to(tl.float32)
+        tl.store(new_mean_ptr + out + l, tl.where(seen, nm, om), mask=live)
+        tl.store(new_var_ptr + out + l, tl.where(seen, nv, ov), mask=live)
+    tl.store(seen_ptr + i, seen.to(tl.int64))
+
+
+@functools.lru_cache(maxsize=None)
+def _commit_tables(widths: tuple[int, ...], momentum: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per module (accumulator offset, features, first feature) as int64, and (m, 1 - m) as float64,
+    made once per layout, momentum and device."""
+    table, at, out = [], 0, 0
+    for d in widths:
+        table += [at, d, out]
+        at, out = at + 1 + 2 * d, out + d
+    made = (torch.tensor(table, dtype=torch.int64), torch.tensor([momentum, 1 - momentum], dtype=torch.float64))
+    if device.type == "cuda":
+        return tuple(t.pin_memory().to(device, non_blocking=True) for t in made)
+    return tuple(t.to(device) for t in made)
+
+
+def whitening_commit_triton(reduced: list[torch.Tensor], mean: list[torch.Tensor], var: list[torch.Tensor],
+                            steps: list[torch.Tensor], acc: list[torch.Tensor], momentum: float) -> None:
+    """Each module's mean and var updated from its reduced accumulator (float64 [count, sums, squares]),
+    its step count advanced where it saw tokens, its accumulator zeroed."""
+    widths = tuple(m.numel() for m in mean)
+    table, moments = _commit_tables(widths, float(momentum), mean[0].device)
+    flat = torch.cat(reduced)
+    old_mean, old_var = torch.cat(mean), torch.cat(var)
+    new_mean, new_var = torch.empty_like(old_mean), torch.empty_like(old_var)
+    seen = torch.empty(len(widths), dtype=torch.int64, device=old_mean.device)
+    _commit[(len(widths),)](flat, table, moments, old_mean, old_var, new_mean, new_var, seen,
+                            BLOCK=min(triton.next_power_of_2(max(widths)), 256), enable_fp_fusion=False)
+    torch._foreach_copy_(mean, list(new_mean.split(widths)))
+    torch._foreach_copy_(var, list(new_var.split(widths)))
+    torch._foreach_add_(steps, list(seen.unbind()))
+    torch._foreach_zero_(acc)

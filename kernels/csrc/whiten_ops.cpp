@@ -1,6 +1,10 @@
-// The controller's whitened heads (Eq. whiten), z = gain * (u - mean) / (sqrt(var) + eps) + bias, with
-// their gradient, as one kernel call each way (megatron_triroute/routing/whitened_heads.py, whose tensor
-// ops are the definition): torch.ops.triroute.whiten_heads and whiten_heads_backward.
+// The controller's whitening (Eq. whiten) in one kernel call where a chain of tensor ops defines it:
+//
+// - its heads, z = gain * (u - mean) / (sqrt(var) + eps) + bias, with their gradient
+//   (megatron_triroute/routing/whitened_heads.py, whose tensor ops are the definition):
+//   torch.ops.triroute.whiten_heads and whiten_heads_backward;
+// - the step's commit of every whitening module's statistics (RunningWhitening.commit_all's tensor
+//   ops, the definition): torch.ops.triroute.whitening_commit, below.
 //
 // u (N, D) holds every head's pre-bias projection laid end to end (head i: d_i columns, D = sum d_i);
 // mean and denom (D,) are the heads' running means and sqrt(var) + eps end to end, as
@@ -23,6 +27,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -130,6 +135,7 @@ std::tuple<Tensor, Tensor> whiten_heads_cpu(const Tensor& u, const Tensor& mean,
         a[1 + l] += sum[start + l];
         a[1 + d + l] += sq[start + l];
       }
+      acc[i].unsafeGetTensorImpl()->bump_version();  // written in place, as an in-place op's
     }
   }
   return {z, s};
@@ -180,9 +186,66 @@ std::tuple<Tensor, std::vector<Tensor>, std::vector<Tensor>> whiten_heads_backwa
   return {du, d_gain, d_bias};
 }
 
+// whitening_commit: for each module i, from its reduced accumulator r = [count, sums(d), sums of squares(d)]
+// (float64, the global batch's), with momentum m, in float64 rounded to float32 once:
+//   batch mean = sums / max(count, 1),  batch var = max(squares / max(count, 1) - batch mean^2, 0),
+//   mean <- m mean + (1 - m) batch mean,  var <- m var + (1 - m) batch var   (kept where count <= 0),
+//   steps += (count > 0),  accumulator <- 0.
+// The definition's thirty-odd ops (gathers of the counts, sums and squares, the arithmetic, the
+// statistics' concatenations, selects, splits and multi-tensor copies) as one call; every value is
+// rounded as its op rounds it (no fused multiply-add), so the statistics are its bits.
+void whitening_commit_cpu(const std::vector<Tensor>& reduced, const std::vector<Tensor>& mean,
+                          const std::vector<Tensor>& var, const std::vector<Tensor>& steps,
+                          const std::vector<Tensor>& acc, double momentum) {
+  const char* op = "whitening_commit";
+  const size_t M = reduced.size();
+  TORCH_CHECK(mean.size() == M && var.size() == M && steps.size() == M && acc.size() == M, op,
+              ": one reduced accumulator, mean, var, step count and accumulator per module, got ", M, ", ",
+              mean.size(), ", ", var.size(), ", ", steps.size(), ", ", acc.size());
+  for (size_t i = 0; i < M; ++i) {
+    const int64_t d = mean[i].numel();
+    for (const auto& [t, name, type, n] :
+         {std::tuple{&reduced[i], "reduced", at::kDouble, 1 + 2 * d}, {&acc[i], "acc", at::kDouble, 1 + 2 * d},
+          {&mean[i], "mean", at::kFloat, d}, {&var[i], "var", at::kFloat, d}, {&steps[i], "steps", at::kLong, 1}})
+      TORCH_CHECK(t->scalar_type() == type && t->device().is_cpu() && t->is_contiguous() && t->numel() == n, op,
+                  ": module ", i, "'s ", name, " must be a contiguous ", c10::toString(type), " CPU tensor of ", n,
+                  " values, got ", t->scalar_type(), " ", t->sizes());
+  }
+  const double keep = momentum, take = 1.0 - momentum;
+  for (size_t i = 0; i < M; ++i) {
+    const int64_t d = mean[i].numel();
+    const double* r = reduced[i].data_ptr<double>();
+    const double count = r[0];
+    if (count > 0.0) {
+      const double c = count < 1.0 ? 1.0 : count;  // clamp_min(1): the count of a module that saw tokens
+      float *mp = mean[i].data_ptr<float>(), *vp = var[i].data_ptr<float>();
+      for (int64_t l = 0; l < d; ++l) {
+        const double bm = r[1 + l] / c;
+        const double sq = bm * bm;
+        double bv = r[1 + d + l] / c - sq;
+        bv = bv < 0.0 ? 0.0 : bv;
+        const double old_m = keep * static_cast<double>(mp[l]), new_m = take * bm;
+        const double old_v = keep * static_cast<double>(vp[l]), new_v = take * bv;
+        mp[l] = static_cast<float>(old_m + new_m);
+        vp[l] = static_cast<float>(old_v + new_v);
+      }
+      steps[i].data_ptr<int64_t>()[0] += 1;
+    }
+    double* a = acc[i].data_ptr<double>();
+    std::fill(a, a + acc[i].numel(), 0.0);
+  }
+  // written in place: each tensor's version moves, as an in-place op's does (what is kept under
+  // `version_key` of the statistics, the standardisation, is made again)
+  for (const auto* list : {&mean, &var, &steps, &acc})
+    for (const auto& t : *list) t.unsafeGetTensorImpl()->bump_version();
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(triroute, m) {
+  m.def(
+      "whitening_commit(Tensor[] reduced, Tensor(a!)[] mean, Tensor(b!)[] var, Tensor(c!)[] steps, "
+      "Tensor(d!)[] acc, float momentum) -> ()");
   m.def(
       "whiten_heads(Tensor u, Tensor mean, Tensor denom, Tensor[] gain, Tensor[] bias, Tensor(a!)[] acc) -> "
       "(Tensor, Tensor)");
@@ -192,4 +255,5 @@ TORCH_LIBRARY_FRAGMENT(triroute, m) {
 TORCH_LIBRARY_IMPL(triroute, CPU, m) {
   m.impl("whiten_heads", &whiten_heads_cpu);
   m.impl("whiten_heads_backward", &whiten_heads_backward_cpu);
+  m.impl("whitening_commit", &whitening_commit_cpu);
 }

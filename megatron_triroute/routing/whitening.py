@@ -20,10 +20,13 @@ float64 over the global batch, committed once per optimizer step with EMA moment
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import torch
+from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
 from .device_values import device_constant, to_device
+from .kernel_check import checked_once, first_use_probe
 from .running_stats import RunningStatistic
 from .versions import version_key
 
@@ -104,7 +107,19 @@ class RunningWhitening(RunningStatistic):
     @torch.no_grad()
     def commit_all(cls, stats: list["RunningWhitening"], reduced: list[torch.Tensor]) -> None:
         """The EMA update of every module in `stats` (one momentum) as one batched computation over
-        their features laid end to end; each feature reads its own module's token count."""
+        their features laid end to end; each feature reads its own module's token count. One kernel
+        call where one takes the tensors (`_commit_kernel`), else `commit_torch` (the definition)."""
+        kernel = _commit_kernel(stats, reduced)
+        if kernel is None:
+            cls.commit_torch(stats, reduced)
+        else:
+            kernel(reduced, [w.mean for w in stats], [w.var for w in stats], [w.steps for w in stats],
+                   [w._acc for w in stats], stats[0].momentum)
+
+    @staticmethod
+    @torch.no_grad()
+    def commit_torch(stats: list["RunningWhitening"], reduced: list[torch.Tensor]) -> None:
+        """`commit_all` as tensor ops: the definition."""
         widths = [w.mean.numel() for w in stats]
         count_at, sum_at, square_at, module_count_at = _feature_indices(tuple(widths), stats[0].mean.device)
         flat = torch.cat(reduced)  # [count, sum(D), sum of squares(D)] per module, end to end
@@ -122,6 +137,51 @@ class RunningWhitening(RunningStatistic):
             torch._foreach_copy_([getattr(w, name) for w in stats], list(new.split(widths)))
         module_seen = flat[module_count_at] > 0
         torch._foreach_add_([w.steps for w in stats], list(module_seen.to(torch.int64).unbind()))
+
+
+def _commit_kernel(stats: list[RunningWhitening], reduced: list[torch.Tensor]) -> Callable | None:
+    """The kernel committing these modules, called as kernel(reduced, means, vars, step counts,
+    accumulators, momentum): `torch.ops.triroute.whitening_commit` on a CPU (where built), the Triton
+    kernel of `triroute_kernels.triton_whiten` on a GPU (once its first use has given the
+    definition's values); None where the tensor ops serve."""
+    mean = stats[0].mean
+    if not (all(w.mean.dtype == w.var.dtype == torch.float32 for w in stats)
+            and all(r.dtype == torch.float64 and r.is_contiguous() for r in reduced)):
+        return None
+    if takes_cpu_kernel(mean):
+        return torch.ops.triroute.whitening_commit
+    if mean.is_cuda and HAS_TRITON and not torch.compiler.is_compiling():
+        return checked_once(("whitening commit", str(mean.device)), lambda: _checked_commit(mean.device))
+    return None
+
+
+def _checked_commit(device: torch.device) -> Callable | None:
+    """The Triton commit once it has given the definition's statistics, step counts and zeroed
+    accumulators on a probe (modules with tokens, one without); else None with a warning."""
+    def load() -> Callable:
+        from triroute_kernels.triton_whiten import whitening_commit_triton
+
+        return whitening_commit_triton
+
+    def agrees(kernel: Callable) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        pairs = [[RunningWhitening(d, momentum=0.9).to(device) for d in (5, 3, 4)] for _ in range(2)]
+        reduced = []
+        for i, (a, b) in enumerate(zip(*pairs)):
+            for m in (a, b):
+                m.mean.copy_(torch.randn(m.mean.shape, generator=torch.Generator().manual_seed(i)))
+                m._acc.fill_(1.0)
+            d = a.mean.numel()
+            rows = torch.randn(7, d, generator=gen, dtype=torch.float64) * 2 + 1
+            count = 0.0 if i == 1 else 7.0
+            reduced.append(torch.cat([torch.tensor([count], dtype=torch.float64), rows.sum(0),
+                                      rows.pow(2).sum(0)]).to(device))
+        kernel(reduced, [w.mean for w in pairs[0]], [w.var for w in pairs[0]], [w.steps for w in pairs[0]],
+               [w._acc for w in pairs[0]], 0.9)
+        RunningWhitening.commit_torch(pairs[1], reduced)
+        return all(torch.equal(getattr(a, n), getattr(b, n)) for a, b in zip(*pairs) for n in ("mean", "var", "steps", "_acc"))
+
+    return first_use_probe(device, "the whitening's commit", load, agrees)
 
 
 @functools.lru_cache(maxsize=None)

@@ -691,3 +691,39 @@ def test_triton_whitened_heads_are_taken_only_after_their_first_use_check(monkey
     monkeypatch.setattr(tw, "whiten_heads_triton", lambda *a: (_ for _ in ()).throw(RuntimeError("no PTX")))
     with pytest.warns(UserWarning, match="RuntimeError: no PTX"):
         assert whitened_heads._checked_triton(cpu, (5, 3)) is None
+
+
+def test_triton_whitening_commit_gives_the_definitions_statistics():
+    """Means, variances, step counts and zeroed accumulators bit for bit (float64 arithmetic, no fused
+    multiply-add), a module that saw no token kept, a module wider than one block."""
+    from megatron_triroute.routing.whitening import RunningWhitening
+    from tests.routing.test_running_stats import _filled_modules
+    from triroute_kernels.triton_whiten import whitening_commit_triton
+
+    got, want = _filled_modules(3)[0], _filled_modules(3)[0]
+    for mods in (got, want):
+        wide = RunningWhitening(300, momentum=0.9)
+        wide.mean.copy_(torch.linspace(-1, 1, 300))
+        rows = torch.randn(9, 300, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        wide._acc.copy_(torch.cat([torch.tensor([9.0], dtype=torch.float64), rows.sum(0), rows.pow(2).sum(0)]))
+        mods.append(wide)
+    whitening_commit_triton([w._acc.clone() for w in got], [w.mean for w in got], [w.var for w in got],
+                            [w.steps for w in got], [w._acc for w in got], 0.9)
+    RunningWhitening.commit_torch(want, [w._acc.clone() for w in want])
+    for a, b in zip(got, want):
+        for name in ("mean", "var", "steps", "_acc"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert got[2].steps.item() == 2
+
+
+def test_triton_whitening_commit_is_taken_only_after_its_first_use_check(monkeypatch):
+    import triroute_kernels.triton_whiten as tw
+
+    from megatron_triroute.routing import whitening
+
+    cpu = torch.device("cpu")
+    assert whitening._checked_commit(cpu) is tw.whitening_commit_triton
+    real = tw.whitening_commit_triton
+    monkeypatch.setattr(tw, "whitening_commit_triton", lambda r, m, v, s, a, mom: real(r, m, v, s, a, mom * 0.5))
+    with pytest.warns(UserWarning, match="whitening's commit.*values differ"):
+        assert whitening._checked_commit(cpu) is None

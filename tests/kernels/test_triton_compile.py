@@ -71,3 +71,6 @@ def test_the_whitened_heads_kernels_compile_for_sm90():
                                                   du_ptr=f32, part_ptr=f32, rows="i32", ldd="i64", lds="i64", d0="i32",
                                                   d1="i32", D="i32"),
              dict(ROWS=triton_whiten.ROWS, BLOCK_D=64), enable_fp_fusion=False)
+    _compile(triton_whiten._commit, dict(flat_ptr="*fp64", table_ptr="*i64", moments_ptr="*fp64", old_mean_ptr=f32,
+                                         old_var_ptr=f32, new_mean_ptr=f32, new_var_ptr=f32, seen_ptr="*i64"),
+             dict(BLOCK=64), enable_fp_fusion=False)
