@@ -1,12 +1,15 @@
 """The C++ CPU kernels (`csrc/decode_ops.cpp`, `csrc/layer_ops.cpp`, `csrc/noise_ops.cpp`,
-`csrc/quant_ops.cpp`, `csrc/softmax_ops.cpp`): built once per machine, registered as
+`csrc/quant_ops.cpp`, `csrc/softmax_ops.cpp`, `csrc/mix_ops.cpp`, `csrc/whiten_ops.cpp`,
+`csrc/route_ops.cpp`; each file's header names its ops): built once per machine, registered as
 `torch.ops.triroute.{paged_attention, cache_write, cache_append, routed_experts, decode_linear}` and
 `{controller_logits, rms_norm, decode_qkv, decode_decisions, decode_layer, decode_layers}` (a decode step's),
 `torch.ops.triroute.{counter_uniform, chain_words}` (the routing noise's hash and its per-token words,
 training),
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
 `torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training),
-`torch.ops.triroute.{whiten_heads, whiten_heads_backward}` (the controller's whitened heads, training) and
+`torch.ops.triroute.{whiten_heads, whiten_heads_backward, whitening_commit}` (the controller's whitened
+heads and the step's commit of their statistics, training), `torch.ops.triroute.sort_routes` (the
+experts' routes sorted by expert, training) and
 `torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
@@ -34,6 +37,7 @@ LAYER_SOURCE = "layer_ops.cpp"
 SOFTMAX_SOURCE = "softmax_ops.cpp"
 MIX_SOURCE = "mix_ops.cpp"
 WHITEN_SOURCE = "whiten_ops.cpp"
+ROUTE_SOURCE = "route_ops.cpp"
 """Built into the same library, from SOURCE's folder."""
 HEADER = "decode_ops.h"
 """What decode_ops.cpp defines for the other sources; part of the build folder's key."""
@@ -77,7 +81,7 @@ def build_directory(flags: list[str]) -> Path:
 def _sources() -> list[Path]:
     return [SOURCE, SOURCE.parent / NOISE_SOURCE, SOURCE.parent / QUANT_SOURCE, SOURCE.parent / LAYER_SOURCE,
             SOURCE.parent / SOFTMAX_SOURCE,
-            SOURCE.parent / MIX_SOURCE, SOURCE.parent / WHITEN_SOURCE]
+            SOURCE.parent / MIX_SOURCE, SOURCE.parent / WHITEN_SOURCE, SOURCE.parent / ROUTE_SOURCE]
 
 
 def _build_inputs() -> list[Path]:
@@ -245,6 +249,16 @@ def _register_fakes() -> None:
     @torch.library.register_fake("triroute::rms_norm_rstd")
     def _(x, weight, eps):
         return torch.empty_like(x), x.new_empty(x.shape[0], 1)
+
+    @torch.library.register_fake("triroute::sort_routes")
+    def _(index, num_experts):
+        n = index.numel()
+        return (index.new_empty(n), index.new_empty(n), index.new_empty(num_experts, dtype=torch.int32),
+                index.new_empty(n))
+
+    @torch.library.register_fake("triroute::whitening_commit")
+    def _(reduced, mean, var, steps, acc, momentum):
+        return None
 
     @torch.library.register_fake("triroute::whiten_heads")
     def _(u, mean, var, gain, bias, acc, eps):

@@ -88,7 +88,7 @@ def _checked_triton(device: torch.device, dtype: torch.dtype, weight_dtype: torc
     def agrees(kernels: Kernels) -> bool:
         gen = torch.Generator().manual_seed(0)
         index = torch.tensor([[0, 2], [1, -1], [-1, -1], [2, 1], [0, 0]], device=device)
-        order, inverse, _ = sort_routes(index, 3)
+        order, inverse, *_ = sort_routes(index, 3)
         y = torch.randn(10, d, generator=gen).to(device, dtype)
         y[(index < 0).view(-1)[order]] = float("nan")  # the null routes' rows, which no matmul computes
         weight = torch.rand(5, 2, generator=gen).to(device, weight_dtype)

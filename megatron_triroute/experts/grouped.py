@@ -43,12 +43,11 @@ def grouped_swiglu(x: torch.Tensor, index: torch.Tensor, weight: torch.Tensor, w
                    w2: torch.Tensor) -> torch.Tensor:
     """x (N, D), index/weight (N, k), w1, w3 (E, F, D), w2 (E, D, F): each expert's nn.Linear weights
     stacked -> (N, D) in the compute dtype (module doc)."""
-    N, k = index.shape
-    order, inverse, offsets = sort_routes(index, w1.shape[0])
+    order, inverse, offsets, token = sort_routes(index, w1.shape[0])
     dtype = compute_dtype(x)
     with torch.autocast(x.device.type, enabled=False):
         # null rows: read by no grouped matmul; their gradient (which none computes) is zeroed on the way back
-        rows = _GatherRows.apply(x.to(dtype), torch.div(order, k, rounding_mode="floor"), inverse, index)
+        rows = _GatherRows.apply(x.to(dtype), token, inverse, index)
         gate = F.grouped_mm(rows, w1.to(dtype).transpose(1, 2), offs=offsets)
         up = F.grouped_mm(rows, w3.to(dtype).transpose(1, 2), offs=offsets)
         y = F.grouped_mm(F.silu(gate) * up, w2.to(dtype).transpose(1, 2), offs=offsets)

@@ -25,7 +25,7 @@ def _case(k: int, D: int, seed: int = 0):
     N = 11
     index = torch.randint(-1, E, (N, k), generator=g)
     index[3] = -1
-    order, inverse, _ = sort_routes(index, E)
+    order, inverse, *_ = sort_routes(index, E)
     y = torch.randn(N * k, D, generator=g)
     y[(index < 0).view(-1)[order]] = float("nan")
     return y, order, inverse, index, torch.rand(N, k, generator=g), torch.randn(N, D, generator=g)

@@ -471,7 +471,7 @@ def test_triton_combine_gives_the_definitions_values(dtype, k, D):
     N = 19
     index = torch.randint(-1, 4, (N, k), generator=g)
     index[3] = -1
-    order, inverse, _ = sort_routes(index, 4)
+    order, inverse, *_ = sort_routes(index, 4)
     y = torch.randn(N * k, D, generator=g).to(dtype)
     y[(index < 0).view(-1)[order]] = float("nan")
     weight, grad = torch.rand(N, k, generator=g), torch.randn(N, D, generator=g).to(dtype)
@@ -727,3 +727,28 @@ def test_triton_whitening_commit_is_taken_only_after_its_first_use_check(monkeyp
     monkeypatch.setattr(tw, "whitening_commit_triton", lambda r, m, v, s, a, mom: real(r, m, v, s, a, mom * 0.5))
     with pytest.warns(UserWarning, match="whitening's commit.*values differ"):
         assert whitening._checked_commit(cpu) is None
+
+
+# --- the routes' sort by expert (triton_routes) ---------------------------------------------------
+@pytest.mark.parametrize("shape, experts", [((700, 2), 8), ((37, 1), 3), ((5, 3), 1)])
+def test_triton_routes_sort_gives_the_definitions_tensors(shape, experts):
+    """order, inverse, offsets and token exactly (a stable sort), over more routes than one block."""
+    from megatron_triroute.experts.routes import sort_routes_torch
+    from triroute_kernels.triton_routes import sort_routes_triton
+
+    index = torch.randint(-1, experts, shape, generator=torch.Generator().manual_seed(shape[0]))
+    for a, b in zip(sort_routes_triton(index, experts), sort_routes_torch(index, experts)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_triton_routes_sort_is_taken_only_after_its_first_use_check(monkeypatch):
+    import triroute_kernels.triton_routes as tr
+
+    from megatron_triroute.experts import routes
+
+    cpu = torch.device("cpu")
+    assert routes._checked_triton(cpu) is tr.sort_routes_triton
+    real = tr.sort_routes_triton
+    monkeypatch.setattr(tr, "sort_routes_triton", lambda i, e: (lambda o, v, f, t: (o.flip(0), v, f, t))(*real(i, e)))
+    with pytest.warns(UserWarning, match="routes' sort.*values differ"):
+        assert routes._checked_triton(cpu) is None

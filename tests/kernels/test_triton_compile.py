@@ -8,7 +8,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from triroute_kernels import triton_gumbel, triton_mix, triton_quant, triton_whiten
+from triroute_kernels import triton_gumbel, triton_mix, triton_quant, triton_routes, triton_whiten
 
 
 def _compile(fn, types: dict, constants: dict, **options):
@@ -74,3 +74,9 @@ def test_the_whitened_heads_kernels_compile_for_sm90():
     _compile(triton_whiten._commit, dict(flat_ptr="*fp64", table_ptr="*i64", moments_ptr="*fp64", old_mean_ptr=f32,
                                          old_var_ptr=f32, new_mean_ptr=f32, new_var_ptr=f32, seen_ptr="*i64"),
              dict(BLOCK=64), enable_fp_fusion=False)
+
+
+def test_the_routes_sort_compiles_for_sm90():
+    _compile(triton_routes._sort_routes, dict(index_ptr="*i64", order_ptr="*i64", inverse_ptr="*i64",
+                                              offsets_ptr="*i32", token_ptr="*i64", n="i32", k="i32", E="i32"),
+             dict(BLOCK=triton_routes.BLOCK))
