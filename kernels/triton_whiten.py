@@ -51,15 +51,21 @@ def _per_column(p0, p1, p2, c, d0, d1, D):
 
 
 @triton.jit
-def _whiten_forward(u_ptr, mean_ptr, den_ptr, g0, g1, g2, b0, b1, b2, z_ptr, s_ptr, part_ptr,
-                    rows, ldu, d0, d1, D, L, n_heads,
-                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
-    pid = tl.program_id(0)
+def _rows_block(pid, rows, D, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Program pid's ROWS rows and every column (BLOCK_D of them, D real), with their masks."""
     r = pid * ROWS + tl.arange(0, ROWS)
     live = r < rows
     c = tl.arange(0, BLOCK_D)
     cm = c < D
-    m2d = live[:, None] & cm[None, :]
+    return r, live, c, cm, live[:, None] & cm[None, :]
+
+
+@triton.jit
+def _whiten_forward(u_ptr, mean_ptr, den_ptr, g0, g1, g2, b0, b1, b2, z_ptr, s_ptr, part_ptr,
+                    rows, ldu, d0, d1, D, L, n_heads,
+                    ROWS: tl.constexpr, BLOCK_D: tl.constexpr, ACC: tl.constexpr):
+    pid = tl.program_id(0)
+    r, live, c, cm, m2d = _rows_block(pid, rows, D, ROWS, BLOCK_D)
     u = tl.load(u_ptr + r.to(tl.int64)[:, None] * ldu + c[None, :], mask=m2d, other=0.0)
     mean = tl.load(mean_ptr + c, mask=cm, other=0.0)
     den = tl.load(den_ptr + c, mask=cm, other=1.0)
@@ -87,11 +93,7 @@ def _whiten_forward(u_ptr, mean_ptr, den_ptr, g0, g1, g2, b0, b1, b2, z_ptr, s_p
 def _whiten_backward(dz_ptr, s_ptr, den_ptr, g0, g1, g2, du_ptr, part_ptr, rows, ldd, lds, d0, d1, D,
                      ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
     pid = tl.program_id(0)
-    r = pid * ROWS + tl.arange(0, ROWS)
-    live = r < rows
-    c = tl.arange(0, BLOCK_D)
-    cm = c < D
-    m2d = live[:, None] & cm[None, :]
+    r, live, c, cm, m2d = _rows_block(pid, rows, D, ROWS, BLOCK_D)
     dz = tl.load(dz_ptr + r.to(tl.int64)[:, None] * ldd + c[None, :], mask=m2d, other=0.0)
     st = tl.load(s_ptr + r.to(tl.int64)[:, None] * lds + c[None, :], mask=m2d, other=0.0)
     den = tl.load(den_ptr + c, mask=cm, other=1.0)
