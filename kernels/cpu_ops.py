@@ -8,8 +8,9 @@ training),
 `torch.ops.triroute.quantized_values` (the relaxed K/V write's values, training),
 `torch.ops.triroute.{rms_norm_rstd, rms_norm_backward}` (the controller's RMSNorms, training),
 `torch.ops.triroute.{whiten_heads, whiten_heads_backward, whitening_commit}` (the controller's whitened
-heads and the step's commit of their statistics, training), `torch.ops.triroute.sort_routes` (the
-experts' routes sorted by expert, training) and
+heads and the step's commit of their statistics, training), `torch.ops.triroute.{sort_routes,
+null_swap_margin, null_swap_margin_backward}` (the experts' routes sorted by expert and the
+straight-through count of a token's real experts, training) and
 `torch.ops.triroute.few_softmax` (the routing axes' softmax over their few options).
 
 `cpu_ops_available()` builds on first use (g++ and ninja; a few tens of seconds, then cached in
@@ -255,6 +256,16 @@ def _register_fakes() -> None:
         n = index.numel()
         return (index.new_empty(n), index.new_empty(n), index.new_empty(num_experts, dtype=torch.int32),
                 index.new_empty(n))
+
+    @torch.library.register_fake("triroute::null_swap_margin")
+    def _(logits, index):
+        lead = index.shape[:-1]
+        return logits.new_empty(lead, dtype=torch.float64), logits.new_empty(lead, dtype=torch.float64), \
+            index.new_empty(*lead, 1)
+
+    @torch.library.register_fake("triroute::null_swap_margin_backward")
+    def _(grad, slope, weakest, options, dtype):
+        return slope.new_empty(*slope.shape, options, dtype=dtype)
 
     @torch.library.register_fake("triroute::whitening_commit")
     def _(reduced, mean, var, steps, acc, momentum):

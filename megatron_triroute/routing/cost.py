@@ -21,12 +21,15 @@ Pinned choices (ours):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
+from triroute_kernels import HAS_TRITON, takes_cpu_kernel
 
 from ..config import ModelConfig, RouterConfig
 from .controller import RouterOutput
 from .device_values import device_constant
+from .kernel_check import checked_once, first_use_probe
 from .modes import N_MODES, keys_read
 from .quant import kv_bits_per_token
 
@@ -151,39 +154,110 @@ def expert_count_surrogate(expert_logits: torch.Tensor, index: torch.Tensor, nul
     expert_logits: (..., E') raw router logits (option 0 = null when `null_expert`);
     index: (..., k) selected real expert ids or NULL_EXPERT (-1). Returns (...,) float64.
     """
-    real = index >= 0
-    runs = real.sum(-1).to(torch.float64)
     if not null_expert or not expert_logits.requires_grad:
-        return runs
-    return _NullSwapMargin.apply(expert_logits, index, runs)
+        return (index >= 0).sum(-1).to(torch.float64)
+    return _NullSwapMargin.apply(expert_logits, index)
+
+
+def null_swap_margin_torch(expert_logits: torch.Tensor, index: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(runs, slope, weakest) of `_NullSwapMargin` as tensor ops, the definition: runs (...,) the real
+    experts selected, float64; slope (...,) q (1 - q), 0 where the selection holds the null; weakest
+    (..., 1) the weakest selected real expert's option id (the first of equal logits)."""
+    z = expert_logits.double()
+    option = index + 1  # option ids of the selected set: expert e is option e + 1, the null (-1) option 0
+    null = index < 0
+    z_weakest, slot = z.gather(-1, option).masked_fill(null, float("inf")).min(-1)  # logit order = p order
+    has_null = null.any(-1)
+    q = torch.sigmoid(torch.where(has_null, 0.0, z_weakest) - z[..., 0])
+    runs = (~null).sum(-1).to(torch.float64)
+    return runs, torch.where(has_null, 0.0, q * (1.0 - q)), option.gather(-1, slot.unsqueeze(-1))
+
+
+def null_swap_margin_backward_torch(grad: torch.Tensor, slope: torch.Tensor, weakest: torch.Tensor, options: int,
+                                    dtype: torch.dtype) -> torch.Tensor:
+    """The logits' gradient (..., options) in `dtype` as tensor ops, the definition: g = grad * slope
+    at the weakest, -g at the null."""
+    g = grad * slope  # 0 where the top-k holds the null
+    dz = g.new_zeros(*slope.shape, options).scatter_(-1, weakest, g.unsqueeze(-1))
+    dz.select(-1, 0).sub_(g)  # the weakest is a real expert (option >= 1) wherever g != 0
+    return dz.to(dtype)
+
+
+def _swap_kernels(expert_logits: torch.Tensor, index: torch.Tensor) -> tuple[Callable, Callable] | None:
+    """(forward, backward) kernels of `_NullSwapMargin` for these tensors, called as the `*_torch`
+    functions are: `torch.ops.triroute.null_swap_margin` / `_backward` on a CPU (where built), the
+    Triton kernels of `triroute_kernels.triton_routes` on a GPU (once their first use has given the
+    definition's values); None where the tensor ops serve."""
+    if expert_logits.dtype not in (torch.float32, torch.float64) or index.dtype != torch.int64 \
+            or torch.compiler.is_compiling():
+        return None
+    if takes_cpu_kernel(expert_logits, (torch.float32, torch.float64)):
+        return torch.ops.triroute.null_swap_margin, torch.ops.triroute.null_swap_margin_backward
+    if expert_logits.is_cuda and HAS_TRITON:
+        from triroute_kernels import triton_routes
+
+        if triton_routes.swap_fits(expert_logits, index):
+            return checked_once(("null swap margin", str(expert_logits.device)),
+                                lambda: _checked_triton(expert_logits.device))
+    return None
+
+
+def _checked_triton(device: torch.device) -> tuple[Callable, Callable] | None:
+    """The Triton kernels once they have given the definition's values on a probe (tokens with and
+    without the null selected, only nulls, tied logits): runs, weakest and the gradient's zeros
+    exactly, slope and the gradient within float64 rounding (the exponential is Triton's)."""
+    def load() -> tuple[Callable, Callable]:
+        from triroute_kernels.triton_routes import null_swap_margin_backward_triton, null_swap_margin_triton
+
+        return null_swap_margin_triton, null_swap_margin_backward_triton
+
+    def agrees(kernels: tuple[Callable, Callable]) -> bool:
+        gen = torch.Generator().manual_seed(0)
+        z = torch.randn(70, 5, generator=gen, dtype=torch.float64)
+        z[3, 2] = z[3, 4]  # a tie between two selected experts
+        index = torch.randint(-1, 4, (70, 2), generator=gen)
+        index[3] = torch.tensor([1, 3])
+        index[4] = -1
+        z, index = z.to(device), index.to(device)
+        grad = torch.rand(70, generator=gen, dtype=torch.float64).to(device)
+        got, want = kernels[0](z.float(), index), null_swap_margin_torch(z.float(), index)
+        d_got = kernels[1](grad, got[1], got[2], 5, torch.float32)
+        d_want = null_swap_margin_backward_torch(grad, want[1], want[2], 5, torch.float32)
+        return (torch.equal(got[0], want[0]) and torch.equal(got[2], want[2])
+                and torch.allclose(got[1], want[1], rtol=1e-12, atol=0.0)
+                and torch.equal(d_got == 0, d_want == 0) and torch.allclose(d_got, d_want, rtol=1e-6, atol=0.0))
+
+    return first_use_probe(device, "the null swap margin", load, agrees)
 
 
 class _NullSwapMargin(torch.autograd.Function):
     """`expert_count_surrogate` with a null expert, through one autograd node: the value is the
-    count `runs` itself (q - sg(q) is an exact zero); the gradient, written out, is
+    count of real experts itself (q - sg(q) is an exact zero); the gradient, written out, is
     g * q(1 - q) on the weakest selected real expert's logit and its negative on the null's, for
     tokens whose top-k holds no null, q = sigmoid(z_w - z_null) in float64 (what autograd
-    through the gather, min, sigmoid and where gives, in a tenth of the ops)."""
+    through the gather, min, sigmoid and where gives). One kernel call each way where
+    `_swap_kernels` has kernels for the tensors, else the tensor ops (the definition)."""
 
     @staticmethod
-    def forward(ctx, expert_logits: torch.Tensor, index: torch.Tensor, runs: torch.Tensor) -> torch.Tensor:
-        z = expert_logits.double()
-        option = index + 1  # option ids of the selected set: expert e is option e + 1, the null (-1) option 0
-        null = index < 0
-        z_weakest, slot = z.gather(-1, option).masked_fill(null, float("inf")).min(-1)  # logit order = p order
-        has_null = null.any(-1)
-        q = torch.sigmoid(torch.where(has_null, 0.0, z_weakest) - z[..., 0])
-        ctx.save_for_backward(torch.where(has_null, 0.0, q * (1.0 - q)), option.gather(-1, slot.unsqueeze(-1)))
+    def forward(ctx, expert_logits: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        kernels = _swap_kernels(expert_logits, index)
+        if kernels is None:
+            runs, slope, weakest = null_swap_margin_torch(expert_logits, index)
+        else:
+            runs, slope, weakest = kernels[0](expert_logits.contiguous(), index.contiguous())
+        ctx.backward_kernel = None if kernels is None else kernels[1]
+        ctx.save_for_backward(slope, weakest)
         ctx.dtype, ctx.shape = expert_logits.dtype, expert_logits.shape
-        return runs.clone()  # a new tensor: the node's output, not its input
+        return runs
 
     @staticmethod
     def backward(ctx, grad):
         slope, weakest = ctx.saved_tensors
-        g = grad * slope  # 0 where the top-k holds the null
-        dz = g.new_zeros(ctx.shape).scatter_(-1, weakest, g.unsqueeze(-1))
-        dz.select(-1, 0).sub_(g)  # the weakest is a real expert (option >= 1) wherever g != 0
-        return dz.to(ctx.dtype), None, None
+        backward = ctx.backward_kernel if grad.dtype == torch.float64 else None
+        if backward is None:
+            return null_swap_margin_backward_torch(grad, slope, weakest, ctx.shape[-1], ctx.dtype), None
+        return backward(grad.contiguous(), slope, weakest, ctx.shape[-1], ctx.dtype), None
 
 
 def _expert_flops(experts: tuple[torch.Tensor, torch.Tensor] | None, shape: torch.Size, device: torch.device,

@@ -752,3 +752,38 @@ def test_triton_routes_sort_is_taken_only_after_its_first_use_check(monkeypatch)
     monkeypatch.setattr(tr, "sort_routes_triton", lambda i, e: (lambda o, v, f, t: (o.flip(0), v, f, t))(*real(i, e)))
     with pytest.warns(UserWarning, match="routes' sort.*values differ"):
         assert routes._checked_triton(cpu) is None
+
+
+# --- the null swap margin (triton_routes) ---------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_triton_null_swap_margin_gives_the_definitions_values(dtype):
+    """Counts and weakest experts exactly, the slope within float64 rounding, the gradient's zeros
+    exactly and its values within rounding; a tie, only nulls, a partial block of tokens."""
+    from megatron_triroute.routing.cost import null_swap_margin_backward_torch, null_swap_margin_torch
+    from triroute_kernels.triton_routes import null_swap_margin_backward_triton, null_swap_margin_triton
+
+    g = torch.Generator().manual_seed(4)
+    z = torch.randn(3, 33, 6, generator=g, dtype=dtype)
+    index = torch.randint(-1, 5, (3, 33, 2), generator=g)
+    index[0, 0], index[0, 1] = torch.tensor([1, 3]), -1
+    z[0, 0, 2] = z[0, 0, 4]
+    got, want = null_swap_margin_triton(z, index), null_swap_margin_torch(z, index)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and got[2][0, 0, 0] == 2
+    torch.testing.assert_close(got[1], want[1], rtol=1e-13, atol=0.0)
+    grad = torch.rand(3, 33, generator=g, dtype=torch.float64)
+    d_got = null_swap_margin_backward_triton(grad, want[1], want[2], 6, dtype)
+    d_want = null_swap_margin_backward_torch(grad, want[1], want[2], 6, dtype)
+    assert d_got.dtype == dtype and torch.equal(d_got, d_want)
+
+
+def test_triton_null_swap_margin_is_taken_only_after_its_first_use_check(monkeypatch):
+    import triroute_kernels.triton_routes as tr
+
+    from megatron_triroute.routing import cost
+
+    cpu = torch.device("cpu")
+    assert cost._checked_triton(cpu) == (tr.null_swap_margin_triton, tr.null_swap_margin_backward_triton)
+    real = tr.null_swap_margin_triton
+    monkeypatch.setattr(tr, "null_swap_margin_triton", lambda z, i: (lambda r, s, w: (r, s, w.flip(0)))(*real(z, i)))
+    with pytest.warns(UserWarning, match="null swap margin.*values differ"):
+        assert cost._checked_triton(cpu) is None

@@ -76,7 +76,14 @@ def test_the_whitened_heads_kernels_compile_for_sm90():
              dict(BLOCK=64), enable_fp_fusion=False)
 
 
-def test_the_routes_sort_compiles_for_sm90():
+def test_the_routes_sort_and_swap_margin_compile_for_sm90():
     _compile(triton_routes._sort_routes, dict(index_ptr="*i64", order_ptr="*i64", inverse_ptr="*i64",
                                               offsets_ptr="*i32", token_ptr="*i64", n="i32", k="i32", E="i32"),
              dict(BLOCK=triton_routes.BLOCK))
+    for z in ("*fp32", "*fp64"):
+        _compile(triton_routes._swap_forward, dict(z_ptr=z, index_ptr="*i64", runs_ptr="*fp64", slope_ptr="*fp64",
+                                                   weakest_ptr="*i64", n="i32", E="i32"),
+                 dict(K=2, ROWS=triton_routes.SWAP_ROWS))
+        _compile(triton_routes._swap_backward, dict(grad_ptr="*fp64", slope_ptr="*fp64", weakest_ptr="*i64", dz_ptr=z,
+                                                    n="i32", E="i32"),
+                 dict(ROWS=triton_routes.SWAP_ROWS, BLOCK_E=8))

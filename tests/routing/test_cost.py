@@ -1,5 +1,6 @@
 import math
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
@@ -10,6 +11,7 @@ from megatron_triroute.routing.cost import (budget_fractions, dense_cost, expect
                                            expert_width, hard_cost)
 from megatron_triroute.routing.gating import top_k_gating
 from tests.oracles import hard_attention, hard_experts, pack_kv, swiglu
+from triroute_kernels import cpu_ops_available
 
 
 def small_config():
@@ -250,3 +252,36 @@ def test_layers_expected_cost_stacks_each_layers_own_cost_and_gradient():
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     assert layers_expected_cost([outs[0]], positions, cfg.model, cfg.router).flops.shape == (B, T)
+
+
+@pytest.mark.skipif(not cpu_ops_available(), reason="the C++ kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_null_swap_margin_is_one_kernel_call_each_way_with_the_definitions_values(dtype):
+    """`_NullSwapMargin` on a CPU: one `null_swap_margin` call forward and one backward; the counts and
+    the weakest experts exactly, the slope within float64 rounding (the kernel's sigmoid is
+    1 / (1 + exp(-x))), the gradient's zeros exactly and its values within rounding; tokens with and
+    without the null, only nulls, a tie between the selected experts (the first slot's)."""
+    from megatron_triroute.routing.cost import null_swap_margin_backward_torch, null_swap_margin_torch
+    from tests.dispatched import DispatchedOps
+
+    g = torch.Generator().manual_seed(2)
+    z = torch.randn(4, 9, 6, generator=g, dtype=dtype)
+    index = torch.randint(-1, 5, (4, 9, 2), generator=g)
+    index[0, 0] = torch.tensor([1, 3])
+    z[0, 0, 2] = z[0, 0, 4]  # experts 1 and 3 tie: the first slot's is the weakest
+    index[0, 1] = -1  # only nulls
+    got = torch.ops.triroute.null_swap_margin(z, index)
+    want = null_swap_margin_torch(z, index)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[2], want[2]) and got[2][0, 0, 0] == 2
+    torch.testing.assert_close(got[1], want[1], rtol=1e-13, atol=0.0)
+    logits = z.clone().requires_grad_()
+    with DispatchedOps() as ops:
+        n = expert_count_surrogate(logits, index, True)
+    assert ops.names == ["null_swap_margin"] and torch.equal(n, want[0])
+    upstream = torch.rand(4, 9, generator=g, dtype=torch.float64)
+    with DispatchedOps() as ops:
+        n.backward(upstream)
+    assert ops.names.count("null_swap_margin_backward") == 1 and len(ops.names) <= 2  # (and the grad's accumulation)
+    reference = null_swap_margin_backward_torch(upstream, want[1], want[2], 6, dtype)
+    assert torch.equal(logits.grad == 0, reference == 0)
+    torch.testing.assert_close(logits.grad, reference, rtol=1e-6, atol=0.0)
