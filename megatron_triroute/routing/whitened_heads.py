@@ -65,7 +65,7 @@ def heads_kernels(u: torch.Tensor, whiten: list[RunningWhitening], gain: list[to
     backward(dz, s, denom, gains) -> (du, d gains, d biases); None where the tensor ops serve (no
     kernel built or checked for the device or dtype; under torch.compile, which traces the tensor ops)."""
     f32 = all(t.dtype == torch.float32 for t in (*gain, *bias, *(m.mean for m in whiten), *(m.var for m in whiten)))
-    if not f32 or u.dim() != 2 or u.stride(-1) != 1:
+    if not f32 or u.dtype != torch.float32 or u.dim() != 2 or u.stride(-1) != 1:
         return None
     if takes_cpu_kernel(u):
         return torch.ops.triroute.whiten_heads, torch.ops.triroute.whiten_heads_backward

@@ -145,7 +145,8 @@ def _commit_kernel(stats: list[RunningWhitening], reduced: list[torch.Tensor]) -
     kernel of `triroute_kernels.triton_whiten` on a GPU (once its first use has given the
     definition's values); None where the tensor ops serve."""
     mean = stats[0].mean
-    if not (all(w.mean.dtype == w.var.dtype == torch.float32 for w in stats)
+    if not (all(w.mean.dtype == w.var.dtype == torch.float32 and w.mean.is_contiguous() and w.var.is_contiguous()
+                for w in stats)
             and all(r.dtype == torch.float64 and r.is_contiguous() for r in reduced)):
         return None
     if takes_cpu_kernel(mean):
