@@ -128,9 +128,9 @@ def _swap_backward(grad_ptr, slope_ptr, weakest_ptr, dz_ptr, n, E, ROWS: tl.cons
 def swap_fits(logits: torch.Tensor, index: torch.Tensor) -> bool:
     """Whether the swap margin's kernels take these tensors: logits (..., E') float32 or float64 with
     at most MAX_OPTIONS options, index (..., k) int64 with k at most 8, the same leading dims."""
-    return (logits.dtype in (torch.float32, torch.float64) and index.dtype == torch.int64 and logits.dim() == index.dim()
-            and logits.shape[:-1] == index.shape[:-1] and 0 < logits.shape[-1] <= MAX_OPTIONS
-            and 0 < index.shape[-1] <= 8)
+    return (logits.dtype in (torch.float32, torch.float64) and index.dtype == torch.int64
+            and logits.dim() == index.dim() and logits.shape[:-1] == index.shape[:-1]
+            and 0 < logits.shape[-1] <= MAX_OPTIONS and 0 < index.shape[-1] <= 8)
 
 
 def null_swap_margin_triton(logits: torch.Tensor, index: torch.Tensor

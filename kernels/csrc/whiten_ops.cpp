@@ -8,20 +8,21 @@
 //
 // u (N, D) holds every head's pre-bias projection laid end to end (head i: d_i columns, D = sum d_i);
 // mean and denom (D,) are the heads' running means and sqrt(var) + eps end to end, as
-// RunningWhitening.standardisation keeps them (PyTorch's float32 square root on a CPU is not always the
-// exact root's rounding, so the divisor is taken, not recomputed); each head brings its gain and bias (float32, d_i) and, in a
-// training forward, its accumulator [count, sum(d_i), sum of squares(d_i)] (float64), to which the rows'
-// count, column sums and column sums of squares are added (RunningWhitening.whiten_all's).
+// RunningWhitening.standardisation keeps them (PyTorch's float32 square root on a CPU is not always
+// the exact root's rounding, so the divisor is taken, not recomputed); each head brings its gain and
+// bias (float32, d_i) and, in a training forward, its accumulator [count, sum(d_i), sum of squares(d_i)]
+// (float64), to which the rows' count, column sums and column sums of squares are added
+// (RunningWhitening.whiten_all's).
 //
 //   forward:   s = (u - mean) / denom,  z = gain * s + bias  -> (z, s)
 //   backward:  du = dz * (gain / denom),  d gain = sum_rows dz * s,  d bias = sum_rows dz
 //
 // The definition's forward is a dozen ops (a float64 copy, two sums, a square, a concatenation, a
 // gather, a split and an add into the accumulators; a subtraction, a division, the gains' and biases'
-// concatenations, a product and a sum), its backward seven. Every elementwise value is rounded as the definition's op rounds it (no fused
-// multiply-add: -ffp-contract=off), so z, s and du are its bits; the column sums run in float64 (the
-// statistics, as the definition's) and are rounded once (d gain, d bias: the definition sums in float32,
-// in another order, equal to rounding).
+// concatenations, a product and a sum), its backward seven. Every elementwise value is rounded as the
+// definition's op rounds it (no fused multiply-add: -ffp-contract=off), so z, s and du are its bits;
+// the column sums run in float64 (the statistics, as the definition's) and are rounded once (d gain,
+// d bias: the definition sums in float32, in another order, equal to rounding).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -180,7 +180,8 @@ def _checked_commit(device: torch.device) -> Callable | None:
         kernel(reduced, [w.mean for w in pairs[0]], [w.var for w in pairs[0]], [w.steps for w in pairs[0]],
                [w._acc for w in pairs[0]], 0.9)
         RunningWhitening.commit_torch(pairs[1], reduced)
-        return all(torch.equal(getattr(a, n), getattr(b, n)) for a, b in zip(*pairs) for n in ("mean", "var", "steps", "_acc"))
+        return all(torch.equal(getattr(a, n), getattr(b, n))
+                   for a, b in zip(*pairs) for n in ("mean", "var", "steps", "_acc"))
 
     return first_use_probe(device, "the whitening's commit", load, agrees)
 
