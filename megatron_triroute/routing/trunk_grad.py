@@ -147,9 +147,7 @@ def shared_trunk_logits(hidden: torch.Tensor, side: torch.Tensor, input_norm, tr
     (`Trunk`), `heads` (`RouterHead`s, all whitened or none), through `SharedTrunkLogits`."""
     whiten = [hd.whiten for hd in heads] if heads[0].whiten is not None else None
     params = [hd.proj.weight for hd in heads]
-    if whiten is not None:
-        if any(m.eps != whiten[0].eps for m in whiten):
-            raise ValueError("shared_trunk_logits: the heads' whitening must share eps")
+    if whiten is not None:  # (sharing one eps: `RunningWhitening.standardisation` checks)
         params += [hd.gain for hd in heads]
     params += [hd.bias for hd in heads]
     run_forward_pre_hooks([input_norm, trunk.fc1, trunk.fc2, trunk.norm, *heads, *(hd.proj for hd in heads)])

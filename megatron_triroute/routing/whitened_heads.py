@@ -117,9 +117,7 @@ def whitened_heads(whiten: list[RunningWhitening], u: torch.Tensor, gain: list[t
                    bias: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, Callable | None]:
     """(z, s, denom, the backward kernel or None) of u under `whiten`'s heads, accumulating their
     statistics in a training forward (`RunningWhitening.should_accumulate`); one kernel call where
-    `heads_kernels` has one. The modules must share eps."""
-    if any(m.eps != whiten[0].eps for m in whiten):
-        raise ValueError("whitened_heads: the heads' whitening must share eps")
+    `heads_kernels` has one. The modules must share eps (`RunningWhitening.standardisation` checks)."""
     kernels = heads_kernels(u, whiten, gain, bias)
     if kernels is None:
         z, s = heads_torch(whiten, u, gain, bias)

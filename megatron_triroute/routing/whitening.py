@@ -51,9 +51,8 @@ class RunningWhitening(RunningStatistic):
     def whiten_all(cls, modules: list["RunningWhitening"], u: torch.Tensor) -> torch.Tensor:
         """`forward` of every module in `modules` on its own features of u (their features laid end
         to end along the last dim), as one computation: one statistics pass, one accumulation into
-        every module's accumulator, one standardisation. The modules must share `eps`."""
-        if any(m.eps != modules[0].eps for m in modules):
-            raise ValueError("whiten_all: the modules must share eps")
+        every module's accumulator, one standardisation. The modules must share `eps` (checked by
+        `standardisation`)."""
         one = len(modules) == 1
         if modules[0].should_accumulate():
             # the rows as they come: the controller's training node passes 2-D rows tracking nothing
@@ -80,12 +79,15 @@ class RunningWhitening(RunningStatistic):
         They change once per optimizer step (`commit_all`) or on a load, and a layer reads them in
         every forward and backward: kept on the first module under `version_key` of every module's
         mean and var, with those tensors themselves (so a replaced one's address is never reused
-        while the key names it)."""
+        while the key names it). The modules must share `eps`: every path that whitens several
+        modules together (`whiten_all`, the controller's whitened heads) divides by this."""
         sources = tuple(t for m in modules for t in (m.mean, m.var))
         key = version_key(sources)
         kept = modules[0].__dict__.get("_standardisation")
         if kept is not None and kept[0] == key:
             return kept[2], kept[3]
+        if any(m.eps != modules[0].eps for m in modules):
+            raise ValueError(f"whitening modules whitened together must share eps, got {[m.eps for m in modules]}")
         one = len(modules) == 1
         mean = modules[0].mean if one else torch.cat([m.mean for m in modules])
         var = modules[0].var if one else torch.cat([m.var for m in modules])

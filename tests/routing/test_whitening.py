@@ -37,3 +37,16 @@ def test_the_commit_kernel_moves_the_statistics_versions_so_the_kept_divisor_is_
                for m, v in zip(w, versions))
     after = RunningWhitening.standardisation(w)[1]
     assert torch.equal(after, torch.cat([m.var for m in w]).sqrt() + w[0].eps) and not torch.equal(after, before)
+
+
+def test_whitening_several_modules_together_refuses_different_eps_on_every_path():
+    """The one check, in `standardisation`, which every path dividing by the first module's eps reads:
+    the tensor ops' `whiten_all` and the whitened heads (kernel or not) both refuse the modules."""
+    from megatron_triroute.routing.whitened_heads import whitened_heads
+
+    u = torch.randn(4, 5)
+    for run in (lambda ws: RunningWhitening.whiten_all(ws, u),
+                lambda ws: whitened_heads(ws, u, [torch.ones(2), torch.ones(3)], [torch.zeros(2), torch.zeros(3)])):
+        with pytest.raises(ValueError, match="must share eps"):
+            run([RunningWhitening(2, eps=1e-5), RunningWhitening(3, eps=1e-3)])
+        run([RunningWhitening(2, eps=1e-3), RunningWhitening(3, eps=1e-3)])  # one eps: accepted
